@@ -1,0 +1,177 @@
+"""Scheduler and cache accounting with fake requests: no model, no tensors of substance."""
+
+import random
+
+import pytest
+import torch
+
+from vlmserve.core.scheduler import Scheduler
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import SamplingParams
+
+EOS = 7
+
+
+def make_request(rid, prompt_len, images=(), max_tokens=4, hashes=None):
+    """images: (offset, length) placeholder runs inside the prompt."""
+    imgs = [ImageInput(mm_hash=(hashes[i] if hashes else f"{rid}-img{i}"), offset=o, length=n,
+                       pixel_values=torch.empty(0), grid_thw=(1, 2, 2))
+            for i, (o, n) in enumerate(images)]
+    prompt = ProcessedPrompt(None, [1] * prompt_len, imgs)
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), (EOS,))
+
+
+def make_scheduler(**kw):
+    args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512,
+                num_kv_blocks=256, block_size=4)
+    args.update(kw)
+    return Scheduler(**args)
+
+
+def run(sched, max_steps=1000, on_step=None):
+    """Drive the scheduler like the engine; return the list of SchedulerOutputs."""
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outs
+        so = sched.schedule()
+        sampled = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            if req.num_computed_tokens + n == req.num_tokens:
+                sampled[rid] = 100 + len(req.output_token_ids)
+        if on_step:
+            on_step(sched, so)
+        sched.update_from_output(so, sampled)
+        outs.append(so)
+    raise AssertionError("requests did not finish")
+
+
+def test_budgets_respected_and_everything_freed():
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=20, max_num_encoder_tokens=12)
+    rng = random.Random(0)
+    reqs = []
+    for i in range(10):
+        n_img = rng.randint(0, 3)
+        images, pos = [], rng.randint(0, 5)
+        for _ in range(n_img):
+            length = rng.randint(1, 12)
+            images.append((pos, length))
+            pos += length + rng.randint(0, 4)
+        reqs.append(make_request(f"r{i}", pos + rng.randint(1, 5), images,
+                                 max_tokens=rng.randint(1, 6)))
+        sched.add_request(reqs[-1])
+
+    def check(s, so):
+        assert so.total_num_scheduled_tokens <= 20
+        assert len(s.running) <= 3
+        enc = sum(s.requests[r].images[i].length
+                  for r, idxs in so.scheduled_encoder_inputs.items() for i in idxs)
+        assert enc <= 12
+        assert s.encoder_cache.used_rows <= s.encoder_cache.capacity_rows
+
+    outs = run(sched, on_step=check)
+    encoded = [(r, i) for so in outs for r, idxs in so.scheduled_encoder_inputs.items()
+               for i in idxs]
+    assert sorted(encoded) == sorted((r.request_id, i) for r in reqs for i in range(len(r.images)))
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.encoder_cache.used_rows == 0 and sched.encoder_cache.num_entries == 0
+    freed = [h for so in outs for h in so.free_encoder_hashes] + sched.encoder_cache.take_freed()
+    assert sorted(freed) == sorted(img.mm_hash for r in reqs for img in r.images)
+
+
+def test_image_encoded_in_step_whose_chunk_first_needs_it_and_chunk_cuts_through_it():
+    sched = make_scheduler(max_num_batched_tokens=8, max_num_encoder_tokens=16)
+    req = make_request("a", 30, [(5, 12)])
+    sched.add_request(req)
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"a": 8}  # tokens 0..7: needs rows 0..2 of the image
+    assert so1.scheduled_encoder_inputs == {"a": [0]}
+    sched.update_from_output(so1, {})
+    so2 = sched.schedule()  # tokens 8..15 take rows 3..10; the image is not encoded again
+    assert so2.num_scheduled_tokens == {"a": 8} and not so2.scheduled_encoder_inputs
+    sched.update_from_output(so2, {})
+    so3 = sched.schedule()  # rows 11.. consumed at token 16; the entry is freed after it
+    sched.update_from_output(so3, {})
+    assert sched.schedule().free_encoder_hashes == ["a-img0"]
+
+
+def test_chunk_stops_before_image_when_encoder_budget_is_spent():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_tokens=10)
+    sched.add_request(make_request("a", 40, [(2, 8), (12, 8)]))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    assert so.num_scheduled_tokens == {"a": 12}  # stops right before the second image
+
+
+def test_fcfs_order_and_no_starvation():
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    reqs = [make_request(f"r{i}", 10, max_tokens=3) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    started = []
+
+    def record(s, so):
+        for nr in so.new_requests:
+            started.append(nr.request_id)
+
+    run(sched, on_step=record)
+    assert started == [r.request_id for r in reqs]
+    assert all(r.status.finished for r in reqs)
+
+
+def test_preemption_frees_blocks_and_recomputes():
+    # 12 blocks of 4 tokens: two 20-token prompts growing to 28 tokens cannot both fit
+    sched = make_scheduler(num_kv_blocks=12, max_num_batched_tokens=64)
+    a, b = make_request("a", 20, [(2, 6)], max_tokens=8), make_request("b", 20, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = run(sched)
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 8
+    preempted_steps = [so for so in outs if "b" in so.finished_request_ids]
+    assert preempted_steps, "the worker must be told to drop the preempted request"
+    assert sched.kv.num_free_blocks == 12
+
+
+def test_prompt_longer_than_max_model_len_rejected():
+    sched = make_scheduler(max_model_len=16)
+    reason = sched.check_admissible(make_request("a", 16))
+    assert reason and "16" in reason and "maximum context length" in reason
+    assert sched.check_admissible(make_request("b", 15)) is None
+
+
+def test_image_larger_than_encoder_budget_rejected():
+    sched = make_scheduler(max_num_encoder_tokens=8)
+    assert "encoder budget" in sched.check_admissible(make_request("a", 20, [(0, 9)]))
+
+
+def test_shared_image_encoded_once_across_requests():
+    sched = make_scheduler(max_num_seqs=5, max_num_batched_tokens=200)
+    reqs = [make_request(f"r{i}", 20 + i, [(3, 10)], hashes=["same"]) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    outs = run(sched)
+    assert sum(len(v) for so in outs for v in so.scheduled_encoder_inputs.values()) == 1
+    assert sched.encoder_cache.num_entries == 0
+
+
+def test_chunked_prefill_disabled_schedules_whole_prompts():
+    sched = make_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 20))
+    sched.add_request(make_request("b", 20))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 20}
+    assert "chunked prefill disabled" in sched.check_admissible(make_request("c", 40))
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7])
+def test_tiny_budgets_make_progress(budget):
+    sched = make_scheduler(max_num_batched_tokens=budget, max_num_encoder_tokens=16)
+    r = make_request("a", 25, [(0, 6), (6, 6), (15, 4)], max_tokens=3)
+    sched.add_request(r)
+    run(sched)
+    assert r.status == RequestStatus.FINISHED_LENGTH

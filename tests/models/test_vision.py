@@ -1,0 +1,177 @@
+"""Parity of the Qwen2-VL / Qwen2.5-VL vision towers with transformers (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
+from vlmserve.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer, window_partition
+from vlmserve.models.vision.qwen2_vl import Qwen2VisionTransformer
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig  # noqa: E402
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig  # noqa: E402
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel  # noqa: E402
+
+PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Large-std random weights so that every layer visibly matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.2
+            if "norm" in name or "ln_q" in name:
+                p.copy_(1.0 + noise if name.endswith("weight") else noise)
+            elif "patch_embed" in name:
+                p.copy_(noise * 0.1)  # 1176 inputs per output
+            else:
+                p.copy_(noise)
+
+
+def _pair(kind: str, seed: int = 0):
+    """(hf_model, our_model) with identical random weights."""
+    if kind == "qwen2_vl":
+        cfg = Qwen2VLVisionConfig(
+            embed_dim=32,
+            depth=2,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            hidden_size=64,
+        )
+        hf_cls, ours_cls = Qwen2VisionTransformerPretrainedModel, Qwen2VisionTransformer
+    else:
+        cfg = Qwen2_5_VLVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            depth=4,
+            num_heads=2,
+            fullatt_block_indexes=[1, 3],
+            window_size=112,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        hf_cls, ours_cls = Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VisionTransformer
+    cfg._attn_implementation = "eager"
+    hf = hf_cls(cfg).eval()
+    _randomize(hf, seed)
+    ours = ours_cls(cfg).eval()
+    state = hf.state_dict()
+    loaded = ours.load_weights(state.items())
+    assert loaded == set(state) == {n for n, _ in ours.named_parameters()}
+    return hf, ours
+
+
+def _inputs(grids: list[list[int]], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor(grids, dtype=torch.long)
+    n = int(grid.prod(-1).sum())
+    return torch.randn(n, PATCH_DIM, generator=torch.Generator().manual_seed(seed)), grid
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    assert ours.shape == ref.shape
+    scale = ref.abs().max().item()
+    assert scale > 1e-3
+    err = (ours - ref).abs().max().item()
+    assert err <= rel * scale, f"max abs diff {err:.3g} vs scale {scale:.3g}"
+
+
+GRIDS = {
+    "one": [[1, 4, 4]],
+    "three": [[1, 4, 4], [1, 8, 6], [1, 16, 16]],
+    "video": [[2, 6, 4], [1, 4, 8]],
+    "windows": [[1, 16, 16], [1, 24, 20]],  # 4x4-unit windows; 24x20 -> 12x10 units (ragged)
+    "ragged": [[1, 10, 14], [2, 18, 12], [1, 2, 2]],
+}
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("case", list(GRIDS))
+@torch.no_grad()
+def test_matches_hf(kind: str, case: str) -> None:
+    hf, ours = _pair(kind)
+    pixels, grid = _inputs(GRIDS[case])
+    ref = hf(pixels, grid_thw=grid).pooler_output
+    out = ours(pixels, grid)
+    assert out.shape == (grid.prod(-1).sum().item() // 4, 64)
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@torch.no_grad()
+def test_batching_invariance(kind: str) -> None:
+    _, ours = _pair(kind)
+    pa, ga = _inputs([[1, 24, 20]], seed=2)
+    pb, gb = _inputs([[1, 8, 6]], seed=3)
+    pc, gc = _inputs([[1, 16, 16]], seed=4)
+    both = ours(torch.cat([pa, pb, pc]), torch.cat([ga, gb, gc]))
+    alone = torch.cat([ours(pa, ga), ours(pb, gb), ours(pc, gc)])
+    torch.testing.assert_close(both, alone, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_window_attention_matters() -> None:
+    """Swapping the window layers to full attention must change the output (windows are real)."""
+    _, ours = _pair("qwen2_5_vl")
+    pixels, grid = _inputs(GRIDS["windows"])
+    out = ours(pixels, grid)
+    ours.fullatt_block_indexes = frozenset(range(len(ours.blocks)))
+    assert (ours(pixels, grid) - out).abs().max() > 1e-3
+
+
+def test_window_partition() -> None:
+    order, seqlens = window_partition([(1, 4, 6), (1, 2, 2)], merge=2, window_units=2)
+    # image 0: 2x3 units -> windows [0,1,3,4], [2,5]; image 1: one unit (offset 6)
+    assert order.tolist() == [0, 1, 3, 4, 2, 5, 6]
+    assert seqlens.tolist() == [16, 8, 4]
+
+
+def _loop_attention(q, k, v, cu):
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+        attn = torch.softmax(qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        outs.append((attn @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[37], [64] * 5, [64, 64, 32, 64, 16, 48], [1000, 5, 300, 700, 64, 64], [3, 0, 9]],
+)
+def test_varlen_attention(lengths: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    total, heads, dim = sum(lengths), 3, 16
+    q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ref = _loop_attention(q, k, v, cu)
+    torch.testing.assert_close(varlen_attention(q, k, v, cu), ref, rtol=1e-5, atol=1e-5)
+    plan = build_varlen_plan(cu)
+    torch.testing.assert_close(
+        varlen_attention(q, k, v, cu, max(lengths), plan=plan), ref, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_load_weights_rejects_unknown_and_misshaped() -> None:
+    _, ours = _pair("qwen2_vl")
+    with pytest.raises(KeyError):
+        ours.load_weights([("visual.blocks.0.attn.qkv.weight", torch.zeros(96, 32))])
+    with pytest.raises(ValueError):
+        ours.load_weights([("blocks.0.attn.qkv.weight", torch.zeros(32, 32))])
+
+
+@torch.no_grad()
+def test_empty_batch() -> None:
+    _, ours = _pair("qwen2_5_vl")
+    out = ours(torch.zeros(0, PATCH_DIM), torch.zeros(0, 3, dtype=torch.long))
+    assert out.shape == (0, 64)

@@ -1,0 +1,95 @@
+"""Engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
+
+Every field is an engine option under the same name in `LLM(...)`, the CLI and the server.
+A field's `metadata["help"]` is its documentation (the CLI's `--help` reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt("tiny-qwen2-vl", "Hugging Face checkpoint folder or a built-in model name.")
+    dtype: str = _opt("auto", "Weights and activations dtype: auto, float32, bfloat16, float16.")
+    device: str = _opt("auto", "Device: auto (cuda if available), cpu, cuda, cuda:N.")
+    max_model_len: int | None = _opt(
+        None, "Longest prompt + output in tokens (default: the model's)."
+    )
+    seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV cache block.")
+    num_kv_blocks: int | None = _opt(
+        None, "KV cache blocks; default: from gpu_memory_utilization on CUDA, 4096 on CPU."
+    )
+    gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
+    encoder_cache_tokens: int | None = _opt(
+        None, "Encoder cache capacity in image-embedding rows (default: 4 x the step budget)."
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "Most requests running at once.")
+    max_num_batched_tokens: int = _opt(
+        2048, "Token budget per engine step (prefill chunks + decodes)."
+    )
+    enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.")
+    max_num_encoder_tokens: int | None = _opt(
+        None, "Image-embedding rows the vision tower may produce per step (default: step budget)."
+    )
+
+
+_SECTIONS = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @staticmethod
+    def option_fields() -> list[dataclasses.Field]:
+        """Every engine option, in order, across all sections."""
+        return [f for cls in _SECTIONS.values() for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat options (`model=..., max_num_seqs=...`); unknown names raise."""
+        known = {f.name for f in cls.option_fields()}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        parts = {}
+        for name, section in _SECTIONS.items():
+            names = {f.name for f in dataclasses.fields(section)}
+            parts[name] = section(**{k: v for k, v in kwargs.items() if k in names})
+        config = cls(**parts)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        s, c = self.scheduler_config, self.cache_config
+        if s.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if c.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")

@@ -1,0 +1,1 @@
+"""Engine policy: scheduling and cache accounting, pure Python (no tensors, no devices)."""

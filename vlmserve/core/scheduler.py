@@ -1,0 +1,301 @@
+"""Continuous-batching scheduler with chunked prefill through images.
+
+One rule, every step: bring each request's `num_computed_tokens` up to its `num_tokens`
+within the step's token budget. Prefill, chunked prefill and decode are that rule at
+different sizes. Running requests go first (FCFS), then waiting ones. An image is encoded in
+the step whose chunk first needs its rows, within a per-step encoder budget; if the budget
+is spent, the chunk stops just before the image. When KV blocks run out, the most recently
+arrived running request is preempted and later recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.mm_cache_manager import EncoderCacheManager
+from vlmserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from vlmserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_kv_blocks: int
+    encoder_cache_rows: int
+    encoder_cache_entries: int
+    num_preemptions: int
+    num_images_encoded: int
+    num_encoder_cache_hits: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_kv_blocks: int,
+        block_size: int,
+        enable_chunked_prefill: bool = True,
+        max_num_encoder_tokens: int | None = None,
+        encoder_cache_rows: int | None = None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        self.kv = KVCacheManager(num_kv_blocks, block_size)
+        self.encoder_cache = EncoderCacheManager(
+            encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens))
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._on_worker: set[str] = set()  # requests whose state the worker holds
+        self._sent_blocks: dict[str, int] = {}  # blocks the worker knows of, per request
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def check_admissible(self, req: Request) -> str | None:
+        """Why a request can never be served with this configuration, or None."""
+        n = req.num_prompt_tokens
+        if n + 1 > self.max_model_len:
+            return (f"prompt is {n} tokens (images included); with at least one output token it "
+                    f"exceeds the model's maximum context length of {self.max_model_len}")
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            return (f"prompt is {n} tokens, more than max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} with chunked prefill disabled")
+        if not self.kv.can_fit(n + 1):
+            return f"prompt is {n} tokens, more than the whole KV cache holds"
+        for i, img in enumerate(req.images):
+            if img.length > self.max_num_encoder_tokens:
+                return (f"image {i} becomes {img.length} tokens, more than the per-step encoder "
+                        f"budget of {self.max_num_encoder_tokens}")
+            if img.length > self.encoder_cache.capacity_rows:
+                return (f"image {i} becomes {img.length} tokens, more than the encoder cache "
+                        f"capacity of {self.encoder_cache.capacity_rows}")
+        return None
+
+    def add_request(self, req: Request) -> None:
+        reason = self.check_admissible(req)
+        assert reason is None, reason
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        enc_budget = self.max_num_encoder_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget, out)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req itself was preempted; everything after it already was too
+            self._commit_chunk(req, num_new, enc_ids, out)
+            budget -= num_new
+            enc_budget -= enc_cost
+            i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget, out)
+            if num_new == 0:
+                break
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._commit_chunk(req, num_new, enc_ids, out)
+            budget -= num_new
+            enc_budget -= enc_cost
+
+        out.free_encoder_hashes = self.encoder_cache.take_freed()
+        out.finished_request_ids = self._finished_ids
+        self._finished_ids = set()
+        return out
+
+    def _plan_chunk(
+        self, req: Request, budget: int, enc_budget: int, out: SchedulerOutput
+    ) -> tuple[int, list[int], int]:
+        """How many tokens of `req` to compute now, which images to encode for them, and the
+        encoder rows that costs. A chunk stops before an image it cannot encode this step."""
+        start = req.num_computed_tokens
+        num_new = min(req.num_tokens - start, budget)
+        enc_ids: list[int] = []
+        enc_cost = 0
+        pending: set[str] = set()
+        for idx, img in enumerate(req.images):
+            if img.offset >= start + num_new:
+                break
+            if img.offset + img.length <= start:
+                continue
+            if img.mm_hash in self.encoder_cache or img.mm_hash in pending:
+                continue
+            if (enc_cost + img.length > enc_budget
+                    or not self.encoder_cache.can_allocate(enc_cost + img.length)):
+                num_new = img.offset - start
+                break
+            enc_ids.append(idx)
+            enc_cost += img.length
+            pending.add(img.mm_hash)
+        if num_new < 0:
+            num_new = 0
+        if not self.enable_chunked_prefill and 0 < num_new < req.num_tokens - start:
+            num_new = 0
+        if num_new == 0:
+            return 0, [], 0
+        return num_new, enc_ids, enc_cost
+
+    def _commit_chunk(
+        self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
+    ) -> None:
+        start = req.num_computed_tokens
+        for idx, img in enumerate(req.images):
+            if img.offset >= start + num_new:
+                break
+            if img.offset + img.length <= start:
+                continue
+            if idx in enc_ids:
+                if img.mm_hash in self.encoder_cache:  # a duplicate within this request
+                    self.encoder_cache.add_ref(img.mm_hash, req.request_id)
+                    continue
+                self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
+                out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
+            else:
+                self.encoder_cache.add_ref(img.mm_hash, req.request_id)
+        out.num_scheduled_tokens[req.request_id] = num_new
+        block_ids = self.kv.block_ids(req.request_id)
+        if req.request_id in self._on_worker:
+            out.cached_requests.append(CachedRequestData(
+                req.request_id, block_ids[self._sent_blocks[req.request_id]:],
+                req.num_computed_tokens))
+        else:
+            self._on_worker.add(req.request_id)
+            out.new_requests.append(NewRequestData(
+                request_id=req.request_id,
+                token_ids=list(req.all_token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                images=req.images,
+                mrope_positions=req.mrope_positions,
+                mrope_delta=req.mrope_delta,
+                sampling_params=req.sampling_params,
+                block_ids=list(block_ids),
+                num_computed_tokens=req.num_computed_tokens,
+            ))
+        self._sent_blocks[req.request_id] = len(block_ids)
+
+    def _drop_from_worker(self, req: Request) -> None:
+        if req.request_id in self._on_worker:
+            self._on_worker.discard(req.request_id)
+            self._finished_ids.add(req.request_id)
+        self._sent_blocks.pop(req.request_id, None)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self.encoder_cache.release_all(req.request_id, [img.mm_hash for img in req.images])
+        self._drop_from_worker(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the step --------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance progress by what ran, append sampled tokens, finish requests that hit a stop
+        token or a length limit. Returns the requests that got a new token."""
+        updated = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            self._release_consumed_images(req)
+            token = sampled.get(rid)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            updated.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(rid, status)
+        return updated
+
+    def _release_consumed_images(self, req: Request) -> None:
+        done = req.num_computed_tokens
+        needed = {img.mm_hash for img in req.images if img.offset + img.length > done}
+        for img in req.images:
+            if img.offset + img.length <= done and img.mm_hash not in needed:
+                self.encoder_cache.release(img.mm_hash, req.request_id)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish (or abort) a request and release everything it holds."""
+        assert status.finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._release(req)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_kv_blocks=self.kv.num_free_blocks,
+            encoder_cache_rows=self.encoder_cache.used_rows,
+            encoder_cache_entries=self.encoder_cache.num_entries,
+            num_preemptions=self.num_preemptions,
+            num_images_encoded=self.encoder_cache.num_encoded,
+            num_encoder_cache_hits=self.encoder_cache.num_hits,
+        )

@@ -1,0 +1,57 @@
+"""The one contract between the scheduler (what to do) and the worker (doing it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlmserve.multimodal.inputs import ImageInput
+from vlmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the worker needs about a request it has not seen (or saw before a
+    preemption): all its tokens so far, its images and positions."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    images: list[ImageInput]
+    mrope_positions: torch.Tensor | None
+    mrope_delta: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Delta for a request the worker already holds."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step, in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # request id -> indices of its images to run through the vision tower this step
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # encoder outputs nobody needs any more (content hashes)
+    free_encoder_hashes: list[str] = field(default_factory=list)
+    # requests finished, aborted or preempted since the last step: the worker drops them
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

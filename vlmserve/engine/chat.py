@@ -1,0 +1,45 @@
+"""OpenAI-style chat messages -> Hugging Face chat-template messages plus image sources."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmserve.errors import InvalidRequestError
+
+_ROLES = {"system", "user", "assistant"}
+
+
+def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
+    """Returns the messages with `image_url` parts turned into `{"type": "image"}` and the
+    image sources (URLs, data URLs or paths, loaded later at admission) in order."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+            raise InvalidRequestError(f"message {i} needs a role among {sorted(_ROLES)}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out.append({"role": msg["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequestError(f"message {i}: content must be a string or a list of parts")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise InvalidRequestError(f"message {i}: image_url part without a url")
+                images.append(url)
+                parts.append({"type": "image"})
+            elif kind == "image":  # a PIL image or source given directly (Python API)
+                images.append(part.get("image"))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidRequestError(f"message {i}: unsupported content part type {kind!r}")
+        out.append({"role": msg["role"], "content": parts})
+    return out, images

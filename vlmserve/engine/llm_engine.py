@@ -1,0 +1,140 @@
+"""The synchronous engine: admission, the step loop (schedule -> execute -> update), outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from transformers import GenerationConfig
+
+from vlmserve.config import EngineConfig
+from vlmserve.core.scheduler import Scheduler
+from vlmserve.engine.output import OutputProcessor
+from vlmserve.engine.processor import InputProcessor, PromptInput
+from vlmserve.errors import PromptTooLongError
+from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.models.builtin import resolve_model
+from vlmserve.models.loader import load_hf_config
+from vlmserve.models.registry import resolve_model_class
+from vlmserve.outputs import RequestOutput
+from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _text_config(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def _eos_ids(path, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        eos = gen.eos_token_id
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
+        self.model_path = resolve_model(mc.model)
+        self.hf_config = load_hf_config(self.model_path)
+        tcfg = _text_config(self.hf_config)
+        model_cls = resolve_model_class(self.hf_config)
+        model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config)
+        self.tokenizer = model_processor.tokenizer
+        self.max_model_len = mc.max_model_len or tcfg.max_position_embeddings
+        self.input_processor = InputProcessor(model_processor, tcfg.vocab_size)
+        self.executor = UniprocExecutor(config, self.model_path, self.hf_config,
+                                        self.max_model_len)
+        self.scheduler = Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.executor.num_kv_blocks,
+            block_size=cc.block_size,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            max_num_encoder_tokens=sc.max_num_encoder_tokens,
+            encoder_cache_rows=cc.encoder_cache_tokens,
+        )
+        self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request. Bad input raises an `InvalidRequestError` naming the
+        problem and leaves the engine untouched."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process(prompt)
+        req = Request(request_id, processed, params, self.eos_token_ids)
+        reason = self.scheduler.check_admissible(req)
+        if reason is not None:
+            raise PromptTooLongError(reason)
+        self.scheduler.add_request(req)
+        self.output_processor.add(request_id)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.drop(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that got new tokens."""
+        so = self.scheduler.schedule()
+        sampled = self.executor.execute_model(so)
+        updated = self.scheduler.update_from_output(so, sampled)
+        self.num_steps += 1
+        self.num_generated_tokens += len(sampled)
+        outputs = []
+        for req in updated:
+            if self.output_processor.update(req):
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:
+                self.output_processor.flush(req)
+            outputs.append(self.output_processor.make_output(req))
+            if req.status.finished:
+                self.output_processor.drop(req.request_id)
+        return outputs
+
+    def get_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        runner = self.executor.runner
+        return {
+            **s.__dict__,
+            "num_kv_blocks": self.scheduler.kv.num_blocks,
+            "mm_embedding_bytes_device": runner.store.bytes_on_device,
+            "mm_embedding_entries_device": runner.store.num_entries,
+            "mm_embedding_peak_bytes_device": runner.store.peak_bytes,
+            "encoder_batches": runner.encoder.num_batches,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "time": time.time(),
+        }

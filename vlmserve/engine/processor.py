@@ -1,0 +1,75 @@
+"""Admission: user prompt input -> validated `ProcessedPrompt`, before anything is scheduled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PIL import Image
+
+from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.multimodal.image import load_image
+from vlmserve.multimodal.inputs import ProcessedPrompt
+
+PromptInput = str | dict[str, Any]
+
+
+def _images_of(prompt: dict[str, Any]) -> list[Image.Image]:
+    mm = prompt.get("multi_modal_data") or {}
+    if not isinstance(mm, dict):
+        raise InvalidRequestError("multi_modal_data must be a dict like {'image': [...]}")
+    unknown = set(mm) - {"image"}
+    if unknown:
+        raise InvalidRequestError(f"unsupported multi_modal_data key(s): {sorted(unknown)}; "
+                                  "only 'image' is supported")
+    images = mm.get("image", [])
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    loaded = []
+    for i, img in enumerate(images):
+        try:
+            loaded.append(load_image(img))
+        except InvalidImageError as e:
+            raise InvalidImageError(f"image {i}: {e}") from None
+    return loaded
+
+
+class InputProcessor:
+    """Wraps the model's own input processor (tokenizer + HF image processor)."""
+
+    def __init__(self, model_processor, vocab_size: int,
+                 limit_images_per_prompt: int | None = None) -> None:
+        self.model_processor = model_processor
+        self.vocab_size = vocab_size
+        self.limit_images_per_prompt = limit_images_per_prompt
+
+    def process(self, prompt: PromptInput) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            text, token_ids, images = prompt, None, []
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            if unknown:
+                raise InvalidRequestError(f"unknown prompt field(s): {sorted(unknown)}")
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if (text is None) == (token_ids is None):
+                raise InvalidRequestError("give exactly one of 'prompt' and 'prompt_token_ids'")
+            if token_ids is not None and (not isinstance(token_ids, (list, tuple)) or not all(
+                    isinstance(t, int) for t in token_ids)):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers")
+            images = _images_of(prompt)
+        else:
+            raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError("prompt must be a string")
+        if self.limit_images_per_prompt is not None and len(images) > \
+                self.limit_images_per_prompt:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; at most "
+                                      f"{self.limit_images_per_prompt} are allowed")
+        processed = self.model_processor.process(
+            text, list(token_ids) if token_ids is not None else None, images)
+        if not processed.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in processed.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+        return processed

@@ -1,0 +1,60 @@
+"""The default executor: model, KV cache and runner in this process, on one device."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlmserve.config import EngineConfig
+from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.models.loader import load_model
+from vlmserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
+                 random_weights: bool = False) -> None:
+        mc, cc = config.model_config, config.cache_config
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        torch.manual_seed(mc.seed)
+        model = load_model(model_path, hf_config, self.dtype, self.device, random_weights)
+        self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
+            model, config, max_model_len)
+        self.runner = ModelRunner(model, self.device, self.dtype, self.num_kv_blocks,
+                                  cc.block_size)
+        logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
+                    self.num_kv_blocks, cc.block_size)
+
+    def _default_num_blocks(self, model, config: EngineConfig, max_model_len: int) -> int:
+        cc, sc = config.cache_config, config.scheduler_config
+        shape = model.kv_cache_shape(1, cc.block_size)
+        block_bytes = model.num_layers * self.dtype.itemsize * int(torch.Size(shape).numel())
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - cc.gpu_memory_utilization)
+            return max(int(budget // block_bytes), 1)
+        return min(sc.max_num_seqs * -(-max_model_len // cc.block_size), 8192)
+
+    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
+        return self.runner.execute_model(so)

@@ -1,0 +1,130 @@
+"""Paged KV attention for a step that mixes prefill chunks and decodes.
+
+The worker flattens every scheduled token of the step into one sequence of T tokens. Each
+request's new keys/values are written to its KV blocks (`slot_mapping`), then each query
+attends causally to its request's cached context. `AttentionMetadata` is built once per step
+and passed to every layer; backends share it. The torch reference backend groups requests
+(all single-token decodes in one padded batch, each prefill chunk on its own) and runs
+`scaled_dot_product_attention` per group; it runs on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together: padded to `max_q` queries and `max_kv` keys."""
+
+    token_index: torch.Tensor  # [n] positions in the flat step of this group's tokens
+    pad_index: torch.Tensor  # [n] positions of those tokens in the [B * max_q] padded batch
+    block_tables: torch.Tensor  # [B, blocks] int64
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True where attention is allowed
+    batch: int
+    max_q: int
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
+    max_query_len: int
+    max_seq_len: int
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """query_lens[i] new tokens of request i end at context length seq_lens[i]."""
+    slots: list[int] = []
+    for q, s, blocks in zip(query_lens, seq_lens, block_ids):
+        for pos in range(s - q, s):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max(len(b) for b in block_ids)
+    table = torch.zeros(len(block_ids), max_blocks, dtype=torch.int64)
+    for i, b in enumerate(block_ids):
+        table[i, : len(b)] = torch.tensor(b, dtype=torch.int64)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [[i] for i, q in enumerate(query_lens) if q > 1]
+    groups = []
+    for members in ([decodes] if decodes else []) + prefills:
+        groups.append(_build_group(members, query_lens, seq_lens, starts, table, block_size,
+                                   device))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        groups=groups,
+    )
+
+
+def _build_group(members, query_lens, seq_lens, starts, table, block_size, device):
+    max_q = max(query_lens[i] for i in members)
+    max_kv = max(seq_lens[i] for i in members)
+    nblocks = -(-max_kv // block_size)
+    token_index, pad_index = [], []
+    mask = torch.zeros(len(members), 1, max_q, nblocks * block_size, dtype=torch.bool)
+    for b, i in enumerate(members):
+        q, s = query_lens[i], seq_lens[i]
+        token_index.extend(range(starts[i], starts[i] + q))
+        pad_index.extend(range(b * max_q, b * max_q + q))
+        qpos = torch.arange(s - q, s)[:, None]  # absolute position of each query
+        mask[b, 0, :q, :s] = torch.arange(s)[None, :] <= qpos
+        mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
+    return AttentionGroup(
+        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
+        pad_index=torch.tensor(pad_index, dtype=torch.int64, device=device),
+        block_tables=table[members, :nblocks].to(device),
+        mask=mask.to(device),
+        batch=len(members),
+        max_q=max_q,
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, dim]."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [T, heads, dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    T, H, D = q.shape
+    out = q.new_empty(T, H, D)
+    Hkv = kv_cache.shape[-2]
+    for g in meta.groups:
+        qp = q.new_zeros(g.batch * g.max_q, H, D)
+        qp[g.pad_index] = q[g.token_index]
+        qp = qp.view(g.batch, g.max_q, H, D).transpose(1, 2)  # [B, H, max_q, D]
+        k = kv_cache[0][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
+        v = kv_cache[1][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
+        if Hkv != H:
+            k = k.repeat_interleave(H // Hkv, dim=1)
+            v = v.repeat_interleave(H // Hkv, dim=1)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale)
+        o = o.transpose(1, 2).reshape(g.batch * g.max_q, H, D)
+        out[g.token_index] = o[g.pad_index]
+    return out

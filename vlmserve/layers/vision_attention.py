@@ -1,0 +1,181 @@
+"""Variable-length (packed) non-causal attention for vision encoders.
+
+Tokens of many independent segments (images, frames, attention windows) are packed along one
+dimension; each token attends only to the tokens of its own segment. This is the reference
+implementation in plain PyTorch (CPU and CUDA); a fused varlen kernel can replace it behind
+:func:`varlen_attention` without touching the callers.
+
+Strategy: segments are grouped into buckets of similar length. A bucket whose segments are
+adjacent and of equal length is a zero-copy view ``[num_seqs, len, heads, dim]``; otherwise its
+tokens are gathered into a padded batch ``[num_seqs, max_len, heads, dim]`` with a key-padding
+mask. Each bucket is one ``scaled_dot_product_attention`` launch, so hundreds of windows cost a
+handful of launches, while one huge image never pads many small ones up to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Segments join the current bucket when no longer than this (launch overhead dominates) ...
+_SMALL_SEGMENT = 256
+# ... or when at least this fraction of the bucket's longest segment (bounds padding waste).
+_MIN_FILL = 0.7
+
+
+@dataclass
+class _Bucket:
+    """One SDPA launch over ``num_seqs`` segments padded to ``max_len``."""
+
+    num_seqs: int
+    max_len: int
+    start: int = -1  # contiguous equal-length run: token range [start, start + num_seqs*max_len)
+    gather: torch.Tensor | None = None  # [num_seqs, max_len] token ids (padding -> 0)
+    key_mask: torch.Tensor | None = None  # [num_seqs, 1, 1, max_len] bool, True = real key
+    valid: torch.Tensor | None = None  # [num_valid] flat positions in num_seqs*max_len
+    tokens: torch.Tensor | None = None  # [num_valid] destination token ids
+
+
+@dataclass
+class VarlenPlan:
+    """Precomputed bucketing for one ``cu_seqlens``; reusable across layers of a forward."""
+
+    total_tokens: int
+    max_seqlen: int
+    buckets: list[_Bucket]
+
+
+def _group_segments(lengths: list[int]) -> list[list[int]]:
+    """Group segment indices into buckets by length (longest first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    bucket_max = 0
+    for i in order:
+        n = lengths[i]
+        if groups and (bucket_max <= _SMALL_SEGMENT or n >= _MIN_FILL * bucket_max):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            bucket_max = n
+    for g in groups:
+        g.sort()  # original order inside a bucket keeps contiguous runs detectable
+    return groups
+
+
+def build_varlen_plan(
+    cu_seqlens: torch.Tensor, device: torch.device | str | None = None
+) -> VarlenPlan:
+    """Plan the attention launches for ``cu_seqlens`` ``[num_seqs + 1]``.
+
+    Reads ``cu_seqlens`` on the host (pass a CPU tensor to avoid a device sync); index tensors
+    are created on ``device`` (default: ``cu_seqlens.device``).
+    """
+    device = cu_seqlens.device if device is None else torch.device(device)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    keep = [i for i, n in enumerate(lengths) if n > 0]
+    starts, lengths = [starts[i] for i in keep], [lengths[i] for i in keep]
+    buckets: list[_Bucket] = []
+    for group in _group_segments(lengths):
+        lens = [lengths[i] for i in group]
+        max_len = max(lens)
+        contiguous = all(n == max_len for n in lens) and all(
+            starts[a] + max_len == starts[b] for a, b in zip(group[:-1], group[1:])
+        )
+        if contiguous:
+            buckets.append(_Bucket(len(group), max_len, start=starts[group[0]]))
+            continue
+        seg_start = torch.tensor([starts[i] for i in group], dtype=torch.long)  # [g]
+        seg_len = torch.tensor(lens, dtype=torch.long)  # [g]
+        pos = torch.arange(max_len, dtype=torch.long)  # [L]
+        real = pos[None, :] < seg_len[:, None]  # [g, L]
+        gather = torch.where(real, seg_start[:, None] + pos[None, :], 0)  # [g, L]
+        uniform = bool(real.all())
+        buckets.append(
+            _Bucket(
+                len(group),
+                max_len,
+                gather=gather.to(device),
+                key_mask=None if uniform else real[:, None, None, :].to(device),
+                valid=None if uniform else real.flatten().nonzero().squeeze(1).to(device),
+                tokens=gather[real].to(device),
+            )
+        )
+    return VarlenPlan(bounds[-1], max(lengths, default=0), buckets)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+):
+    """SDPA on ``[b, L, H, D]`` inputs, returning ``[b, L, H, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [b, H, L, D]
+    return out.transpose(1, 2)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    scale: float | None = None,
+    plan: VarlenPlan | None = None,
+) -> torch.Tensor:
+    """Non-causal attention restricted to each packed segment.
+
+    Args:
+        q, k, v: ``[total_tokens, num_heads, head_dim]``.
+        cu_seqlens: int tensor ``[num_seqs + 1]`` of segment boundaries (starts at 0, ends at
+            ``total_tokens``).
+        max_seqlen: longest segment (for kernels that need it; unused here).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        plan: result of :func:`build_varlen_plan` for this ``cu_seqlens``, to skip re-planning
+            (and the host read of ``cu_seqlens``) in every layer.
+
+    Returns:
+        ``[total_tokens, num_heads, head_dim]``.
+    """
+    del max_seqlen
+    if plan is None:
+        plan = build_varlen_plan(cu_seqlens, device=q.device)
+    total, heads, dim = q.shape
+    if total != plan.total_tokens:
+        raise ValueError(f"q has {total} tokens but cu_seqlens covers {plan.total_tokens}")
+    buckets = plan.buckets
+    if len(buckets) == 1 and buckets[0].start == 0:  # one contiguous equal-length run: no copies
+        b = buckets[0]
+        shape = (b.num_seqs, b.max_len, heads, dim)
+        return _sdpa(q.view(shape), k.view(shape), v.view(shape), None, scale).reshape(
+            total, heads, dim
+        )
+
+    out = q.new_empty(q.shape)  # [total, H, D]
+    for b in buckets:
+        shape = (b.num_seqs, b.max_len, heads, dim)
+        if b.start >= 0:
+            end = b.start + b.num_seqs * b.max_len
+            o = _sdpa(
+                q[b.start : end].view(shape),
+                k[b.start : end].view(shape),
+                v[b.start : end].view(shape),
+                None,
+                scale,
+            )  # [g, L, H, D]
+            out[b.start : end] = o.reshape(-1, heads, dim)
+            continue
+        idx = b.gather.flatten()
+        o = _sdpa(q[idx].view(shape), k[idx].view(shape), v[idx].view(shape), b.key_mask, scale)
+        o = o.reshape(-1, heads, dim)  # [g*L, H, D]
+        if b.valid is not None:
+            o = o[b.valid]
+        out.index_copy_(0, b.tokens, o)
+    return out

@@ -1,0 +1,319 @@
+"""Built-in checkpoints, created locally and deterministically (no network).
+
+Two tiny random models for tests (``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``) and two full-size
+random-weight presets for speed measurements. Each is written as a Hugging Face checkpoint
+folder (config.json, model.safetensors, tokenizer files, preprocessor_config.json) that
+``transformers`` loads as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+TOKENIZER_BPE_VOCAB = 441  # byte tokens + merges; plus 7 special tokens = 448 ids
+
+# Qwen2-VL style chat template (ChatML; image parts become a one-token placeholder).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """\
+You are a helpful assistant. The user shows you an image and asks a question about it.
+Describe the image in one sentence. What is in this picture? How many people are there?
+There is a cat sitting on the table next to a cup of coffee, and a dog is sleeping in the
+garden under a tall green tree. The sky is blue with a few white clouds. A red car is parked
+on the street in front of the house. Two children are playing with a yellow ball on the grass.
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+What color is the car? The car is red. Where is the cat? The cat is on the table.
+Read the text in the image and translate it into English. Compare the two images and tell me
+what is different between them. The first image shows a city at night with bright lights,
+while the second image shows the same city in the morning. Answer the question with a short
+phrase. Write a story about the picture. Count the objects and list them from left to right.
+The model looks at every patch of the image, then writes the answer one token at a time.
+"""
+
+QWEN_IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+QWEN_IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """Recipe of one built-in checkpoint."""
+
+    architecture: str  # transformers class name, also written to config.json
+    text: dict  # text_config fields (vocab_size None: tokenizer size rounded up to 64)
+    vision: dict  # vision_config fields
+    tie_word_embeddings: bool
+    tiny: bool  # tiny: std-0.2 deterministic init; else HF's default random init
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448
+    extra: dict = field(default_factory=dict)
+
+
+def _text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None,
+          mrope: list[int]) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                rms_norm_eps=1e-6, max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope})
+
+
+_QWEN2_VIS = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny-qwen2-vl": BuiltinModel(
+        architecture="Qwen2VLForConditionalGeneration",
+        text=_text(64, 128, 2, 4, 2, None, [2, 3, 3]),
+        vision=dict(embed_dim=32, depth=2, num_heads=2, mlp_ratio=2, hidden_size=64, **_QWEN2_VIS),
+        tie_word_embeddings=True,
+        tiny=True,
+    ),
+    "tiny-qwen2.5-vl": BuiltinModel(
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        text=_text(64, 128, 2, 4, 2, None, [2, 3, 3]),
+        vision=dict(hidden_size=32, intermediate_size=64, depth=4, num_heads=2,
+                    fullatt_block_indexes=[1, 3], window_size=112, out_hidden_size=64,
+                    **_QWEN2_VIS),
+        tie_word_embeddings=False,
+        tiny=True,
+    ),
+    "qwen2-vl-2b-random": BuiltinModel(
+        architecture="Qwen2VLForConditionalGeneration",
+        text=_text(1536, 8960, 28, 12, 2, 151936, [16, 24, 24]),
+        vision=dict(embed_dim=1280, depth=32, num_heads=16, mlp_ratio=4, hidden_size=1536,
+                    **_QWEN2_VIS),
+        tie_word_embeddings=True,
+        tiny=False,
+        max_pixels=12845056,
+    ),
+    "qwen2.5-vl-7b-random": BuiltinModel(
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        text=_text(3584, 18944, 28, 28, 4, 152064, [16, 24, 24]),
+        vision=dict(hidden_size=1280, intermediate_size=3420, depth=32, num_heads=16,
+                    fullatt_block_indexes=[7, 15, 23, 31], window_size=112,
+                    out_hidden_size=3584, **_QWEN2_VIS),
+        tie_word_embeddings=False,
+        tiny=False,
+        max_pixels=12845056,
+    ),
+}
+
+
+def build_tokenizer():
+    """The tiny byte-level BPE tokenizer with Qwen's special tokens (a PreTrainedTokenizerFast)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_BPE_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+
+
+def build_config(name: str, tokenizer=None):
+    """The transformers config of built-in model ``name`` (special ids from ``tokenizer``)."""
+    import transformers
+
+    spec = BUILTIN_MODELS[name]
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+    ids = _token_ids(tokenizer)
+    text = dict(spec.text)
+    if text["vocab_size"] is None:
+        text["vocab_size"] = -(-len(tokenizer) // 64) * 64
+    specials = {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    text.update(specials, tie_word_embeddings=spec.tie_word_embeddings)
+    config_cls = getattr(transformers, spec.architecture.replace("ForConditionalGeneration", "Config"))
+    config = config_cls(
+        text_config=text,
+        vision_config=dict(spec.vision),
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **ids,
+    )
+    config.architectures = [spec.architecture]
+    return config
+
+
+def preprocessor_config(name: str) -> dict:
+    """The preprocessor_config.json contents of built-in model ``name``."""
+    spec = BUILTIN_MODELS[name]
+    vision = spec.vision
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "resample": 3,  # bicubic
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": QWEN_IMAGE_MEAN,
+        "image_std": QWEN_IMAGE_STD,
+        "do_convert_rgb": True,
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+    }
+
+
+@torch.no_grad()
+def init_tiny_weights(
+    model: torch.nn.Module, seed: int = 0, std: float = 0.2, embed_std: float = 1.0
+) -> None:
+    """Deterministic init: matrices N(0, std), norm weights 1 + noise, biases small noise.
+
+    Token embeddings and lm_head get ``embed_std`` so logits spread widely (std ~8) and the
+    top-1/top-2 gap along greedy paths stays far above float32 noise. Parameters are visited
+    in sorted name order with one seeded CPU generator, so the result does not depend on
+    module construction order or on the device.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if name.endswith(".bias"):
+            value = 0.02 * noise
+        elif param.ndim == 1:  # RMSNorm / LayerNorm weights
+            value = 1.0 + 0.02 * noise
+        elif "embed_tokens" in name or "lm_head" in name:
+            value = embed_std * noise
+        else:
+            value = std * noise
+        param.copy_(value.to(param.dtype))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def create_checkpoint(
+    name: str, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Path:
+    """Write built-in model ``name`` as a Hugging Face checkpoint folder at ``path``.
+
+    Tiny models get a deterministic init (same bytes every time); full-size presets get
+    HF's random init (std 0.02), built directly on ``device`` in ``dtype``.
+    """
+    import transformers
+
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; available: {sorted(BUILTIN_MODELS)}")
+    spec = BUILTIN_MODELS[name]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = build_config(name, tokenizer)
+    model_cls = getattr(transformers, spec.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config)
+    if spec.tiny:
+        init_tiny_weights(model)
+    model.eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path, save_jinja_files=False)  # template in tokenizer_config.json
+    with open(path / "preprocessor_config.json", "w") as f:
+        json.dump(preprocessor_config(name), f, indent=2, sort_keys=True)
+    return path
+
+
+def cache_root() -> Path:
+    """Where built-in checkpoints live: ``$VLMSERVE_CACHE`` or ``~/.cache/vlmserve``."""
+    root = os.environ.get("VLMSERVE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "vlmserve"
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Checkpoint folder for an existing path or a built-in name (created once, then reused).
+
+    Creation writes to a temporary folder beside the target and renames it into place, so a
+    folder that exists is complete, and two processes racing both end with the same folder.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if name_or_path not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model {name_or_path!r} is neither an existing path nor a built-in model; "
+            f"built-in models: {', '.join(sorted(BUILTIN_MODELS))}"
+        )
+    root = cache_root()
+    target = root / name_or_path
+    if target.exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.tmp-", dir=root))
+    try:
+        tmp.chmod(0o755)
+        create_checkpoint(name_or_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():  # lost a race only if someone else's folder is there
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,125 @@
+"""Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) over a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
+from vlmserve.layers.linear import MergedLinear
+from vlmserve.layers.norm import RMSNorm
+from vlmserve.layers.rotary import MRotaryEmbedding
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv_proj = MergedLinear(
+            hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=True)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.scale = head_dim**-0.5
+        self.attn_fn = paged_attention_reference
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q = MRotaryEmbedding.apply(q.view(T, self.heads, self.head_dim), cos, sin)
+        k = MRotaryEmbedding.apply(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        write_kv(kv_cache, k, v.view(T, self.kv_heads, self.head_dim), meta.slot_mapping)
+        o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.self_attn = Qwen2Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope_settings(cfg) -> tuple[float, list[int] | None]:
+    """rope_theta and mrope_section from a text config (transformers 4.x or 5.x layout)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    section = params.get("mrope_section") or scaling.get("mrope_section")
+    return float(theta), section
+
+
+class Qwen2Model(nn.Module):
+    """Token embedding, decoder layers, final norm. `forward` takes embeddings so the caller
+    can merge image rows in first."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        theta, section = rope_settings(cfg)
+        self.rotary = MRotaryEmbedding(attn.head_dim, theta, section)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        attn = self.layers[0].self_attn
+        return (2, num_blocks, block_size, attn.kv_heads, attn.head_dim)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [3, T] or [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)  # [T, hidden]
+
+    _STACKED = {  # checkpoint projection -> (merged module attribute, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> set[str]:
+        """Names relative to the language model (`layers.0.self_attn.q_proj.weight`, ...)."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded = set()
+        for name, tensor in weights:
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self._STACKED:
+                target, shard = self._STACKED[parts[-2]]
+                module_name = ".".join(parts[:-2] + [target])
+                modules[module_name].load_shard(shard, tensor, is_bias=parts[-1] == "bias")
+                loaded.add(f"{module_name}.{parts[-1]}")
+                continue
+            if name not in params:
+                raise KeyError(f"unexpected language-model weight {name!r}")
+            assert params[name].shape == tensor.shape, (name, params[name].shape, tensor.shape)
+            params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,81 @@
+"""Qwen2-VL and Qwen2.5-VL: a vision tower, the Qwen2 language model with mRoPE, an lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmserve.models.qwen2 import Qwen2Model
+from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
+from vlmserve.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer
+from vlmserve.models.vision.qwen2_vl import Qwen2VisionTransformer
+
+
+def text_config(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    uses_mrope = True
+    input_processor_cls = Qwen2VLInputProcessor
+    vision_cls: type[nn.Module] = Qwen2VisionTransformer
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.config = hf_config
+        tcfg = text_config(hf_config)
+        self.visual = self.vision_cls(hf_config.vision_config)
+        self.language_model = Qwen2Model(tcfg)
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+            or getattr(tcfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(token_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values, grid_thw)  # [sum(t*h*w) / merge^2, hidden]
+
+    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.language_model.kv_cache_shape(num_blocks, block_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.language_model.layers)
+
+    def load_weights(self, weights) -> set[str]:
+        """Accepts the hub layout (`visual.*`, `model.*`, `lm_head.*`) and the transformers 5.x
+        layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`)."""
+        vision, text, loaded = [], [], set()
+        for name, tensor in weights:
+            if name.startswith(("model.visual.", "visual.")):
+                vision.append((name.split("visual.", 1)[1], tensor))
+            elif name.startswith("model.language_model."):
+                text.append((name[len("model.language_model."):], tensor))
+            elif name.startswith("model."):
+                text.append((name[len("model."):], tensor))
+            elif name == "lm_head.weight":
+                if not self.tie_word_embeddings:
+                    with torch.no_grad():
+                        self.lm_head.weight.copy_(tensor)
+                loaded.add("lm_head.weight")
+            else:
+                raise KeyError(f"unexpected checkpoint weight {name!r}")
+        loaded |= {f"visual.{n}" for n in self.visual.load_weights(vision)}
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    vision_cls = Qwen2_5_VisionTransformer

@@ -1,0 +1,26 @@
+"""Model classes by the `architectures` name of a checkpoint's config.json (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "Qwen2VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
+                                        "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
+                                           "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(hf_config) -> type:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"unsupported model architecture {archs}; supported: "
+                     f"{', '.join(supported_architectures())}")

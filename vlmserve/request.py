@@ -1,0 +1,70 @@
+"""A request as the engine core sees it: tokens, images, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. `num_computed_tokens` counts tokens whose KV is in the cache; each step
+    the scheduler tries to bring it up to `num_tokens` (prompt + outputs so far)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt.prompt
+        self.prompt_token_ids = prompt.prompt_token_ids
+        self.images: list[ImageInput] = prompt.images
+        self.mrope_positions = prompt.mrope_positions
+        self.mrope_delta = prompt.mrope_delta
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(img.length for img in self.images)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,1 @@
+"""Everything that owns tensors and devices: model runner, encoder runner, embedding store."""

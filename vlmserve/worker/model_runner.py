@@ -1,0 +1,146 @@
+"""Executes one `SchedulerOutput`: encoder, embedding merge, LM forward over paged KV, sampling.
+
+The runner keeps a copy of each running request's state (tokens, images, blocks); the
+scheduler sends full data for new requests and deltas afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.layers.attention import build_attention_metadata
+from vlmserve.layers.sampler import sample
+from vlmserve.multimodal.inputs import ImageInput
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.encoder_runner import EncoderRunner
+from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    images: list[ImageInput]
+    mrope_positions: torch.Tensor | None
+    mrope_delta: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
+                 block_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(model.num_layers)]
+        self.store = MMEmbeddingStore(device)
+        self.encoder = EncoderRunner(model, device, self.store)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_request_ids:
+            self.requests.pop(rid, None)
+        self.store.free(so.free_encoder_hashes)
+        for new in so.new_requests:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None and not sp.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+            self.requests[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                images=new.images,
+                mrope_positions=new.mrope_positions,
+                mrope_delta=new.mrope_delta,
+                sampling_params=sp,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=gen,
+            )
+        for cached in so.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
+        """Run the step; returns the token sampled for each request whose chunk reached the
+        end of its known tokens."""
+        self._update_states(so)
+        self.encoder.run([self.requests[rid].images[i]
+                          for rid, idxs in so.scheduled_encoder_inputs.items() for i in idxs])
+        if so.is_empty:
+            return {}
+
+        states = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        query_lens = list(so.num_scheduled_tokens.values())
+        token_ids: list[int] = []
+        positions = []
+        seq_lens = []
+        dest_rows: list[int] = []
+        src_rows: list[torch.Tensor] = []
+        sample_index: list[int] = []
+        base = 0
+        for st, n in zip(states, query_lens):
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            assert end <= len(st.token_ids)
+            token_ids.extend(st.token_ids[start:end])
+            positions.append(self._positions(st, start, end))
+            seq_lens.append(end)
+            for img in st.images:
+                lo, hi = max(start, img.offset), min(end, img.offset + img.length)
+                if lo < hi:
+                    src_rows.append(self.store.rows(img.mm_hash, lo - img.offset,
+                                                    hi - img.offset))
+                    dest_rows.extend(range(base + lo - start, base + hi - start))
+            base += n
+            if end == len(st.token_ids):
+                sample_index.append(base - 1)
+
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        embeds = self.model.embed_tokens(ids)  # [T, hidden]
+        if src_rows:
+            dest = torch.tensor(dest_rows, dtype=torch.int64, device=self.device)
+            embeds.index_copy_(0, dest, torch.cat(src_rows).to(embeds.dtype))
+        pos = torch.cat(positions, dim=-1).to(self.device, non_blocking=True)
+        meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
+                                        self.block_size, self.device)
+        hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
+        if not sample_index:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_index])  # [N, vocab]
+        to_sample = [st for st, n in zip(states, query_lens)
+                     if st.num_computed_tokens + n == len(st.token_ids)]
+        tokens = sample(logits, [st.sampling_params for st in to_sample],
+                        [st.generator for st in to_sample])
+        for st, tok in zip(to_sample, tokens):
+            st.token_ids.append(tok)
+        return {st.request_id: tok for st, tok in zip(to_sample, tokens)}
+
+    def _positions(self, st: CachedRequestState, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): [3, n] for mRoPE models, else [n]."""
+        if not self.model.uses_mrope:
+            return torch.arange(start, end)
+        parts = []
+        if start < st.num_prompt_tokens:
+            parts.append(st.mrope_positions[:, start:min(end, st.num_prompt_tokens)])
+        if end > st.num_prompt_tokens:
+            gen = torch.arange(max(start, st.num_prompt_tokens), end) + st.mrope_delta
+            parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
