@@ -29,6 +29,16 @@ def _text_config(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+def _max_image_tokens(model_processor) -> int:
+    """Most placeholder tokens one image can become (from the image processor's pixel cap)."""
+    ip = model_processor.image_processor
+    size = getattr(ip, "size", None) or {}
+    max_pixels = (getattr(size, "longest_edge", None) or getattr(ip, "max_pixels", None)
+                  or 12845056)
+    unit = ip.patch_size * ip.merge_size
+    return max(int(max_pixels) // (unit * unit), 1)
+
+
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     try:
@@ -63,7 +73,8 @@ class LLMEngine:
             num_kv_blocks=self.executor.num_kv_blocks,
             block_size=cc.block_size,
             enable_chunked_prefill=sc.enable_chunked_prefill,
-            max_num_encoder_tokens=sc.max_num_encoder_tokens,
+            max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
+                sc.max_num_batched_tokens, _max_image_tokens(model_processor)),
             encoder_cache_rows=cc.encoder_cache_tokens,
         )
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,18 +76,25 @@ class BuiltinModel:
     text: dict  # text_config fields (vocab_size None: tokenizer size rounded up to 64)
     vision: dict  # vision_config fields
     tie_word_embeddings: bool
-    tiny: bool  # tiny: std-0.2 deterministic init; else HF's default random init
+    tiny: bool  # True: deterministic init_tiny_weights; False: HF's random init (std 0.02)
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
-    extra: dict = field(default_factory=dict)
 
 
-def _text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None,
-          mrope: list[int]) -> dict:
-    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                rms_norm_eps=1e-6, max_position_embeddings=32768,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope})
+def _text(
+    hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None, mrope: list[int]
+) -> dict:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope},
+    )
 
 
 _QWEN2_VIS = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -103,17 +110,25 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-qwen2.5-vl": BuiltinModel(
         architecture="Qwen2_5_VLForConditionalGeneration",
         text=_text(64, 128, 2, 4, 2, None, [2, 3, 3]),
-        vision=dict(hidden_size=32, intermediate_size=64, depth=4, num_heads=2,
-                    fullatt_block_indexes=[1, 3], window_size=112, out_hidden_size=64,
-                    **_QWEN2_VIS),
+        vision=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            depth=4,
+            num_heads=2,
+            fullatt_block_indexes=[1, 3],
+            window_size=112,
+            out_hidden_size=64,
+            **_QWEN2_VIS,
+        ),
         tie_word_embeddings=False,
         tiny=True,
     ),
     "qwen2-vl-2b-random": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
         text=_text(1536, 8960, 28, 12, 2, 151936, [16, 24, 24]),
-        vision=dict(embed_dim=1280, depth=32, num_heads=16, mlp_ratio=4, hidden_size=1536,
-                    **_QWEN2_VIS),
+        vision=dict(
+            embed_dim=1280, depth=32, num_heads=16, mlp_ratio=4, hidden_size=1536, **_QWEN2_VIS
+        ),
         tie_word_embeddings=True,
         tiny=False,
         max_pixels=12845056,
@@ -121,9 +136,17 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "qwen2.5-vl-7b-random": BuiltinModel(
         architecture="Qwen2_5_VLForConditionalGeneration",
         text=_text(3584, 18944, 28, 28, 4, 152064, [16, 24, 24]),
-        vision=dict(hidden_size=1280, intermediate_size=3420, depth=32, num_heads=16,
-                    fullatt_block_indexes=[7, 15, 23, 31], window_size=112,
-                    out_hidden_size=3584, **_QWEN2_VIS),
+        vision=dict(
+            hidden_size=1280,
+            intermediate_size=3420,
+            depth=32,
+            num_heads=16,
+            fullatt_block_indexes=[7, 15, 23, 31],
+            window_size=112,
+            out_hidden_size=3584,
+            tokens_per_second=2,
+            **_QWEN2_VIS,
+        ),
         tie_word_embeddings=False,
         tiny=False,
         max_pixels=12845056,
@@ -155,7 +178,6 @@ def build_tokenizer():
     )
 
 
-
 def _token_ids(tokenizer) -> dict[str, int]:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return dict(
@@ -181,7 +203,9 @@ def build_config(name: str, tokenizer=None):
         text["vocab_size"] = -(-len(tokenizer) // 64) * 64
     specials = {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     text.update(specials, tie_word_embeddings=spec.tie_word_embeddings)
-    config_cls = getattr(transformers, spec.architecture.replace("ForConditionalGeneration", "Config"))
+    config_cls = getattr(
+        transformers, spec.architecture.replace("ForConditionalGeneration", "Config")
+    )
     config = config_cls(
         text_config=text,
         vision_config=dict(spec.vision),
@@ -291,6 +315,7 @@ def resolve_model(name_or_path: str) -> Path:
 
     Creation writes to a temporary folder beside the target and renames it into place, so a
     folder that exists is complete, and two processes racing both end with the same folder.
+    Full-size presets are created in bfloat16, on the GPU when there is one.
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -308,7 +333,11 @@ def resolve_model(name_or_path: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)
-        create_checkpoint(name_or_path, tmp)
+        if BUILTIN_MODELS[name_or_path].tiny:
+            create_checkpoint(name_or_path, tmp)
+        else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            create_checkpoint(name_or_path, tmp, dtype=torch.bfloat16, device=device)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -40,8 +40,9 @@ def compute_mrope_positions(
         pieces.append(torch.arange(pos, pos + text_len).expand(3, -1))
         pos += text_len
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw),
-                                          indexing="ij"))  # [3, t, gh, gw]
+        grid = torch.stack(
+            torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        )  # [3, t, gh, gw]
         pieces.append(grid.reshape(3, -1) + pos)
         pos += max(h, w) // spatial_merge_size
         cursor = offset + t * gh * gw
@@ -69,12 +70,14 @@ class Qwen2VLInputProcessor:
         self.merge_size: int = hf_config.vision_config.spatial_merge_size
         assert self.image_processor.merge_size == self.merge_size, "processor/model merge differ"
         settings = {
-            k: v for k, v in self.image_processor.to_dict().items()
+            k: v
+            for k, v in self.image_processor.to_dict().items()
             if k not in ("image_processor_type", "processor_class", "_processor_class")
         }
         self._hash_extra = json.dumps(
             {"model": str(self.model_path.resolve()), "processor": settings},
-            sort_keys=True, default=str,
+            sort_keys=True,
+            default=str,
         )
 
     def apply_chat_template(self, messages: list[dict]) -> str:

@@ -41,13 +41,20 @@ def load_image(
         except Exception as e:  # noqa: BLE001 - PIL raises many types on corrupt data
             raise InvalidImageError(f"could not decode image: {e}") from e
     else:
-        image = _decode(_read_source(src, allowed_local_dir, allow_remote, timeout,
-                                     max_remote_bytes), max_pixels)
+        image = _decode(
+            _read_source(src, allowed_local_dir, allow_remote, timeout, max_remote_bytes),
+            max_pixels,
+        )
     return _to_rgb(image)
 
 
-def _read_source(src: ImageSource, allowed_local_dir: str | None, allow_remote: bool,
-                 timeout: float, max_remote_bytes: int) -> bytes:
+def _read_source(
+    src: ImageSource,
+    allowed_local_dir: str | None,
+    allow_remote: bool,
+    timeout: float,
+    max_remote_bytes: int,
+) -> bytes:
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
     if isinstance(src, os.PathLike):
@@ -70,7 +77,7 @@ def _read_source(src: ImageSource, allowed_local_dir: str | None, allow_remote: 
 
 
 def _decode_data_url(url: str) -> bytes:
-    header, sep, payload = url[len("data:"):].partition(",")
+    header, sep, payload = url[len("data:") :].partition(",")
     if not sep:
         raise InvalidImageError("malformed data URL: no ',' before the payload")
     media_type, *params = header.split(";")

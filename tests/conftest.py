@@ -1,0 +1,36 @@
+"""Shared fixtures: the built-in tiny checkpoints, created once per session in a temp cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vlmserve.models.builtin import resolve_model
+
+
+@pytest.fixture(scope="session")
+def vlmserve_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh ``$VLMSERVE_CACHE`` for the whole session (restored afterwards)."""
+    root = tmp_path_factory.mktemp("vlmserve_cache")
+    old = os.environ.get("VLMSERVE_CACHE")
+    os.environ["VLMSERVE_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("VLMSERVE_CACHE", None)
+    else:
+        os.environ["VLMSERVE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_path(vlmserve_cache: Path) -> Path:
+    """Checkpoint folder of the built-in ``tiny-qwen2-vl``."""
+    return resolve_model("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_vl_path(vlmserve_cache: Path) -> Path:
+    """Checkpoint folder of the built-in ``tiny-qwen2.5-vl``."""
+    return resolve_model("tiny-qwen2.5-vl")

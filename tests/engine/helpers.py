@@ -1,0 +1,71 @@
+"""Shared pieces of the engine tests: deterministic images and prompts, the HF oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def make_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def chat_prompt(llm, text: str, images: list[Image.Image]) -> dict:
+    parts = [{"type": "image", "image": img} for img in images] + [{"type": "text", "text": text}]
+    return llm.chat_prompt([{"role": "user", "content": parts}])
+
+
+def mixed_prompts(llm) -> list[dict]:
+    """8 requests: different prompt lengths, 0-3 images of different sizes."""
+    specs = [
+        ("Hi.", []),
+        ("Describe the picture in detail, please.", [(56, 56)]),
+        ("What is in these images? Compare them.", [(84, 112), (112, 84), (140, 140)]),
+        ("A longer question about the scene: what colours appear, and where?", [(224, 224)]),
+        ("Count.", [(56, 84), (84, 56)]),
+        ("Tell me a story about a robot who learns to paint.", []),
+        ("Two images.", [(112, 112), (168, 112)]),
+        ("Look closely at the texture of this photograph.", [(196, 252)]),
+    ]
+    return [chat_prompt(llm, text, [make_image(w, h, 10 * i + j) for j, (w, h) in
+                                    enumerate(sizes)])
+            for i, (text, sizes) in enumerate(specs)]
+
+
+class HFOracle:
+    """Greedy `generate` of the transformers model on exactly our processed inputs."""
+
+    def __init__(self, path, arch: str) -> None:
+        import transformers
+
+        cls = getattr(transformers, arch)
+        self.model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+        self._cache: dict = {}
+
+    @torch.inference_mode()
+    def generate(self, processed, max_new_tokens: int) -> list[int]:
+        key = (tuple(processed.prompt_token_ids), max_new_tokens,
+               tuple(img.mm_hash for img in processed.images))
+        if key in self._cache:
+            return self._cache[key]
+        from transformers import GenerationConfig
+
+        ids = torch.tensor([processed.prompt_token_ids])
+        kwargs = {}
+        if processed.images:
+            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
+            kwargs["image_grid_thw"] = torch.tensor([img.grid_thw for img in processed.images])
+            # transformers 5.2x computes mRoPE positions only when told which tokens are images
+            mm = torch.zeros_like(ids)
+            for img in processed.images:
+                mm[0, img.offset:img.offset + img.length] = 1
+            kwargs["mm_token_type_ids"] = mm
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=cfg, **kwargs)
+        tokens = out[0, ids.shape[1]:].tolist()
+        self._cache[key] = tokens
+        return tokens

@@ -1,0 +1,82 @@
+"""Greedy output token-for-token identical to transformers `generate` on the tiny checkpoints,
+through every engine feature: batching, chunked prefill through images, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import HFOracle, chat_prompt, make_image, mixed_prompts
+from vlmserve import LLM, SamplingParams
+
+MAX_TOKENS = 10
+MODELS = {
+    "qwen2-vl": ("tiny-qwen2-vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2.5-vl": ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def setup(request, vlmserve_cache):
+    name, arch = MODELS[request.param]
+    llm = LLM(name, dtype="float32", device="cpu")
+    from vlmserve.models.builtin import resolve_model
+
+    return name, llm, HFOracle(resolve_model(name), arch)
+
+
+def check(llm: LLM, oracle: HFOracle, prompts: list[dict], **engine_kwargs) -> LLM:
+    if engine_kwargs:
+        llm = LLM(llm.engine.config.model_config.model, dtype="float32", device="cpu",
+                  **engine_kwargs)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        processed = llm.engine.input_processor.process(prompt)
+        assert out.prompt_token_ids == processed.prompt_token_ids
+        expected = oracle.generate(processed, MAX_TOKENS)
+        assert out.outputs[0].token_ids == expected, f"mismatch for {prompt.get('prompt')!r}"
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.engine.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["encoder_cache_entries"] == 0 and stats["mm_embedding_bytes_device"] == 0
+    return llm
+
+
+def test_text_only(setup):
+    _, llm, oracle = setup
+    check(llm, oracle, [chat_prompt(llm, "Write a haiku about the sea.", [])])
+
+
+def test_one_image(setup):
+    _, llm, oracle = setup
+    check(llm, oracle, [chat_prompt(llm, "What is this?", [make_image(112, 84, 1)])])
+
+
+def test_three_images_of_different_sizes(setup):
+    _, llm, oracle = setup
+    imgs = [make_image(56, 56, 2), make_image(140, 84, 3), make_image(224, 196, 4)]
+    check(llm, oracle, [chat_prompt(llm, "Compare the three.", imgs)])
+
+
+def test_eight_requests_together(setup):
+    _, llm, oracle = setup
+    check(llm, oracle, mixed_prompts(llm))
+
+
+@pytest.mark.parametrize("budget", [16, 37, 64])
+def test_chunks_cut_through_images(setup, budget):
+    _, llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm), max_num_batched_tokens=budget).engine
+    assert engine.num_steps > 8
+
+
+def test_max_num_seqs_smaller_than_requests(setup):
+    _, llm, oracle = setup
+    check(llm, oracle, mixed_prompts(llm), max_num_seqs=3, max_num_batched_tokens=64)
+
+
+def test_preemption_keeps_output(setup):
+    _, llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm), num_kv_blocks=24, block_size=8,
+                   max_num_batched_tokens=128).engine
+    assert engine.scheduler.num_preemptions > 0

@@ -1,0 +1,222 @@
+"""Admission processing vs Hugging Face: token expansion, grids, mRoPE positions; image loading."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
+from vlmserve.multimodal.hashing import hash_image
+from vlmserve.multimodal.image import load_image
+
+SIZES = [(60, 90), (200, 50), (128, 128)]  # three different grids
+
+
+def random_image(h: int, w: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat(num_images: int) -> list[dict]:
+    parts: list[dict] = []
+    for i in range(num_images):
+        parts += [{"type": "text", "text": f"Image {i}:"}, {"type": "image"}]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen2_vl_path", "tiny_qwen25_vl_path"])
+def model_and_processor(request: pytest.FixtureRequest):
+    path = request.getfixturevalue(request.param)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    return path, model, Qwen2VLInputProcessor(path, model.config)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_qwen2_vl_path: Path) -> Qwen2VLInputProcessor:
+    return Qwen2VLInputProcessor(tiny_qwen2_vl_path)
+
+
+def test_chat_template_renders_image_parts(processor: Qwen2VLInputProcessor) -> None:
+    text = processor.apply_chat_template(chat(1))
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nImage 0:<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    own_system = processor.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert own_system == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_expansion_matches_hf_image_processor(model_and_processor) -> None:
+    path, model, proc = model_and_processor
+    images = [random_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+    out = proc.process(proc.apply_chat_template(chat(3)), None, images)
+    hf = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+
+    grids = [tuple(g) for g in hf["image_grid_thw"].tolist()]
+    assert [i.grid_thw for i in out.images] == grids
+    assert len(set(grids)) == 3
+    assert torch.equal(torch.cat([i.pixel_values for i in out.images]), hf["pixel_values"])
+    image_token = model.config.image_token_id
+    ids = out.prompt_token_ids
+    for image, (t, h, w) in zip(out.images, grids, strict=True):
+        assert image.length == t * h * w // 4 == image.pixel_values.shape[0] // 4
+        run = ids[image.offset : image.offset + image.length]
+        assert run == [image_token] * image.length
+        assert (
+            ids[image.offset - 1] != image_token and ids[image.offset + image.length] != image_token
+        )
+    assert ids.count(image_token) == sum(i.length for i in out.images)
+
+    again = proc.process(None, ids, images)  # an already expanded prompt is accepted as is
+    assert again.prompt_token_ids == ids
+    assert [(i.offset, i.length) for i in again.images] == [
+        (i.offset, i.length) for i in out.images
+    ]
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 3])
+def test_mrope_positions_match_hf_get_rope_index(model_and_processor, num_images: int) -> None:
+    _, model, proc = model_and_processor
+    images = [random_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES[:num_images])]
+    out = proc.process(proc.apply_chat_template(chat(num_images)), None, images)
+
+    ids = torch.tensor([out.prompt_token_ids])
+    kwargs = {}
+    if images:
+        kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in out.images])
+    if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
+        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    positions, delta = model.model.get_rope_index(ids, **kwargs)
+
+    assert out.mrope_positions.shape == (3, len(out.prompt_token_ids))
+    assert torch.equal(out.mrope_positions, positions[:, 0])
+    assert out.mrope_delta == int(delta)
+    if num_images == 0:
+        assert out.mrope_delta == 0
+        assert torch.equal(out.mrope_positions[0], torch.arange(ids.shape[1]))
+    else:
+        assert out.mrope_delta < 0  # images use fewer positions than tokens
+
+
+def test_placeholder_count_mismatch_names_both_counts(processor: Qwen2VLInputProcessor) -> None:
+    prompt = processor.apply_chat_template(chat(2))
+    with pytest.raises(InvalidRequestError, match=r"2 image placeholder.*1 image"):
+        processor.process(prompt, None, [random_image(56, 56)])
+    with pytest.raises(InvalidRequestError, match=r"0 image placeholder.*1 image"):
+        processor.process("no images here", None, [random_image(56, 56)])
+
+
+def test_rejects_bad_runs_and_bad_arguments(processor: Qwen2VLInputProcessor) -> None:
+    pad = processor.image_token_id
+    image = random_image(56, 56)  # 4x4 patches -> 4 tokens
+    ok = processor.process(None, [1, pad, 2], [image])
+    assert ok.prompt_token_ids == [1, pad, pad, pad, pad, 2]
+    with pytest.raises(InvalidRequestError, match="3 tokens; expected 1 or 4"):
+        processor.process(None, [1, pad, pad, pad, 2], [image])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        processor.process("hi", [1, 2], [])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        processor.process(None, None, [])
+    with pytest.raises(InvalidRequestError, match="video"):
+        processor.process("<|vision_start|><|video_pad|><|vision_end|>", None, [])
+
+
+def test_image_hashes(processor: Qwen2VLInputProcessor, tiny_qwen25_vl_path: Path) -> None:
+    a, a_copy, b = (
+        random_image(40, 50, seed=0),
+        random_image(40, 50, seed=0),
+        random_image(40, 50, 1),
+    )
+    assert hash_image(a) == hash_image(a_copy)
+    assert hash_image(a) != hash_image(b)
+    assert hash_image(a) != hash_image(a, extra="other settings")
+    assert hash_image(a) != hash_image(a.convert("L").convert("RGB"))
+    assert hash_image(Image.new("RGB", (2, 3))) != hash_image(Image.new("RGB", (3, 2)))
+
+    prompt = processor.apply_chat_template(chat(3))
+    out = processor.process(prompt, None, [a, b, a_copy])
+    hashes = [i.mm_hash for i in out.images]
+    assert hashes[0] == hashes[2] != hashes[1]
+    other_model = Qwen2VLInputProcessor(tiny_qwen25_vl_path).process(prompt, None, [a, b, a_copy])
+    assert other_model.images[0].mm_hash != hashes[0]
+
+
+def test_load_image_sources(tmp_path: Path) -> None:
+    image = random_image(20, 30)
+    data = png_bytes(image)
+    (tmp_path / "a.png").write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for src in [
+        image,
+        data,
+        url,
+        str(tmp_path / "a.png"),
+        tmp_path / "a.png",
+        (tmp_path / "a.png").as_uri(),
+    ]:
+        loaded = load_image(src, allowed_local_dir=str(tmp_path))
+        assert loaded.mode == "RGB" and loaded.size == (30, 20)
+        assert loaded.tobytes() == image.tobytes()
+
+    rgba = Image.new("RGBA", (4, 4), (0, 0, 0, 0))  # fully transparent -> white
+    assert load_image(png_bytes(rgba)).getpixel((0, 0)) == (255, 255, 255)
+    assert load_image(Image.new("L", (3, 3), 7)).getpixel((1, 1)) == (7, 7, 7)
+
+
+@pytest.mark.parametrize(
+    "src, message",
+    [
+        (b"definitely not an image", "could not decode"),
+        (b"", "empty"),
+        (png_bytes(random_image(20, 30))[:60], "could not decode"),  # truncated file
+        (Image.new("RGB", (0, 0)), "zero size"),
+        ("data:image/png;base64,@@not-base64@@", "invalid base64"),
+        ("data:image/png,rawbytes", "base64"),
+        ("data:text/plain;base64,aGVsbG8=", "not an image"),
+        ("data:image/png;base64", "malformed data URL"),
+        ("/no/such/dir/image.png", "not found"),
+        ("file:///no/such/image.png", "not found"),
+        ("https://example.com/cat.png", "remote image URLs are not allowed"),
+        (12345, "unsupported image source"),
+    ],
+)
+def test_load_image_errors(src, message: str) -> None:
+    with pytest.raises(InvalidImageError, match=message):
+        load_image(src)
+
+
+def test_load_image_restrictions(tmp_path: Path) -> None:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    data = png_bytes(random_image(20, 30))
+    (outside / "x.png").write_bytes(data)
+    (allowed / "link.png").symlink_to(outside / "x.png")
+    for src in [outside / "x.png", str(allowed / ".." / "outside" / "x.png"), allowed / "link.png"]:
+        with pytest.raises(InvalidImageError, match="outside the allowed directory"):
+            load_image(src, allowed_local_dir=str(allowed))
+    assert load_image(outside / "x.png").size == (30, 20)  # no restriction when not given
+    with pytest.raises(InvalidImageError, match="600 pixels exceeds the limit of 599"):
+        load_image(data, max_pixels=599)
+    assert load_image(data, max_pixels=600).size == (30, 20)
