@@ -30,7 +30,7 @@ def main() -> None:
         [{"role": "user", "content": "Write one sentence about the sea."}],
     ]
     outs = llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-    for conv, out in zip(conversations, outs):
+    for out in outs:
         c = out.outputs[0]
         print(f"--- request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
               f"{len(c.token_ids)} output tokens, finish_reason={c.finish_reason}")

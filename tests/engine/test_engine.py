@@ -1,0 +1,183 @@
+"""Engine behaviour beyond greedy parity: sampling, stops, detokenization, bad input, chat."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from vlmserve import LLM, SamplingParams
+from vlmserve.errors import (
+    InvalidImageError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from vlmserve.request import RequestStatus
+
+
+@pytest.fixture(scope="module")
+def llm(vlmserve_cache):
+    return LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_batched_tokens=64)
+
+
+def greedy(n=12, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_text_is_incremental_decode_of_tokens(llm):
+    tok = llm.get_tokenizer()
+    for out in llm.generate(mixed_prompts(llm), greedy(16), use_tqdm=False):
+        c = out.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_truncates_and_finishes(llm):
+    prompt = chat_prompt(llm, "Say something.", [make_image(56, 56, 5)])
+    full = llm.generate(prompt, greedy(16), use_tqdm=False)[0].outputs[0]
+    stop = full.text[4:7]
+    assert stop and full.text.find(stop) >= 4
+    out = llm.generate(prompt, greedy(16, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+    kept = llm.generate(prompt, greedy(16, stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: full.text.find(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    prompt = chat_prompt(llm, "Hello there.", [])
+    full = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+    target = full.token_ids[5]
+    first = full.token_ids.index(target)
+    out = llm.generate(prompt, greedy(12, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.engine.eos_token_ids[0]
+    prompt = chat_prompt(llm, "Hello there.", [])
+    full = llm.generate(prompt, greedy(12, stop_token_ids=[]), use_tqdm=False)[0].outputs[0]
+    # make eos the token the model emits third: stop there without ignore_eos
+    llm.engine.eos_token_ids = (full.token_ids[2],)
+    try:
+        out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.engine.eos_token_ids = (eos,)
+    first = full.token_ids.index(full.token_ids[2])
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[: first + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
+    prompt = chat_prompt(llm, "Pick words.", [make_image(84, 84, 6)])
+    a = llm.generate([prompt] * 2, SamplingParams(max_tokens=16, temperature=1.0, seed=123,
+                                                  ignore_eos=True), use_tqdm=False)
+    b = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=123,
+                                            ignore_eos=True), use_tqdm=False)
+    assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
+    others = {tuple(llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.5, seed=s,
+                                                        ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids) for s in range(4)}
+    assert len(others) > 1
+    g = llm.generate(prompt, greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+    k1 = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=1,
+                                             ignore_eos=True), use_tqdm=False)
+    p0 = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.8, top_p=1e-6,
+                                             seed=1, ignore_eos=True), use_tqdm=False)
+    assert k1[0].outputs[0].token_ids == g == p0[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_k": -5}, "top_k"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params(kwargs, word):
+    with pytest.raises(InvalidSamplingParamsError, match=word):
+        SamplingParams(**kwargs)
+
+
+def _png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bad_input_rejected_while_others_are_served(llm):
+    engine = llm.engine
+    good = [chat_prompt(llm, "First.", [make_image(56, 84, 7)]),
+            chat_prompt(llm, "Second.", [make_image(112, 56, 8)])]
+    expected = [o.outputs[0].token_ids for o in llm.generate(good, greedy(), use_tqdm=False)]
+    one_pad = chat_prompt(llm, "Two?", [make_image(56, 56, 9)])["prompt"]
+    bad_cases = [
+        ({"prompt": one_pad, "multi_modal_data": {"image": [make_image(56, 56, 1)] * 2}},
+         InvalidRequestError, "placeholder"),
+        ({"prompt": one_pad, "multi_modal_data": {"image": b"not an image at all"}},
+         InvalidImageError, "image 0"),
+        ({"prompt": one_pad, "multi_modal_data": {"image": "data:image/png;base64,"
+                                                  + base64.b64encode(b"junk").decode()}},
+         InvalidImageError, "image 0"),
+        ({"prompt": one_pad, "multi_modal_data": {"image": _zero_image()}},
+         InvalidImageError, "zero"),
+        ({"prompt_token_ids": [10**9]}, InvalidRequestError, "vocabulary"),
+        ({"prompt_token_ids": [5] * 40000}, PromptTooLongError, "maximum context length"),
+    ]
+    engine.add_request(good[0], greedy(), request_id="g0")
+    for i, (prompt, exc, words) in enumerate(bad_cases):
+        with pytest.raises(exc, match=words):
+            engine.add_request(prompt, greedy(), request_id=f"bad{i}")
+        engine.step()  # the good request keeps running in between
+    with pytest.raises(InvalidSamplingParamsError):
+        engine.add_request(good[1], SamplingParams(max_tokens=-1))
+    engine.add_request(good[1], greedy(), request_id="g1")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done["g0"], done["g1"]] == expected
+    assert not any(rid.startswith("bad") for rid in engine.scheduler.requests)
+
+
+def _zero_image():
+    from PIL import Image
+
+    return Image.new("RGB", (0, 0))
+
+
+def test_chat_with_data_url_and_file_path(llm, tmp_path):
+    img = make_image(84, 56, 11)
+    path = tmp_path / "img.png"
+    img.save(path)
+    url = "data:image/png;base64," + base64.b64encode(_png_bytes(img)).decode()
+    outs = []
+    for src in (url, str(path), f"file://{path}"):
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": src}},
+            {"type": "text", "text": "What is this?"}]}]
+        outs.append(llm.chat(messages, greedy(), use_tqdm=False)[0].outputs[0].token_ids)
+    direct = llm.generate(chat_prompt(llm, "What is this?", [img]), greedy(), use_tqdm=False)
+    assert outs[0] == outs[1] == outs[2] == direct[0].outputs[0].token_ids
+
+
+def test_unsupported_content_part_rejected(llm):
+    with pytest.raises(InvalidRequestError, match="input_audio"):
+        llm.chat([{"role": "user", "content": [{"type": "input_audio"}]}], greedy())
+
+
+def test_abort_frees_everything(llm):
+    engine = llm.engine
+    for i, prompt in enumerate(mixed_prompts(llm)):
+        engine.add_request(prompt, greedy(50), request_id=f"ab{i}")
+    for _ in range(3):
+        engine.step()
+    engine.abort_request([f"ab{i}" for i in range(8)])
+    engine.step()
+    s = engine.get_stats()
+    assert s["num_running"] == s["num_waiting"] == 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["encoder_cache_entries"] == 0
+    assert s["mm_embedding_entries_device"] == 0
+    assert RequestStatus.FINISHED_ABORTED.value == "abort"
