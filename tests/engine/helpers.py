@@ -37,11 +37,12 @@ def mixed_prompts(llm) -> list[dict]:
 class HFOracle:
     """Greedy `generate` of the transformers model on exactly our processed inputs."""
 
-    def __init__(self, path, arch: str) -> None:
+    def __init__(self, path, arch: str, device: str = "cpu") -> None:
         import transformers
 
         cls = getattr(transformers, arch)
-        self.model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.model = cls.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        self.device = device
         self._cache: dict = {}
 
     @torch.inference_mode()
@@ -64,6 +65,8 @@ class HFOracle:
             kwargs["mm_token_type_ids"] = mm
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = ids.to(self.device)
+        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                   generation_config=cfg, **kwargs)
         tokens = out[0, ids.shape[1]:].tolist()

@@ -3,12 +3,19 @@ through every engine feature: batching, chunked prefill through images, preempti
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.engine.helpers import HFOracle, chat_prompt, make_image, mixed_prompts
 from vlmserve import LLM, SamplingParams
 
 MAX_TOKENS = 10
+# The same parity on the GPU (float32): VLMSERVE_TEST_DEVICE=cuda pytest tests/engine/test_parity.py
+DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
 MODELS = {
     "qwen2-vl": ("tiny-qwen2-vl", "Qwen2VLForConditionalGeneration"),
     "qwen2.5-vl": ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),
@@ -18,15 +25,15 @@ MODELS = {
 @pytest.fixture(scope="module", params=list(MODELS))
 def setup(request, vlmserve_cache):
     name, arch = MODELS[request.param]
-    llm = LLM(name, dtype="float32", device="cpu")
+    llm = LLM(name, dtype="float32", device=DEVICE)
     from vlmserve.models.builtin import resolve_model
 
-    return name, llm, HFOracle(resolve_model(name), arch)
+    return name, llm, HFOracle(resolve_model(name), arch, DEVICE)
 
 
 def check(llm: LLM, oracle: HFOracle, prompts: list[dict], **engine_kwargs) -> LLM:
     if engine_kwargs:
-        llm = LLM(llm.engine.config.model_config.model, dtype="float32", device="cpu",
+        llm = LLM(llm.engine.config.model_config.model, dtype="float32", device=DEVICE,
                   **engine_kwargs)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

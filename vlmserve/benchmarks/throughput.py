@@ -1,0 +1,173 @@
+"""Offline throughput: our engine and (optionally) transformers `generate` on the same requests.
+
+    python -m vlmserve.benchmarks.throughput --model qwen2-vl-2b-random --num-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections import defaultdict
+
+import torch
+from tqdm.auto import tqdm
+
+from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
+    from vlmserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+              for r in reqs]
+    warm = reqs[: min(4, len(reqs))]
+    llm.generate([r.prompt for r in warm], params[: len(warm)], use_tqdm=False)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=True)
+    _sync()
+    elapsed = time.perf_counter() - t0
+    stats = llm.engine.get_stats()
+    result = _summary("vlmserve", reqs, [len(o.prompt_token_ids) for o in outs],
+                      [len(o.outputs[0].token_ids) for o in outs], elapsed)
+    result["engine_steps"] = stats["num_steps"]
+    if torch.cuda.is_available():
+        result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del llm, outs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: torch.dtype,
+           processor) -> dict:
+    """Static batches of `batch_size`, grouped by image sizes so that a batch needs no
+    padding; preprocessing (our processor, the same HF image processor) is timed too."""
+    import transformers
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    cls = getattr(transformers, cfg.architectures[0])
+    model = cls.from_pretrained(model_path, dtype=dtype).to("cuda" if torch.cuda.is_available()
+                                                            else "cpu").eval()
+    device = next(model.parameters()).device
+    groups = defaultdict(list)
+    for r in reqs:
+        groups[(tuple(r.image_sizes), len(r.prompt["prompt_token_ids"]), r.output_len)].append(r)
+    batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+    def gen(batch):
+        procs = [processor.process(None, r.prompt["prompt_token_ids"],
+                                   r.prompt["multi_modal_data"]["image"]) for r in batch]
+        ids = torch.tensor([p.prompt_token_ids for p in procs], device=device)
+        mm = torch.zeros_like(ids)
+        for row, p in enumerate(procs):
+            for img in p.images:
+                mm[row, img.offset:img.offset + img.length] = 1
+        pixels = torch.cat([img.pixel_values for p in procs for img in p.images]).to(device)
+        grid = torch.tensor([img.grid_thw for p in procs for img in p.images], device=device)
+        n = batch[0].output_len
+        gcfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 pixel_values=pixels, image_grid_thw=grid,
+                                 mm_token_type_ids=mm, generation_config=gcfg)
+        return ids.shape[1], out.shape[1] - ids.shape[1]
+
+    gen(batches[0][:2])  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    prompt_lens, out_lens = [], []
+    for batch in tqdm(batches, desc="HF batches"):
+        p, o = gen(batch)
+        prompt_lens += [p] * len(batch)
+        out_lens += [o] * len(batch)
+    _sync()
+    elapsed = time.perf_counter() - t0
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return _summary("hf", reqs, prompt_lens, out_lens, elapsed)
+
+
+def _summary(backend, reqs, prompt_lens, out_lens, elapsed) -> dict:
+    n_img = sum(len(r.image_sizes) for r in reqs)
+    return {
+        "backend": backend, "requests": len(reqs), "elapsed_s": elapsed,
+        "requests_per_s": len(reqs) / elapsed,
+        "input_tokens_per_s": sum(prompt_lens) / elapsed,
+        "output_tokens_per_s": sum(out_lens) / elapsed,
+        "images_per_s": n_img / elapsed,
+        "total_output_tokens": sum(out_lens),
+    }
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="tiny-qwen2-vl")
+    ap.add_argument("--dataset", default="random-mm", help="random-mm or a .jsonl file")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--image-sizes", default="448,672,896")
+    ap.add_argument("--images-per-request", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=50)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="write results as JSON here")
+
+
+def main(args: argparse.Namespace | None = None) -> list[dict]:
+    if args is None:
+        ap = argparse.ArgumentParser(description=__doc__)
+        add_args(ap)
+        args = ap.parse_args()
+    from vlmserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early on bad install)
+    from vlmserve.models.builtin import resolve_model
+    from vlmserve.models.loader import load_hf_config
+    from vlmserve.models.registry import resolve_model_class
+
+    path = str(resolve_model(args.model))
+    hf_config = load_hf_config(path)
+    processor = resolve_model_class(hf_config).input_processor_cls(path, hf_config)
+    if args.dataset == "random-mm":
+        reqs = random_mm(processor.tokenizer, num_requests=args.num_requests,
+                         image_sizes=[int(s) for s in args.image_sizes.split(",")],
+                         images_per_request=args.images_per_request,
+                         prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
+    else:
+        reqs = jsonl(args.dataset, args.output_len)
+    results = []
+    if args.backend in ("vlmserve", "both"):
+        results.append(run_vlmserve(reqs, dict(
+            model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens)))
+    if args.backend in ("hf", "both"):
+        dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
+            torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
+        results.append(run_hf(reqs, path, args.hf_batch_size, dtype, processor))
+    if len(results) == 2:
+        results[0]["speedup_vs_hf_output_tokens"] = (
+            results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"])
+    for r in results:
+        print(json.dumps(r))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
