@@ -33,8 +33,15 @@ class CacheConfig:
         None, "KV cache blocks; default: from gpu_memory_utilization on CUDA, 4096 on CPU."
     )
     gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
-    encoder_cache_tokens: int | None = _opt(
-        None, "Encoder cache capacity in image-embedding rows (default: 4 x the step budget)."
+    mm_cache_gb: float = _opt(
+        4.0, "Byte budget (GiB) for image embeddings: host memory when offloaded, else device."
+    )
+    enable_mm_cache: bool = _opt(
+        True, "Keep embeddings of finished requests (LRU, by image content hash) for reuse."
+    )
+    mm_embedding_offload: bool | None = _opt(
+        None, "Keep image embeddings in pinned host memory and prefetch each chunk's rows; "
+        "default: on with chunked prefill on CUDA."
     )
 
 

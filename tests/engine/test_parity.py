@@ -43,9 +43,16 @@ def check(llm: LLM, oracle: HFOracle, prompts: list[dict], **engine_kwargs) -> L
         expected = oracle.generate(processed, MAX_TOKENS)
         assert out.outputs[0].token_ids == expected, f"mismatch for {prompt.get('prompt')!r}"
         assert out.outputs[0].finish_reason == "length"
+    llm.engine.step()  # an empty step hands the worker the last frees
     stats = llm.engine.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["encoder_cache_entries"] == 0 and stats["mm_embedding_bytes_device"] == 0
+    assert stats["encoder_cache_referenced"] == 0
+    assert stats["mm_embedding_entries"] == stats["encoder_cache_entries"]
+    if not llm.engine.config.cache_config.enable_mm_cache:
+        assert stats["encoder_cache_entries"] == 0
+        assert stats["mm_embedding_bytes_host"] == 0
+    if not stats["mm_embedding_offload"]:
+        assert stats["mm_embedding_bytes_host"] == 0
     return llm
 
 
@@ -87,3 +94,16 @@ def test_preemption_keeps_output(setup):
     engine = check(llm, oracle, mixed_prompts(llm), num_kv_blocks=24, block_size=8,
                    max_num_batched_tokens=128).engine
     assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("budget", [16, 37, 64])
+@pytest.mark.parametrize("offload, cache", [(True, True), (True, False), (False, False)])
+def test_offload_and_cache_modes(setup, budget, offload, cache):
+    _, llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm), max_num_batched_tokens=budget,
+                   max_num_seqs=4, mm_embedding_offload=offload, enable_mm_cache=cache).engine
+    stats = engine.get_stats()
+    if offload:
+        assert stats["prefetch_hit_rows"] > 0, "the next-step prediction should mostly hit"
+        assert stats["mm_embedding_peak_bytes_device"] == 2 * budget * engine.executor \
+            .bytes_per_embedding_row, "only the two ping-pong buffers stay on the device"

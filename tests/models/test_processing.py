@@ -138,6 +138,8 @@ def test_rejects_bad_runs_and_bad_arguments(processor: Qwen2VLInputProcessor) ->
         processor.process("hi", [1, 2], [])
     with pytest.raises(InvalidRequestError, match="exactly one"):
         processor.process(None, None, [])
+    with pytest.raises(InvalidImageError, match="aspect ratio"):
+        processor.process("<|image_pad|>", None, [Image.new("RGB", (1, 300))])
     with pytest.raises(InvalidRequestError, match="video"):
         processor.process("<|vision_start|><|video_pad|><|vision_end|>", None, [])
 

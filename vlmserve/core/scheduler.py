@@ -27,9 +27,11 @@ class SchedulerStats:
     num_free_kv_blocks: int
     encoder_cache_rows: int
     encoder_cache_entries: int
+    encoder_cache_referenced: int
     num_preemptions: int
     num_images_encoded: int
     num_encoder_cache_hits: int
+    num_encoder_cache_evictions: int
 
 
 class Scheduler:
@@ -44,6 +46,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_num_encoder_tokens: int | None = None,
         encoder_cache_rows: int | None = None,
+        retain_encoder_outputs: bool = False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,7 +55,8 @@ class Scheduler:
         self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         self.kv = KVCacheManager(num_kv_blocks, block_size)
         self.encoder_cache = EncoderCacheManager(
-            encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens))
+            encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens),
+            retain=retain_encoder_outputs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -142,7 +146,29 @@ class Scheduler:
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
+        out.prefetch = self._predict_next_rows(out)
         return out
+
+    def _predict_next_rows(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """Image rows the next step will probably read, assuming it continues the running
+        requests in order under the same budget (decodes take one token each). A wrong guess
+        costs a synchronous copy in the worker, never correctness."""
+        budget = self.max_num_batched_tokens
+        spans = []
+        for req in self.running:
+            start = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
+            total = req.num_tokens + (1 if start >= req.num_tokens else 0)
+            n = min(total - start, budget)
+            if n <= 0:
+                continue
+            budget -= n
+            for img in req.images:
+                lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
+                if lo < hi and img.mm_hash in self.encoder_cache:
+                    spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
+            if budget <= 0:
+                break
+        return spans
 
     def _plan_chunk(
         self, req: Request, budget: int, enc_budget: int, out: SchedulerOutput
@@ -154,15 +180,19 @@ class Scheduler:
         enc_ids: list[int] = []
         enc_cost = 0
         pending: set[str] = set()
+        reused: set[str] = set()
         for idx, img in enumerate(req.images):
             if img.offset >= start + num_new:
                 break
             if img.offset + img.length <= start:
                 continue
-            if img.mm_hash in self.encoder_cache or img.mm_hash in pending:
+            if img.mm_hash in self.encoder_cache:
+                reused.add(img.mm_hash)
+                continue
+            if img.mm_hash in pending:
                 continue
             if (enc_cost + img.length > enc_budget
-                    or not self.encoder_cache.can_allocate(enc_cost + img.length)):
+                    or not self.encoder_cache.can_allocate(enc_cost + img.length, reused)):
                 num_new = img.offset - start
                 break
             enc_ids.append(idx)
@@ -180,19 +210,17 @@ class Scheduler:
         self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
     ) -> None:
         start = req.num_computed_tokens
-        for idx, img in enumerate(req.images):
-            if img.offset >= start + num_new:
-                break
-            if img.offset + img.length <= start:
-                continue
-            if idx in enc_ids:
-                if img.mm_hash in self.encoder_cache:  # a duplicate within this request
-                    self.encoder_cache.add_ref(img.mm_hash, req.request_id)
-                    continue
-                self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
-                out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
-            else:
+        needed = [(idx, img) for idx, img in enumerate(req.images)
+                  if img.offset < start + num_new and img.offset + img.length > start]
+        new_hashes = {req.images[idx].mm_hash for idx in enc_ids}
+        # reuse present entries first, so that allocating new ones cannot evict them
+        for _, img in needed:
+            if img.mm_hash not in new_hashes:
                 self.encoder_cache.add_ref(img.mm_hash, req.request_id)
+        for idx in enc_ids:
+            img = req.images[idx]
+            self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
+            out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
         out.num_scheduled_tokens[req.request_id] = num_new
         block_ids = self.kv.block_ids(req.request_id)
         if req.request_id in self._on_worker:
@@ -295,7 +323,9 @@ class Scheduler:
             num_free_kv_blocks=self.kv.num_free_blocks,
             encoder_cache_rows=self.encoder_cache.used_rows,
             encoder_cache_entries=self.encoder_cache.num_entries,
+            encoder_cache_referenced=self.encoder_cache.num_referenced,
             num_preemptions=self.num_preemptions,
             num_images_encoded=self.encoder_cache.num_encoded,
             num_encoder_cache_hits=self.encoder_cache.num_hits,
+            num_encoder_cache_evictions=self.encoder_cache.num_evictions,
         )

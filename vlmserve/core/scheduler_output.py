@@ -47,6 +47,9 @@ class SchedulerOutput:
     free_encoder_hashes: list[str] = field(default_factory=list)
     # requests finished, aborted or preempted since the last step: the worker drops them
     finished_request_ids: set[str] = field(default_factory=set)
+    # image rows (hash, first row, end row) the NEXT step is expected to read from entries
+    # that exist after this step's encoder runs: the worker copies them to the GPU ahead
+    prefetch: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -23,6 +23,7 @@ from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+LOG_INTERVAL_S = 10.0
 
 
 def _text_config(hf_config):
@@ -75,13 +76,16 @@ class LLMEngine:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
                 sc.max_num_batched_tokens, _max_image_tokens(model_processor)),
-            encoder_cache_rows=cc.encoder_cache_tokens,
+            encoder_cache_rows=int(cc.mm_cache_gb * 2**30)
+            // self.executor.bytes_per_embedding_row,
+            retain_encoder_outputs=cc.enable_mm_cache,
         )
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self._last_log = time.monotonic()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -133,17 +137,36 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(req))
             if req.status.finished:
                 self.output_processor.drop(req.request_id)
+        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
+            self._log_stats()
         return outputs
+
+    def _log_stats(self) -> None:
+        self._last_log = time.monotonic()
+        s = self.get_stats()
+        logger.info(
+            "running %d, waiting %d, KV cache %.1f%%, image embeddings %.1f MiB on device / "
+            "%.1f MiB on host, encoder cache hits %d misses %d evictions %d, prefetch waits %d",
+            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+            s["mm_embedding_bytes_device"] / 2**20, s["mm_embedding_bytes_host"] / 2**20,
+            s["num_encoder_cache_hits"], s["num_images_encoded"], s["num_encoder_cache_evictions"],
+            s["prefetch_waits"])
 
     def get_stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         runner = self.executor.runner
+        store = runner.store
         return {
             **s.__dict__,
             "num_kv_blocks": self.scheduler.kv.num_blocks,
-            "mm_embedding_bytes_device": runner.store.bytes_on_device,
-            "mm_embedding_entries_device": runner.store.num_entries,
-            "mm_embedding_peak_bytes_device": runner.store.peak_bytes,
+            "mm_embedding_offload": store.offload,
+            "mm_embedding_bytes_device": store.bytes_on_device,
+            "mm_embedding_bytes_host": store.bytes_on_host,
+            "mm_embedding_entries": store.num_entries,
+            "mm_embedding_peak_bytes_device": store.stats.peak_device_bytes,
+            "prefetch_hit_rows": store.stats.prefetch_hit_rows,
+            "prefetch_miss_rows": store.stats.prefetch_miss_rows,
+            "prefetch_waits": store.stats.prefetch_waits,
             "encoder_batches": runner.encoder.num_batches,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,

@@ -34,15 +34,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class UniprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
                  random_weights: bool = False) -> None:
-        mc, cc = config.model_config, config.cache_config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
         model = load_model(model_path, hf_config, self.dtype, self.device, random_weights)
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
             model, config, max_model_len)
+        offload = cc.mm_embedding_offload
+        if offload is None:
+            offload = sc.enable_chunked_prefill and self.device.type == "cuda"
+        self.mm_offload = offload
+        self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
         self.runner = ModelRunner(model, self.device, self.dtype, self.num_kv_blocks,
-                                  cc.block_size)
+                                  cc.block_size, mm_offload=offload,
+                                  max_num_batched_tokens=sc.max_num_batched_tokens)
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 

@@ -16,8 +16,12 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -154,8 +158,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 
-def build_tokenizer():
-    """The tiny byte-level BPE tokenizer with Qwen's special tokens (a PreTrainedTokenizerFast)."""
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny byte-level BPE tokenizer with Qwen's special tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -178,7 +182,7 @@ def build_tokenizer():
     )
 
 
-def _token_ids(tokenizer) -> dict[str, int]:
+def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return dict(
         image_token_id=ids["<|image_pad|>"],
@@ -191,7 +195,7 @@ def _token_ids(tokenizer) -> dict[str, int]:
     )
 
 
-def build_config(name: str, tokenizer=None):
+def build_config(name: str, tokenizer: PreTrainedTokenizerFast | None = None) -> PretrainedConfig:
     """The transformers config of built-in model ``name`` (special ids from ``tokenizer``)."""
     import transformers
 

@@ -14,6 +14,9 @@ class VisionLanguageModel(Protocol):
     uses_mrope: bool
     #: class that turns prompt + images into a ProcessedPrompt (run at admission)
     input_processor_cls: type
+    #: width of the LM's embeddings (== rows of an image embedding)
+    hidden_size: int
+    num_layers: int
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]"""

@@ -49,6 +49,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.language_model.kv_cache_shape(num_blocks, block_size)
 
     @property
+    def hidden_size(self) -> int:
+        return self.language_model.config.hidden_size
+
+    @property
     def num_layers(self) -> int:
         return len(self.language_model.layers)
 

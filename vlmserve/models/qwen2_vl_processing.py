@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -16,6 +17,9 @@ from PIL import Image
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def compute_mrope_positions(
@@ -56,7 +60,7 @@ def compute_mrope_positions(
 class Qwen2VLInputProcessor:
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
-    def __init__(self, model_path: str | Path, hf_config=None) -> None:
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = Path(model_path)
@@ -115,7 +119,9 @@ class Qwen2VLInputProcessor:
             )
         if not images:
             positions, delta = compute_mrope_positions(len(ids), [], self.merge_size)
-            return ProcessedPrompt(prompt, ids, [], positions, delta)
+            return ProcessedPrompt(
+                prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
+            )
 
         pixel_values, grids = self._run_image_processor(images)
         out_ids: list[int] = []
@@ -147,7 +153,9 @@ class Qwen2VLInputProcessor:
             )
         ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
-        return ProcessedPrompt(prompt, out_ids, image_inputs, positions, delta)
+        return ProcessedPrompt(
+            prompt, out_ids, images=image_inputs, mrope_positions=positions, mrope_delta=delta
+        )
 
     def _run_image_processor(
         self, images: Sequence[Image.Image]

@@ -1,40 +1,202 @@
 """Physical storage of image embeddings (encoder outputs), keyed by content hash.
 
 The scheduler's `EncoderCacheManager` decides which entries exist; this store holds their
-tensors and hands the model runner exactly the rows a chunk needs.
+tensors and hands the model runner exactly the rows each chunk needs.
+
+Without offload, entries stay on the compute device. With offload, each fresh encoder output
+is copied to (pinned) host memory on a copy stream right after the encoder runs and its
+device copy is dropped at the end of the step. Rows a chunk needs come back through two
+ping-pong device buffers of one step's size: while step N reads buffer A, the rows the
+scheduler predicts for step N+1 are copied host-to-device into buffer B on the copy stream.
+Events order each copy before the reads of its buffer, and each overwrite of a buffer after
+the reads of the step that used it last. Rows the prediction missed are copied on the spot
+(counted), so a wrong guess costs time, never correctness. On the CPU there are no streams,
+but the same code path and buffer rotation run.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 
-class MMEmbeddingStore:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._entries: dict[str, torch.Tensor] = {}
-        self.peak_bytes = 0
+@dataclass
+class StoreStats:
+    prefetch_hit_rows: int = 0  # rows read from a buffer filled ahead of time
+    prefetch_miss_rows: int = 0  # rows the prediction missed, copied synchronously
+    prefetch_waits: int = 0  # steps whose prefetch copy had not finished when needed
+    peak_device_bytes: int = 0
 
-    def put(self, mm_hash: str, rows: torch.Tensor) -> None:
-        """rows: [num_rows, hidden] fresh from the vision tower."""
-        self._entries[mm_hash] = rows
-        self.peak_bytes = max(self.peak_bytes, self.bytes_on_device)
+
+class _Events:
+    """CUDA events on CUDA; on the CPU, stand-ins that are always complete."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def record(self, stream=None):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream or torch.cuda.current_stream())
+        return ev
+
+    @staticmethod
+    def done(ev) -> bool:
+        return ev is None or ev.query()
+
+    def wait(self, ev, stream=None) -> None:
+        if ev is not None:
+            (stream or torch.cuda.current_stream()).wait_event(ev)
+
+
+class MMEmbeddingStore:
+    def __init__(self, device: torch.device, hidden_size: int, dtype: torch.dtype,
+                 offload: bool = False, buffer_rows: int = 0) -> None:
+        self.device = device
+        self.offload = offload
+        self.stats = StoreStats()
+        self._device: dict[str, torch.Tensor] = {}  # entries kept on the device
+        self._host: dict[str, torch.Tensor] = {}  # offloaded entries
+        self._fresh: dict[str, torch.Tensor] = {}  # encoded this step, still on the device
+        self._ev = _Events(device)
+        self.trace: list[tuple] = []  # (op, buffer, step): the ping-pong order, for tests
+        self.step = 0
+        if offload:
+            self._buffers = [torch.empty(buffer_rows, hidden_size, dtype=dtype, device=device)
+                             for _ in range(2)]
+            self._copy_done = [None, None]  # prefetch into buffer i finished
+            self._read_done = [None, None]  # the last step reading buffer i finished reading
+            self._layout: list[dict[str, list[tuple[int, int, int]]]] = [{}, {}]
+            self._used = [0, 0]  # rows of buffer i taken by its layout
+            self.cur = 1  # begin_step flips to buffer 0 for the first step
+
+    # ---- entries ---------------------------------------------------------------------------
 
     def __contains__(self, mm_hash: str) -> bool:
-        return mm_hash in self._entries
+        return mm_hash in self._device or mm_hash in self._host or mm_hash in self._fresh
 
-    def rows(self, mm_hash: str, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of an image's embedding, on the compute device."""
-        return self._entries[mm_hash][start:end]
+    def put(self, mm_hash: str, rows: torch.Tensor) -> None:
+        """rows: [num_rows, hidden], fresh from the vision tower."""
+        if not self.offload:
+            self._device[mm_hash] = rows
+            self._note_peak()
+            return
+        self._fresh[mm_hash] = rows
+        pin = self.device.type == "cuda"
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+        if self._ev.cuda:
+            computed = self._ev.record()
+            with torch.cuda.stream(self._ev.copy_stream):
+                self._ev.wait(computed, self._ev.copy_stream)
+                host.copy_(rows, non_blocking=True)
+            rows.record_stream(self._ev.copy_stream)
+        else:
+            host.copy_(rows)
+        self._host[mm_hash] = host
 
     def free(self, hashes: list[str]) -> None:
         for h in hashes:
-            self._entries.pop(h, None)
+            self._device.pop(h, None)
+            self._host.pop(h, None)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new engine step: it reads the buffer the previous step prefetched into."""
+        self.step += 1
+        if self.offload:
+            self.cur ^= 1
+
+    def prefetch(self, spans: list[tuple[str, int, int]]) -> None:
+        """Copy rows the NEXT step is expected to need into the other buffer, on the copy
+        stream, once the step that last read that buffer is done with it."""
+        if not self.offload:
+            return
+        nxt = self.cur ^ 1
+        self.trace.append(("wait_reads", nxt, self.step))
+        layout, used = {}, 0
+        buf = self._buffers[nxt]
+        stream = self._ev.copy_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            self._ev.wait(self._read_done[nxt], stream)
+            for h, start, end in spans:
+                src = self._host.get(h)
+                n = end - start
+                if src is None or used + n > buf.shape[0]:
+                    continue
+                buf[used:used + n].copy_(src[start:end], non_blocking=True)
+                layout.setdefault(h, []).append((start, end, used))
+                used += n
+            self._copy_done[nxt] = self._ev.record(stream)
+        self.trace.append(("prefetch", nxt, self.step))
+        self._layout[nxt], self._used[nxt] = layout, used
+
+    def gather(self, spans: list[tuple[str, int, int]]) -> torch.Tensor | None:
+        """The rows [start, end) of each (hash, start, end), concatenated: [rows, hidden]."""
+        if not spans:
+            return None
+        if not self.offload:
+            return torch.cat([self._device[h][s:e] for h, s, e in spans])
+        cur, buf = self.cur, self._buffers[self.cur]
+        if not self._ev.done(self._copy_done[cur]):
+            self.stats.prefetch_waits += 1
+        self._ev.wait(self._copy_done[cur])
+        self.trace.append(("read", cur, self.step))
+        parts = []
+        for h, s, e in spans:
+            if h in self._fresh:
+                parts.append(self._fresh[h][s:e])
+                continue
+            hit = next((off + s - a for a, b, off in self._layout[cur].get(h, ())
+                        if a <= s and e <= b), None)
+            if hit is not None:
+                parts.append(buf[hit:hit + e - s])
+                self.stats.prefetch_hit_rows += e - s
+                continue
+            self.stats.prefetch_miss_rows += e - s
+            used = self._used[cur]
+            if used + e - s <= buf.shape[0]:
+                buf[used:used + e - s].copy_(self._host[h][s:e], non_blocking=True)
+                self._used[cur] = used + e - s
+                parts.append(buf[used:used + e - s])
+            else:
+                parts.append(self._host[h][s:e].to(self.device, non_blocking=True))
+        out = torch.cat(parts)  # the only read of the buffer this step
+        self._read_done[cur] = self._ev.record()
+        return out
+
+    def end_step(self) -> None:
+        """Drop the device copies of this step's fresh outputs (the host copies stay)."""
+        self._note_peak()
+        self._fresh.clear()
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def _note_peak(self) -> None:
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.bytes_on_device)
 
     @property
     def num_entries(self) -> int:
-        return len(self._entries)
+        return len(self._device) + len(self._host)
 
     @property
     def bytes_on_device(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._entries.values())
+        """Embedding bytes held on the device: kept entries plus the ping-pong buffers."""
+        held = sum(_nbytes(t) for t in self._device.values())
+        if self.offload:
+            held += sum(_nbytes(b) for b in self._buffers)
+        return held
+
+    @property
+    def bytes_on_host(self) -> int:
+        return sum(_nbytes(t) for t in self._host.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+

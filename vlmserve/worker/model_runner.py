@@ -35,7 +35,8 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, mm_offload: bool = False, max_num_batched_tokens: int = 0
+                 ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -44,7 +45,8 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.num_layers)]
-        self.store = MMEmbeddingStore(device)
+        self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
+                                      buffer_rows=max_num_batched_tokens)
         self.encoder = EncoderRunner(model, device, self.store)
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -83,8 +85,16 @@ class ModelRunner:
         """Run the step; returns the token sampled for each request whose chunk reached the
         end of its known tokens."""
         self._update_states(so)
+        self.store.begin_step()
         self.encoder.run([self.requests[rid].images[i]
                           for rid, idxs in so.scheduled_encoder_inputs.items() for i in idxs])
+        self.store.prefetch(so.prefetch)  # overlaps with this step's compute
+        try:
+            return self._run_lm(so)
+        finally:
+            self.store.end_step()
+
+    def _run_lm(self, so: SchedulerOutput) -> dict[str, int]:
         if so.is_empty:
             return {}
 
@@ -94,7 +104,7 @@ class ModelRunner:
         positions = []
         seq_lens = []
         dest_rows: list[int] = []
-        src_rows: list[torch.Tensor] = []
+        spans: list[tuple[str, int, int]] = []
         sample_index: list[int] = []
         base = 0
         for st, n in zip(states, query_lens):
@@ -106,8 +116,7 @@ class ModelRunner:
             for img in st.images:
                 lo, hi = max(start, img.offset), min(end, img.offset + img.length)
                 if lo < hi:
-                    src_rows.append(self.store.rows(img.mm_hash, lo - img.offset,
-                                                    hi - img.offset))
+                    spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
                     dest_rows.extend(range(base + lo - start, base + hi - start))
             base += n
             if end == len(st.token_ids):
@@ -115,9 +124,10 @@ class ModelRunner:
 
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
-        if src_rows:
-            dest = torch.tensor(dest_rows, dtype=torch.int64, device=self.device)
-            embeds.index_copy_(0, dest, torch.cat(src_rows).to(embeds.dtype))
+        rows = self.store.gather(spans)  # [len(dest_rows), hidden]
+        if rows is not None:
+            dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            embeds.index_copy_(0, dest, rows.to(embeds.dtype))
         pos = torch.cat(positions, dim=-1).to(self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
