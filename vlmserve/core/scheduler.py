@@ -155,7 +155,8 @@ class Scheduler:
         costs a synchronous copy in the worker, never correctness."""
         budget = self.max_num_batched_tokens
         spans = []
-        for req in self.running:
+        admitted = list(self.waiting)[: max(self.max_num_seqs - len(self.running), 0)]
+        for req in self.running + admitted:
             start = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
             total = req.num_tokens + (1 if start >= req.num_tokens else 0)
             n = min(total - start, budget)

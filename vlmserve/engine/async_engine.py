@@ -168,13 +168,13 @@ class AsyncLLMEngine:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = RequestStream(self, rid, loop, RequestTiming(time.monotonic()))
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._inbox.put(("add", stream, prompt, params, fut))
+        self._submit(("add", stream, prompt, params, fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            stream.finished = True  # never admitted, or aborted below if it was
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._inbox.put(("abort", rid))
+            stream.finished = True
+            if not (fut.done() and not fut.cancelled() and fut.exception() is not None):
+                self._inbox.put(("abort", rid))  # cancelled: undo the admission if it happened
             raise
         return stream
 
@@ -195,7 +195,7 @@ class AsyncLLMEngine:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
         self._check_alive()
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._submit(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
     def get_stats(self) -> dict[str, Any]:
@@ -213,6 +213,11 @@ class AsyncLLMEngine:
     def _check_alive(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+
+    def _submit(self, item: tuple) -> None:
+        self._inbox.put(item)
+        if self._error is not None:  # the thread died meanwhile: fail what it will not see
+            self._fail_pending(EngineDeadError(f"the engine is not running ({self._error})"))
 
     # ---- the engine thread -----------------------------------------------------------------
 
@@ -260,8 +265,7 @@ class AsyncLLMEngine:
         kind = item[0]
         if kind == "add":
             _, stream, prompt, params, fut = item
-            if stream.finished:  # the caller gave up before admission
-                fut.cancel()
+            if not fut.set_running_or_notify_cancel():  # the caller gave up before admission
                 return False
             try:
                 engine.add_request(prompt, params, stream.request_id)
@@ -282,6 +286,8 @@ class AsyncLLMEngine:
                 return True
         elif kind == "call":
             _, fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                return False
             try:
                 fut.set_result(fn(engine))
             except BaseException as e:  # noqa: BLE001 - reported to the caller
@@ -321,7 +327,7 @@ class AsyncLLMEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] in ("add", "call") and not item[-1].done():
+            if item[0] in ("add", "call") and item[-1].set_running_or_notify_cancel():
                 item[-1].set_exception(err)
 
     def _refresh_stats(self) -> None:

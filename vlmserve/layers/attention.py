@@ -113,18 +113,20 @@ def paged_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     T, H, D = q.shape
-    out = q.new_empty(T, H, D)
     Hkv = kv_cache.shape[-2]
+    G = H // Hkv  # query heads per KV head: folded into the query axis, K/V never repeated
+    out = q.new_empty(T, H, D)
     for g in meta.groups:
         qp = q.new_zeros(g.batch * g.max_q, H, D)
         qp[g.pad_index] = q[g.token_index]
-        qp = qp.view(g.batch, g.max_q, H, D).transpose(1, 2)  # [B, H, max_q, D]
+        # [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
+        qp = qp.view(g.batch, g.max_q, Hkv, G, D).permute(0, 2, 3, 1, 4)
+        qp = qp.reshape(g.batch, Hkv, G * g.max_q, D)
         k = kv_cache[0][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
         v = kv_cache[1][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
-        if Hkv != H:
-            k = k.repeat_interleave(H // Hkv, dim=1)
-            v = v.repeat_interleave(H // Hkv, dim=1)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale)
-        o = o.transpose(1, 2).reshape(g.batch * g.max_q, H, D)
-        out[g.token_index] = o[g.pad_index]
+        mask = g.mask if g.max_q == 1 else g.mask.repeat(1, 1, G, 1)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        # [B, Hkv, G * max_q, D] -> [B * max_q, H, D]
+        o = o.view(g.batch, Hkv, G, g.max_q, D).permute(0, 3, 1, 2, 4)
+        out[g.token_index] = o.reshape(g.batch * g.max_q, H, D)[g.pad_index]
     return out

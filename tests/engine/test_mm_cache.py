@@ -1,0 +1,83 @@
+"""Image embeddings: shared encodes, LRU eviction within budget, offload buffer rotation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from vlmserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(**kw):
+    args = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, max_num_seqs=8)
+    args.update(kw)
+    return LLM("tiny-qwen2-vl", **args)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_image_shared_by_five_concurrent_requests_is_encoded_once(vlmserve_cache, offload):
+    llm = make_llm(mm_embedding_offload=offload, enable_mm_cache=False, max_num_batched_tokens=512)
+    img = make_image(112, 112, 42)
+    prompts = [chat_prompt(llm, f"Question {i}: what do you see?" + " more" * i, [img])
+               for i in range(5)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    s = llm.engine.get_stats()
+    assert s["num_images_encoded"] == 1 and s["num_encoder_cache_hits"] == 4
+    assert llm.engine.executor.runner.encoder.num_images == 1
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_retained_entries_are_reused_then_evicted_within_budget(vlmserve_cache):
+    llm = make_llm(mm_embedding_offload=True, enable_mm_cache=True)
+    row_bytes = llm.engine.executor.bytes_per_embedding_row
+    img = make_image(112, 112, 1)  # 16 rows
+    first = llm.generate(chat_prompt(llm, "Once.", [img]), GREEDY, use_tqdm=False)
+    again = llm.generate(chat_prompt(llm, "Once.", [img]), GREEDY, use_tqdm=False)
+    s = llm.engine.get_stats()
+    assert s["num_images_encoded"] == 1 and s["num_encoder_cache_hits"] == 1
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+
+    budget_rows = 40  # room for two 16-row images, not three
+    llm = make_llm(mm_embedding_offload=True, enable_mm_cache=True,
+                   mm_cache_gb=budget_rows * row_bytes / 2**30)
+    for seed in range(5):
+        llm.generate(chat_prompt(llm, "Next.", [make_image(112, 112, 100 + seed)]), GREEDY,
+                     use_tqdm=False)
+        llm.engine.step()
+        s = llm.engine.get_stats()
+        assert s["encoder_cache_rows"] <= budget_rows
+        assert s["mm_embedding_bytes_host"] == s["encoder_cache_rows"] * row_bytes
+    assert s["num_encoder_cache_evictions"] == 3 and s["encoder_cache_entries"] == 2
+
+
+def test_every_byte_freed_without_cache(vlmserve_cache):
+    llm = make_llm(mm_embedding_offload=True, enable_mm_cache=False)
+    llm.generate(mixed_prompts(llm), GREEDY, use_tqdm=False)
+    llm.engine.step()
+    s = llm.engine.get_stats()
+    assert s["mm_embedding_bytes_host"] == 0 and s["mm_embedding_entries"] == 0
+    assert s["encoder_cache_rows"] == 0
+    # what stays on the device is the two ping-pong buffers, whatever the load
+    assert s["mm_embedding_bytes_device"] == 2 * 32 * llm.engine.executor.bytes_per_embedding_row
+
+
+def test_ping_pong_buffers_alternate_and_are_never_overwritten_while_read(vlmserve_cache):
+    llm = make_llm(mm_embedding_offload=True, max_num_batched_tokens=16)
+    llm.generate(mixed_prompts(llm), GREEDY, use_tqdm=False)
+    trace = llm.engine.executor.runner.store.trace
+    reads = [(buf, step) for op, buf, step in trace if op == "read"]
+    assert len(reads) > 10
+    assert all(buf == (step - 1) % 2 for buf, step in reads), "step N reads buffer N % 2"
+    last_read: dict[int, int] = {}
+    for i, (op, buf, step) in enumerate(trace):
+        if op == "read":
+            last_read[buf] = step
+        if op == "prefetch":
+            # step N fills the buffer step N+1 reads, the one step N-1 read, and only after
+            # waiting for the reads of that step
+            assert buf == step % 2
+            assert trace[i - 1] == ("wait_reads", buf, step)
+            assert last_read.get(buf, -1) < step

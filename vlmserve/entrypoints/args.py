@@ -1,0 +1,102 @@
+"""Command-line flags generated from config dataclasses, and the server's own options.
+
+Engine options are the fields of `vlmserve.config` (`EngineConfig.option_fields()`); server
+options are the fields of `ServerConfig` below. Each field becomes `--field-name` with its
+`metadata["help"]`, its type (Optional ints parse as ints) and, for bools, `--x/--no-x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin
+
+from vlmserve.config import EngineConfig
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the OpenAI-compatible server (`vlmserve serve`), beside the engine's."""
+
+    host: str = _opt("127.0.0.1", "Address to listen on.")
+    port: int = _opt(8000, "Port to listen on.")
+    served_model_name: str | None = _opt(
+        None, "Model name clients must use in requests (default: the model argument).")
+    allowed_local_media_path: str | None = _opt(
+        None, "Directory from which requests may read images by path or file:// URL; "
+        "local paths are refused when unset.")
+    allow_remote_images: bool = _opt(False, "Fetch http(s) image URLs given in requests.")
+    remote_image_timeout: float = _opt(10.0, "Timeout in seconds for fetching a remote image.")
+    max_remote_image_bytes: int = _opt(32 << 20, "Largest remote image to fetch, in bytes.")
+    limit_mm_per_prompt: int = _opt(8, "Most images in one request.")
+    max_image_pixels: int | None = _opt(
+        64_000_000, "Largest image (width x height) a request may send; unlimited if unset.")
+    max_request_bytes: int = _opt(64 << 20, "Largest request body in bytes (413 beyond it).")
+    log_level: str = _opt("info", "Log level of the server: debug, info, warning, error.")
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServerConfig:
+        """Pick this class's fields from a namespace (absent ones keep their defaults)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The non-None type of a field annotated `X` or `X | None` (annotations may be strings)."""
+    t = f.type
+    if isinstance(t, str):
+        names = [p.strip() for p in t.split("|") if p.strip() != "None"]
+        return _TYPES.get(names[0], str) if len(names) == 1 else str
+    if get_origin(t) in (Union, types.UnionType):
+        args = [a for a in get_args(t) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return t if isinstance(t, type) else str
+
+
+def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                      fields: Iterable[dataclasses.Field], skip: Iterable[str] = ()) -> list[str]:
+    """Add `--name` per field; options not given stay absent from the namespace, so the
+    dataclass defaults apply. Returns the names added."""
+    added = []
+    skipped = set(skip)
+    for f in fields:
+        if f.name in skipped:
+            continue
+        typ = _field_type(f)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        flag = "--" + f.name.replace("_", "-")
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
+                                help=help_text, metavar=typ.__name__.upper())
+        added.append(f.name)
+    return added
+
+
+def add_engine_options(parser: argparse.ArgumentParser,
+                       skip: Iterable[str] = ()) -> list[str]:
+    group = parser.add_argument_group("engine options (same names as LLM(...))")
+    return add_field_options(group, EngineConfig.option_fields(), skip)
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> list[str]:
+    group = parser.add_argument_group("server options")
+    return add_field_options(group, dataclasses.fields(ServerConfig))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line, for `EngineConfig.from_kwargs`."""
+    return {f.name: getattr(args, f.name) for f in EngineConfig.option_fields()
+            if hasattr(args, f.name)}

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server app, in its own registry (several apps never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vlmserve.engine.async_engine import AsyncLLMEngine, RequestTiming
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    """Gauges read from the engine's stats at scrape time; counters and latency histograms
+    fed by the engine thread as each request finishes (aborted ones included)."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("vlmserve_num_requests_running", "Requests being computed.",
+                             registry=r)
+        self.waiting = Gauge("vlmserve_num_requests_waiting", "Requests waiting to run.",
+                             registry=r)
+        self.kv_usage = Gauge("vlmserve_kv_cache_usage_ratio",
+                              "Share of KV cache blocks in use (0-1).", registry=r)
+        self.enc_rows = Gauge("vlmserve_encoder_cache_usage_rows",
+                              "Image-embedding rows held by the encoder cache.", registry=r)
+        self.enc_entries = Gauge("vlmserve_encoder_cache_entries",
+                                 "Images held by the encoder cache.", registry=r)
+        self.prompt_tokens = Counter("vlmserve_prompt_tokens",
+                                     "Prompt tokens of finished requests (images included).",
+                                     registry=r)
+        self.generation_tokens = Counter("vlmserve_generation_tokens",
+                                         "Tokens generated for finished requests.", registry=r)
+        self.finished = Counter("vlmserve_requests_finished", "Finished requests by reason.",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("vlmserve_time_to_first_token_seconds",
+                              "Arrival to first output token.", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("vlmserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens.", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("vlmserve_e2e_request_latency_seconds",
+                             "Arrival to finish.", buckets=_E2E_BUCKETS, registry=r)
+        engine.add_finish_callback(self.observe_finished)
+
+    def observe_finished(self, t: RequestTiming) -> None:
+        self.prompt_tokens.inc(t.num_prompt_tokens)
+        self.generation_tokens.inc(len(t.token_times))
+        self.finished.labels(finish_reason=t.finish_reason or "unknown").inc()
+        if t.ttft is not None:
+            self.ttft.observe(t.ttft)
+        for dt in t.inter_token_latencies:
+            self.itl.observe(dt)
+        if t.e2e_latency is not None:
+            self.e2e.observe(t.e2e_latency)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, gauges refreshed from the engine now."""
+        s = self.engine.get_stats()
+        self.running.set(s.get("num_running", 0))
+        self.waiting.set(s.get("num_waiting", 0))
+        self.kv_usage.set(s.get("kv_cache_usage", 0.0))
+        self.enc_rows.set(s.get("encoder_cache_rows", 0))
+        self.enc_entries.set(s.get("encoder_cache_entries", 0))
+        return generate_latest(self.registry)

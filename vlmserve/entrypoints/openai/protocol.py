@@ -1,0 +1,237 @@
+"""Requests, responses, stream chunks and errors of the OpenAI API (the subset we serve)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vlmserve.errors import InvalidSamplingParamsError
+from vlmserve.sampling_params import SamplingParams
+
+_PART_TYPES = ("text", "image_url")
+# OpenAI parameters we do not implement: a request that sets one gets a 400, not silence.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "best_of",
+                "echo", "suffix", "presence_penalty", "frequency_penalty", "audio")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- requests -----------------------------------------------------------------------------
+
+
+class ImageURL(OpenAIModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart | ImageURLPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_parts(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _PART_TYPES:
+                    raise ValueError(f"unsupported content part type {kind!r}; supported: "
+                                     f"{', '.join(_PART_TYPES)}")
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as `parse_chat_messages` takes it."""
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, list):
+            return {"role": role, "content": [p.model_dump(exclude_none=True)
+                                              for p in self.content]}
+        return {"role": role, "content": self.content or ""}
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(OpenAIModel):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # extension
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in _UNSUPPORTED:
+                if data.get(name) not in (None, False, 0, [], {}):
+                    raise ValueError(f"parameter {name!r} is not supported")
+        return data
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises `InvalidSamplingParamsError` naming a bad value."""
+        if self.n not in (None, 1):
+            raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos))
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _max_tokens(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+            self.prompt = p[0]
+        return self
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the stream chunk of /v1/completions (OpenAI uses the same object there)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vlmserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
