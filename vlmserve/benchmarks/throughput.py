@@ -94,9 +94,6 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: to
         out_lens += [o] * len(batch)
     _sync()
     elapsed = time.perf_counter() - t0
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return _summary("hf", reqs, prompt_lens, out_lens, elapsed)
 
 
