@@ -73,7 +73,9 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             continue
         typ = _field_type(f)
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text:
+            help_text += f" (default: {default})"
         flag = "--" + f.name.replace("_", "-")
         if typ is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,

@@ -1,0 +1,5 @@
+"""`python -m vlmserve ...` is the `vlmserve` command."""
+
+from vlmserve.entrypoints.cli import main
+
+main()

@@ -1,0 +1,114 @@
+"""The `vlmserve` command: `serve`, `generate`, `bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from vlmserve.entrypoints.args import add_engine_options, add_server_options, engine_kwargs
+
+DEFAULT_MODEL = "tiny-qwen2-vl"
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help=f"Checkpoint folder or built-in model name (default: {DEFAULT_MODEL}); "
+                   "same as --model.")
+
+
+def _resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    flag = getattr(args, "model", None)
+    if args.model_pos and flag and args.model_pos != flag:
+        parser.error(f"model given twice: {args.model_pos!r} and --model {flag!r}")
+    args.model = args.model_pos or flag or DEFAULT_MODEL
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from vlmserve.entrypoints.openai.server import run_server
+
+    run_server(args)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from vlmserve import LLM, SamplingParams
+
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "seed"}
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    parts = [{"type": "image_url", "image_url": {"url": path}} for path in args.image or []]
+    parts.append({"type": "text", "text": args.prompt})
+    out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+
+
+def _bench_throughput(args: argparse.Namespace) -> None:
+    from vlmserve.benchmarks import throughput
+
+    throughput.main(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from vlmserve.benchmarks import throughput
+
+    parser = argparse.ArgumentParser(
+        prog="vlmserve", description="A serving engine for vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="Run the OpenAI-compatible server.",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions "
+        "with images, /v1/completions, /v1/models, /health, /metrics).")
+    _add_model(serve)
+    add_server_options(serve)
+    add_engine_options(serve)
+    serve.set_defaults(func=_serve, parser=serve)
+
+    gen = sub.add_parser(
+        "generate", help="Answer one prompt (with images) and print the text.",
+        description="Run one chat prompt, with any number of images, through the engine.")
+    gen.add_argument("prompt", help="The user message.")
+    gen.add_argument("--model", default=None, help="Checkpoint folder or built-in model name "
+                     f"(default: {DEFAULT_MODEL}).")
+    gen.add_argument("--image", action="append", metavar="FILE",
+                     help="An image file (or data URL) to show the model; repeatable.")
+    s = gen.add_argument_group("sampling options")
+    s.add_argument("--max-tokens", type=int, default=64,
+                   help="Most tokens to generate (default: 64).")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="Sampling temperature; 0 is greedy (default: 0).")
+    s.add_argument("--top-p", type=float, default=1.0,
+                   help="Nucleus sampling threshold (default: 1, off).")
+    s.add_argument("--top-k", type=int, default=-1, help="Top-k sampling (default: -1, off).")
+    s.add_argument("--seed", type=int, default=None,
+                   help="Seed of the sampler (also the engine's seed).")
+    add_engine_options(gen, skip=("model", *_SAMPLING_FLAGS))
+    gen.set_defaults(func=_generate, parser=gen, model_pos=None)
+
+    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    tp = bench_sub.add_parser("throughput", help="Offline throughput (ours vs transformers).",
+                              description=throughput.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    throughput.add_args(tp)
+    tp.set_defaults(func=_bench_throughput)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("serve", "generate"):
+        _resolve_model(args, args.parser)
+        del args.parser
+    func = args.func
+    del args.func  # the namespace goes on to code that may serialize it (bench --out)
+    func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

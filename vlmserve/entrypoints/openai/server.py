@@ -1,0 +1,368 @@
+"""OpenAI-compatible HTTP server: chat completions with images, completions, streaming, metrics.
+
+    vlmserve serve tiny-qwen2-vl --port 8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from vlmserve.engine.chat import parse_chat_messages
+from vlmserve.entrypoints.args import ServerConfig
+from vlmserve.entrypoints.openai.metrics import ServerMetrics
+from vlmserve.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    random_id,
+)
+from vlmserve.errors import (
+    InvalidImageError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from vlmserve.multimodal.image import load_image
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None, type: str = "invalid_request_error") -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in errors[:3]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+        param = param or loc or None
+    return "; ".join(parts), param
+
+
+def _sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump()
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class OpenAIServing:
+    """The request handlers, bound to one engine and one server configuration."""
+
+    def __init__(self, engine: AsyncLLMEngine, cfg: ServerConfig, model_name: str) -> None:
+        self.engine, self.cfg, self.model_name = engine, cfg, model_name
+
+    # ---- shared steps ----------------------------------------------------------------------
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.cfg.max_request_bytes
+        too_large = ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                             code="request_too_large")
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def load_image(self, src: str, index: int) -> Image.Image:
+        scheme = src.split(":", 1)[0].lower() if ":" in src else ""
+        try:
+            if scheme not in ("", "data", "file", "http", "https"):
+                raise InvalidImageError(f"unsupported image URL scheme {scheme!r}")
+            if scheme in ("", "file") and self.cfg.allowed_local_media_path is None:
+                raise InvalidImageError("local image paths are not allowed by this server "
+                                        "(see --allowed-local-media-path)")
+            return load_image(
+                src, allowed_local_dir=self.cfg.allowed_local_media_path,
+                allow_remote=self.cfg.allow_remote_images, max_pixels=self.cfg.max_image_pixels,
+                timeout=self.cfg.remote_image_timeout,
+                max_remote_bytes=self.cfg.max_remote_image_bytes)
+        except InvalidImageError as e:
+            raise InvalidImageError(f"image {index}: {e}") from None
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        hf_messages, sources = parse_chat_messages([m.to_dict() for m in req.messages])
+        limit = self.cfg.limit_mm_per_prompt
+        if len(sources) > limit:
+            raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
+                                      "are allowed (--limit-mm-per-prompt)")
+        images = await asyncio.to_thread(
+            lambda: [self.load_image(src, i) for i, src in enumerate(sources)])
+        text = await self.engine.call(
+            lambda e: e.input_processor.model_processor.apply_chat_template(hf_messages))
+        return {"prompt": text, "multi_modal_data": {"image": images}}
+
+    async def last_output(self, stream: RequestStream, request: Request) -> RequestOutput:
+        """Run a non-streamed request to the end; abort it if the client goes away."""
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        async def collect() -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            assert final is not None
+            return final
+
+        watcher, collector = asyncio.create_task(client_gone()), asyncio.create_task(collect())
+        try:
+            await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():
+                collector.cancel()
+                stream.abort()
+        if not collector.done() or collector.cancelled():
+            raise ApiError(499, "client disconnected")
+        return collector.result()
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(await self.read_json(request))
+        self.check_model(req.model)
+        params = req.sampling_params(self.engine.max_model_len)
+        prompt = await self.chat_prompt(req)
+        rid, created = random_id("chatcmpl"), int(time.time())
+        stream = await self.engine.add_request(prompt, params, rid)
+        if req.stream:
+            return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
+        out = await self.last_output(stream, request)
+        c = out.outputs[0]
+        return JSONResponse(ChatCompletionResponse(
+            id=rid, created=created, model=self.model_name,
+            choices=[ChatChoice(message=AssistantMessage(content=c.text),
+                                finish_reason=c.finish_reason)],
+            usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
+
+    async def completions(self, request: Request) -> Response:
+        req = CompletionRequest.model_validate(await self.read_json(request))
+        self.check_model(req.model)
+        params = req.sampling_params(self.engine.max_model_len)
+        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+        rid, created = random_id("cmpl"), int(time.time())
+        stream = await self.engine.add_request(prompt, params, rid)
+        if req.stream:
+            return _event_stream(
+                self.completion_events(stream, req, params, rid, created), stream)
+        out = await self.last_output(stream, request)
+        c = out.outputs[0]
+        return JSONResponse(CompletionResponse(
+            id=rid, created=created, model=self.model_name,
+            choices=[CompletionChoice(text=c.text, finish_reason=c.finish_reason)],
+            usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
+
+    # ---- streaming -------------------------------------------------------------------------
+
+    async def chat_events(self, stream: RequestStream, req: ChatCompletionRequest,
+                          params: SamplingParams, rid: str, created: int) -> AsyncIterator[str]:
+        def chunk(delta: DeltaMessage | None, finish: str | None = None,
+                  usage: UsageInfo | None = None) -> str:
+            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+            data = ChatCompletionChunk(id=rid, created=created, model=self.model_name,
+                                       choices=choices, usage=usage).model_dump()
+            if not req.include_usage:
+                data.pop("usage")
+            return _sse(data)
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        async for text, out in _text_deltas(stream, params):
+            if text:
+                yield chunk(DeltaMessage(content=text))
+            if out.finished:
+                c = out.outputs[0]
+                yield chunk(DeltaMessage(), finish=c.finish_reason)
+                if req.include_usage:
+                    yield chunk(None, usage=UsageInfo.of(len(out.prompt_token_ids),
+                                                         len(c.token_ids)))
+        yield _sse("[DONE]")
+
+    async def completion_events(self, stream: RequestStream, req: CompletionRequest,
+                                params: SamplingParams, rid: str,
+                                created: int) -> AsyncIterator[str]:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            data = CompletionResponse(id=rid, created=created, model=self.model_name,
+                                      choices=choices, usage=usage).model_dump()
+            if not req.include_usage:
+                data.pop("usage")
+            return _sse(data)
+
+        async for text, out in _text_deltas(stream, params):
+            if text:
+                yield chunk([CompletionChoice(text=text)])
+            if out.finished:
+                c = out.outputs[0]
+                yield chunk([CompletionChoice(text="", finish_reason=c.finish_reason)])
+                if req.include_usage:
+                    yield chunk([], UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids)))
+        yield _sse("[DONE]")
+
+
+async def _text_deltas(stream: RequestStream,
+                       params: SamplingParams) -> AsyncIterator[tuple[str, RequestOutput]]:
+    """(new text, output) per engine output. With stop strings, the last `len(stop) - 1`
+    characters are held back until the request ends, because a stop string found later
+    truncates text that may span outputs."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    sent = 0
+    try:
+        async for out in stream:
+            text = out.outputs[0].text
+            upto = len(text) if out.finished else max(sent, len(text) - hold)
+            yield text[sent:upto], out
+            sent = upto
+    finally:
+        stream.abort()
+
+
+def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+    """SSE response; a client that disconnects cancels the iteration, which aborts the
+    request at once."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+        finally:
+            stream.abort()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
+    """The FastAPI app over a running `AsyncLLMEngine`; `args` carries `ServerConfig`
+    fields (an argparse namespace or a `ServerConfig`)."""
+    cfg = args if isinstance(args, ServerConfig) else ServerConfig.from_args(args)
+    model_name = cfg.served_model_name or getattr(args, "model", None) or engine.model_name
+    serving = OpenAIServing(engine, cfg, model_name)
+    metrics = ServerMetrics(engine)
+    app = FastAPI(title="vlmserve", description="OpenAI-compatible vision-language server")
+    app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
+        param = code = None
+        if isinstance(e, InvalidSamplingParamsError):
+            param = str(e).split(" ", 1)[0]
+        elif isinstance(e, PromptTooLongError):
+            param, code = "messages", "context_length_exceeded"
+        elif isinstance(e, InvalidImageError):
+            param, code = "messages", "invalid_image"
+        return error_response(400, str(e), param, code)
+
+    @app.exception_handler(ValidationError)
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: ValidationError | RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(e.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(e), type="server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(503, "the engine is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(engine.get_stats())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    app.post("/v1/chat/completions")(serving.chat)
+    app.post("/v1/completions")(serving.completions)
+    return app
+
+
+def run_server(args: Any) -> None:
+    """Start the engine and serve until interrupted (`vlmserve serve`)."""
+    import uvicorn
+
+    from vlmserve.entrypoints.args import engine_kwargs
+
+    cfg = ServerConfig.from_args(args)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLMEngine.from_kwargs(**engine_kwargs(args))
+    try:
+        app = build_app(engine, args)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    finally:
+        engine.shutdown()
