@@ -24,6 +24,8 @@ class ModelConfig:
         None, "Longest prompt + output in tokens (default: the model's)."
     )
     seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
+    attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
+    enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
 
 
 @dataclass(frozen=True)

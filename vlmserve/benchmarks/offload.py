@@ -28,7 +28,7 @@ def run_mode(reqs, warmup, offload: bool, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_requests,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.kv_blocks,
-              mm_embedding_offload=offload)
+              mm_embedding_offload=offload, attention_backend=args.attention_backend)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([r.prompt for r in warmup], params, use_tqdm=False)
     if torch.cuda.is_available():
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-blocks", type=int, default=None)
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from vlmserve.models.builtin import resolve_model

@@ -8,6 +8,7 @@ import torch
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
 from vlmserve.models.loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
@@ -46,9 +47,15 @@ class UniprocExecutor:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
-        self.runner = ModelRunner(model, self.device, self.dtype, self.num_kv_blocks,
-                                  cc.block_size, mm_offload=offload,
-                                  max_num_batched_tokens=sc.max_num_batched_tokens)
+        backend = get_paged_attention_backend(mc.attention_backend, self.device)
+        graphs = (self.device.type == "cuda" and not mc.enforce_eager
+                  and backend is not paged_attention_reference)
+        self.runner = ModelRunner(
+            model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
+            mm_offload=offload, max_num_batched_tokens=sc.max_num_batched_tokens,
+            attention_backend=mc.attention_backend,
+            cuda_graph_max_batch=sc.max_num_seqs if graphs else 0,
+            max_model_len=max_model_len)
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 
@@ -59,7 +66,9 @@ class UniprocExecutor:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - cc.gpu_memory_utilization)
-            return max(int(budget // block_bytes), 1)
+            # no more than every sequence at full length could use
+            most = sc.max_num_seqs * -(-max_model_len // cc.block_size)
+            return max(min(int(budget // block_bytes), most), 1)
         return min(sc.max_num_seqs * -(-max_model_len // cc.block_size), 8192)
 
     def execute_model(self, so: SchedulerOutput) -> dict[str, int]:

@@ -33,10 +33,33 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32: context length after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     max_query_len: int
     max_seq_len: int
-    groups: list[AttentionGroup]
+    block_size: int = 16
+    query_lens_cpu: list[int] | None = None  # host copies, for the reference backend
+    seq_lens_cpu: list[int] | None = None
+    _groups: list[AttentionGroup] | None = None
+
+    def reference_groups(self) -> list[AttentionGroup]:
+        """The reference backend's padded batches, built once per step on first use: all
+        single-token decodes together, each prefill chunk on its own."""
+        if self._groups is None:
+            q, s = self.query_lens_cpu, self.seq_lens_cpu
+            starts = [0]
+            for n in q:
+                starts.append(starts[-1] + n)
+            decodes = [i for i, n in enumerate(q) if n == 1]
+            prefills = [[i] for i, n in enumerate(q) if n > 1]
+            self._groups = [_build_group(m, q, s, starts, self.block_tables, self.block_size)
+                            for m in ([decodes] if decodes else []) + prefills]
+        return self._groups
+
+
+def block_table_tensor(block_ids: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """[B, width] int64, rows padded with 0."""
+    width = width or max(len(b) for b in block_ids)
+    return torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int64)
 
 
 def build_attention_metadata(
@@ -47,36 +70,29 @@ def build_attention_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """query_lens[i] new tokens of request i end at context length seq_lens[i]."""
-    slots: list[int] = []
-    for q, s, blocks in zip(query_lens, seq_lens, block_ids):
-        for pos in range(s - q, s):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    max_blocks = max(len(b) for b in block_ids)
-    table = torch.zeros(len(block_ids), max_blocks, dtype=torch.int64)
-    for i, b in enumerate(block_ids):
-        table[i, : len(b)] = torch.tensor(b, dtype=torch.int64)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [[i] for i, q in enumerate(query_lens) if q > 1]
-    groups = []
-    for members in ([decodes] if decodes else []) + prefills:
-        groups.append(_build_group(members, query_lens, seq_lens, starts, table, block_size,
-                                   device))
+    table = block_table_tensor(block_ids)
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    s = torch.tensor(seq_lens, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # [T] request of each token
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=starts[1:])
+    pos = torch.arange(int(starts[-1])) - starts[req] + (s - q)[req]  # absolute positions
+    slots = table[req, pos // block_size] * block_size + pos % block_size
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=table.to(device),
+        slot_mapping=slots.to(device, non_blocking=True),
+        query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
+        seq_lens=s.to(torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        groups=groups,
+        block_size=block_size,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
     )
 
 
-def _build_group(members, query_lens, seq_lens, starts, table, block_size, device):
+def _build_group(members, query_lens, seq_lens, starts, table, block_size):
+    device = table.device
     max_q = max(query_lens[i] for i in members)
     max_kv = max(seq_lens[i] for i in members)
     nblocks = -(-max_kv // block_size)
@@ -92,7 +108,7 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size, devic
     return AttentionGroup(
         token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
         pad_index=torch.tensor(pad_index, dtype=torch.int64, device=device),
-        block_tables=table[members, :nblocks].to(device),
+        block_tables=table[members, :nblocks],
         mask=mask.to(device),
         batch=len(members),
         max_q=max_q,
@@ -116,7 +132,7 @@ def paged_attention_reference(
     Hkv = kv_cache.shape[-2]
     G = H // Hkv  # query heads per KV head: folded into the query axis, K/V never repeated
     out = q.new_empty(T, H, D)
-    for g in meta.groups:
+    for g in meta.reference_groups():
         qp = q.new_zeros(g.batch * g.max_q, H, D)
         qp[g.pad_index] = q[g.token_index]
         # [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
@@ -130,3 +146,26 @@ def paged_attention_reference(
         o = o.view(g.batch, Hkv, G, g.max_q, D).permute(0, 3, 1, 2, 4)
         out[g.token_index] = o.reshape(g.batch * g.max_q, H, D)[g.pad_index]
     return out
+
+
+def get_paged_attention_backend(name: str, device: torch.device):
+    """`torch` (reference, any device), `triton` (CUDA), or `auto`: triton on CUDA when
+    importable."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+
+                name = "triton"
+            except ImportError:
+                pass
+    if name == "torch":
+        return paged_attention_reference
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("the triton attention backend needs a CUDA device")
+        from vlmserve.layers.triton_attention import paged_attention_triton
+
+        return paged_attention_triton
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")

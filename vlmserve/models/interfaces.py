@@ -34,5 +34,8 @@ class VisionLanguageModel(Protocol):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
 
+    def set_attention_backend(self, fn) -> None:
+        """Paged attention function used by every layer (see layers/attention.py)."""
+
     def load_weights(self, weights) -> set[str]:
         """Copy (checkpoint name, tensor) pairs into the model; returns the names loaded."""

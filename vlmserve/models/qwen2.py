@@ -81,6 +81,10 @@ class Qwen2Model(nn.Module):
         theta, section = rope_settings(cfg)
         self.rotary = MRotaryEmbedding(attn.head_dim, theta, section)
 
+    def set_attention_backend(self, fn) -> None:
+        for layer in self.layers:
+            layer.self_attn.attn_fn = fn
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         attn = self.layers[0].self_attn
         return (2, num_blocks, block_size, attn.kv_heads, attn.head_dim)

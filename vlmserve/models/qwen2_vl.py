@@ -48,6 +48,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.language_model.kv_cache_shape(num_blocks, block_size)
 
+    def set_attention_backend(self, fn) -> None:
+        self.language_model.set_attention_backend(fn)
+
     @property
     def hidden_size(self) -> int:
         return self.language_model.config.hidden_size

@@ -11,10 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.layers.attention import build_attention_metadata
+from vlmserve.layers.attention import (
+    block_table_tensor,
+    build_attention_metadata,
+    get_paged_attention_backend,
+)
 from vlmserve.layers.sampler import sample
 from vlmserve.multimodal.inputs import ImageInput
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
@@ -35,20 +40,30 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, mm_offload: bool = False, max_num_batched_tokens: int = 0
-                 ) -> None:
+                 block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
+                 attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
+                 max_model_len: int = 0) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        # one extra block, owned by nobody: padded rows of CUDA-graph batches write there
+        shape = model.kv_cache_shape(num_blocks + 1, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.num_layers)]
+        model.set_attention_backend(get_paged_attention_backend(attention_backend, device))
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens)
         self.encoder = EncoderRunner(model, device, self.store)
         self.requests: dict[str, CachedRequestState] = {}
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0
+        if cuda_graph_max_batch > 0:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(model, self.kv_caches, cuda_graph_max_batch,
+                                           -(-max_model_len // block_size), block_size,
+                                           num_blocks, device)
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -97,15 +112,47 @@ class ModelRunner:
     def _run_lm(self, so: SchedulerOutput) -> dict[str, int]:
         if so.is_empty:
             return {}
-
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         query_lens = list(so.num_scheduled_tokens.values())
+        if (self.graphs is not None and len(states) <= self.graphs.max_batch()
+                and all(n == 1 and st.num_computed_tokens >= st.num_prompt_tokens
+                        for st, n in zip(states, query_lens))):
+            hidden = self._decode_graph(states)  # [B, hidden]
+            to_sample = states
+        else:
+            hidden, to_sample = self._forward_eager(states, query_lens)
+        if not to_sample:
+            return {}
+        logits = self.model.compute_logits(hidden)  # [N, vocab]
+        tokens = sample(logits, [st.sampling_params for st in to_sample],
+                        [st.generator for st in to_sample])
+        for st, tok in zip(to_sample, tokens):
+            st.token_ids.append(tok)
+        return {st.request_id: tok for st, tok in zip(to_sample, tokens)}
+
+    def _decode_graph(self, states: list[CachedRequestState]) -> torch.Tensor:
+        """One new token per request, all past their prompts: replay a captured graph."""
+        bs = self.block_size
+        pos = [st.num_computed_tokens for st in states]
+        ids = torch.tensor([st.token_ids[p] for st, p in zip(states, pos)])
+        mpos = torch.tensor([p + st.mrope_delta for st, p in zip(states, pos)])
+        slots = torch.tensor([st.block_ids[p // bs] * bs + p % bs for st, p in zip(states, pos)])
+        table = block_table_tensor([st.block_ids for st in states])
+        seq_lens = torch.tensor(pos, dtype=torch.int32) + 1
+        self.num_graph_steps += 1
+        rows = 3 if self.model.uses_mrope else 1
+        return self.graphs.run(ids, mpos.expand(rows, -1), slots, table, seq_lens)
+
+    def _forward_eager(self, states, query_lens):
+        """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
+        sample from and their requests."""
         token_ids: list[int] = []
         positions = []
         seq_lens = []
         dest_rows: list[int] = []
         spans: list[tuple[str, int, int]] = []
         sample_index: list[int] = []
+        to_sample = []
         base = 0
         for st, n in zip(states, query_lens):
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
@@ -121,6 +168,7 @@ class ModelRunner:
             base += n
             if end == len(st.token_ids):
                 sample_index.append(base - 1)
+                to_sample.append(st)
 
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
@@ -133,15 +181,9 @@ class ModelRunner:
                                         self.block_size, self.device)
         hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
         if not sample_index:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_index])  # [N, vocab]
-        to_sample = [st for st, n in zip(states, query_lens)
-                     if st.num_computed_tokens + n == len(st.token_ids)]
-        tokens = sample(logits, [st.sampling_params for st in to_sample],
-                        [st.generator for st in to_sample])
-        for st, tok in zip(to_sample, tokens):
-            st.token_ids.append(tok)
-        return {st.request_id: tok for st, tok in zip(to_sample, tokens)}
+            return None, []
+        index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
+        return hidden.index_select(0, index), to_sample
 
     def _positions(self, st: CachedRequestState, start: int, end: int) -> torch.Tensor:
         """Positions of tokens [start, end): [3, n] for mRoPE models, else [n]."""
