@@ -1,0 +1,171 @@
+"""Online benchmark against a running OpenAI-compatible server (`vlmserve serve`).
+
+Sends `random-mm` chat requests (images as data URLs) at a Poisson or fixed rate under a
+concurrency limit, streams every answer, and reports TTFT, time per output token (TPOT),
+inter-token latency (ITL) as mean/median/p99, throughput and goodput; JSON and PNG plots.
+
+    vlmserve bench serve --base-url http://127.0.0.1:8000 --num-requests 200 \\
+        --request-rate 8 --concurrency 1,8,32 --out-dir bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def make_messages(args) -> list[list[dict]]:
+    rng = np.random.default_rng(args.seed)
+    words = ["image", "describe", "color", "shape", "left", "right", "count", "the", "scene"]
+    convs = []
+    for _ in range(args.num_requests):
+        parts = []
+        for _ in range(args.images_per_request):
+            side = int(rng.choice([int(s) for s in args.image_sizes.split(",")]))
+            img = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            from PIL import Image
+
+            parts.append({"type": "image_url",
+                          "image_url": {"url": _data_url(Image.fromarray(img))}})
+        text = " ".join(rng.choice(words, args.prompt_words))
+        parts.append({"type": "text", "text": text})
+        convs.append([{"role": "user", "content": parts}])
+    return convs
+
+
+async def _one(client, model, messages, args, bar) -> dict:
+    t0 = time.perf_counter()
+    ttft, stamps, n_out, err = None, [], 0, None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=args.output_len, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = now - t0
+                stamps.append(now)
+            if chunk.usage is not None:
+                n_out = chunk.usage.completion_tokens
+    except Exception as e:  # noqa: BLE001 - counted as a failed request
+        err = str(e)
+    bar.update(1)
+    e2e = time.perf_counter() - t0
+    return {"ttft": ttft, "e2e": e2e, "n_out": n_out, "error": err,
+            "itls": [b - a for a, b in zip(stamps, stamps[1:])]}
+
+
+async def run_once(args, convs, concurrency: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key="none",
+                         timeout=600)
+    model = args.model or (await client.models.list()).data[0].id
+    sem = asyncio.Semaphore(concurrency)
+    rng = np.random.default_rng(args.seed + 1)
+    bar = tqdm(total=len(convs), desc=f"concurrency {concurrency}")
+
+    async def limited(messages):
+        async with sem:
+            return await _one(client, model, messages, args, bar)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for messages in convs:
+        tasks.append(asyncio.create_task(limited(messages)))
+        if args.request_rate != float("inf"):
+            gap = rng.exponential(1 / args.request_rate) if args.poisson else 1 / args.request_rate
+            await asyncio.sleep(gap)
+    results = await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    await client.close()
+    return summarize(results, elapsed, concurrency, args)
+
+
+def _stats(xs: list[float], name: str) -> dict:
+    xs = sorted(xs) or [0.0]
+    return {f"mean_{name}_ms": 1e3 * statistics.fmean(xs),
+            f"median_{name}_ms": 1e3 * statistics.median(xs),
+            f"p99_{name}_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+def summarize(results: list[dict], elapsed: float, concurrency: int, args) -> dict:
+    ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
+    ttfts = [r["ttft"] for r in ok]
+    tpots = [(r["e2e"] - r["ttft"]) / (r["n_out"] - 1) for r in ok if r["n_out"] > 1]
+    itls = [x for r in ok for x in r["itls"]]
+    good = [r for r in ok if r["ttft"] * 1e3 <= args.slo_ttft_ms and (
+        r["n_out"] <= 1 or (r["e2e"] - r["ttft"]) / (r["n_out"] - 1) * 1e3 <= args.slo_tpot_ms)]
+    out = {
+        "concurrency": concurrency, "request_rate": args.request_rate,
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
+        "requests_per_s": len(ok) / elapsed,
+        "output_tokens_per_s": sum(r["n_out"] for r in ok) / elapsed,
+        "goodput_requests_per_s": len(good) / elapsed,
+        **_stats(ttfts, "ttft"), **_stats(tpots, "tpot"), **_stats(itls, "itl"),
+        "ttfts_ms": [1e3 * x for x in ttfts], "tpots_ms": [1e3 * x for x in tpots],
+        "itls_ms": [1e3 * x for x in itls],
+    }
+    return out
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="served model name (default: the first)")
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second (inf: all at once)")
+    ap.add_argument("--poisson", action=argparse.BooleanOptionalAction, default=True,
+                    help="exponential gaps (Poisson arrivals) instead of fixed ones")
+    ap.add_argument("--concurrency", default="64", help="limit(s), comma-separated: a sweep")
+    ap.add_argument("--image-sizes", default="448,672,896")
+    ap.add_argument("--images-per-request", type=int, default=1)
+    ap.add_argument("--prompt-words", type=int, default=30)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput: TPOT bound")
+    ap.add_argument("--out-dir", default=None, help="JSON results and PNG plots here")
+
+
+def main(args: argparse.Namespace | None = None) -> list[dict]:
+    if args is None:
+        ap = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_args(ap)
+        args = ap.parse_args()
+    convs = make_messages(args)
+    runs = [asyncio.run(run_once(args, convs, int(c))) for c in args.concurrency.split(",")]
+    for r in runs:
+        print(json.dumps({k: v for k, v in r.items() if not k.endswith("s_ms")}))
+    if args.out_dir:
+        from vlmserve.benchmarks.plots import latency_distributions, throughput_vs_concurrency
+
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serve.json").write_text(json.dumps({"args": vars(args), "runs": runs}))
+        latency_distributions(runs, out / "latency.png")
+        throughput_vs_concurrency(runs, out / "throughput_vs_concurrency.png")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
