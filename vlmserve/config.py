@@ -32,7 +32,8 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV cache block.")
     num_kv_blocks: int | None = _opt(
-        None, "KV cache blocks; default: from gpu_memory_utilization on CUDA, 4096 on CPU."
+        None, "KV cache blocks; default: from gpu_memory_utilization on CUDA, else enough for "
+        "max_num_seqs full-length sequences (at most 8192)."
     )
     gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
     mm_cache_gb: float = _opt(

@@ -106,9 +106,7 @@ def prefill_vision(llm, path: str, ceilings: dict, num_requests: int, sizes: lis
             "fraction_of_matmul_rate": rate / (ceilings["bf16_matmul_tflops"] * 1e12)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="qwen2-vl-2b-random")
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--image-sizes", default="448,672,896")
@@ -116,7 +114,14 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace | None = None) -> None:
+    if args is None:
+        ap = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_args(ap)
+        args = ap.parse_args()
     from vlmserve import LLM
     from vlmserve.models.builtin import resolve_model
 

@@ -63,9 +63,7 @@ def run_mode(reqs, warmup, offload: bool, args) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-qwen2-vl")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -77,7 +75,14 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace | None = None) -> None:
+    if args is None:
+        ap = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_args(ap)
+        args = ap.parse_args()
     from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class

@@ -62,9 +62,6 @@ class RequestTiming:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-_DONE = object()  # end-of-stream marker in a request's asyncio.Queue
-
-
 class RequestStream:
     """Async iterator over one request's cumulative `RequestOutput`s.
 
@@ -95,9 +92,6 @@ class RequestStream:
         except BaseException:  # cancelled while waiting: the consumer is gone
             self.abort()
             raise
-        if item is _DONE:
-            self.finished = True
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -135,14 +129,14 @@ class AsyncLLMEngine:
         self._stats_lock = threading.Lock()
         self._finish_callbacks: list[Callable[[RequestTiming], None]] = []
         self._error: BaseException | None = None
-        self.engine: LLMEngine | None = None
+        self._engine: LLMEngine | None = None  # touched only by the engine thread
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,),
                                         name="vlmserve-engine", daemon=True)
         self._thread.start()
         ready.result()
-        assert self.engine is not None
-        self.max_model_len: int = self.engine.max_model_len
+        assert self._engine is not None
+        self.max_model_len: int = self._engine.max_model_len
         self.model_name: str = config.model_config.model
 
     @classmethod
@@ -223,14 +217,14 @@ class AsyncLLMEngine:
 
     def _run(self, ready: concurrent.futures.Future[None]) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            self._engine = LLMEngine(self.config)
             self._refresh_stats()
         except BaseException as e:
             self._error = e
             ready.set_exception(e)
             return
         ready.set_result(None)
-        engine = self.engine
+        engine = self._engine
         flush = False  # an abort left state for the worker to drop: step once more
         try:
             while True:
@@ -241,8 +235,10 @@ class AsyncLLMEngine:
                         items.append(self._inbox.get_nowait())
                     except queue.Empty:
                         break
-                for item in items:
+                for i, item in enumerate(items):
                     if item[0] == "stop":
+                        for rest in items[i + 1:]:  # failed below with everything queued
+                            self._inbox.put(rest)
                         raise EngineDeadError("the engine was shut down")
                     flush |= self._handle(engine, item)
                 if engine.has_unfinished_requests() or flush:
@@ -252,7 +248,7 @@ class AsyncLLMEngine:
                 self._refresh_stats()
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine stopped
             if not isinstance(e, EngineDeadError):
-                logger.exception("engine step failed; the engine stops")
+                logger.exception("engine loop failed; the engine stops")
             self._error = e
             err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine error: {e}")
             for stream in list(self._streams.values()):
@@ -300,10 +296,10 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             stream.timing.token_times.append(now)
-            self._send(stream, out)
-            if out.finished:
+            if out.finished:  # callbacks first: metrics are current when the caller sees it
                 del self._streams[out.request_id]
                 self._finish(stream, out.outputs[0].finish_reason or "stop", now)
+            self._send(stream, out)
 
     def _send(self, stream: RequestStream, item: Any) -> None:
         try:
@@ -331,8 +327,8 @@ class AsyncLLMEngine:
                 item[-1].set_exception(err)
 
     def _refresh_stats(self) -> None:
-        assert self.engine is not None
-        stats = self.engine.get_stats()
+        assert self._engine is not None
+        stats = self._engine.get_stats()
         stats["num_streams"] = len(self._streams)
         with self._stats_lock:
             self._stats = stats

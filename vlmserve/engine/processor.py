@@ -36,11 +36,9 @@ def _images_of(prompt: dict[str, Any]) -> list[Image.Image]:
 class InputProcessor:
     """Wraps the model's own input processor (tokenizer + HF image processor)."""
 
-    def __init__(self, model_processor, vocab_size: int,
-                 limit_images_per_prompt: int | None = None) -> None:
+    def __init__(self, model_processor, vocab_size: int) -> None:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
-        self.limit_images_per_prompt = limit_images_per_prompt
 
     def process(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -60,10 +58,6 @@ class InputProcessor:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt must be a string")
-        if self.limit_images_per_prompt is not None and len(images) > \
-                self.limit_images_per_prompt:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; at most "
-                                      f"{self.limit_images_per_prompt} are allowed")
         processed = self.model_processor.process(
             text, list(token_ids) if token_ids is not None else None, images)
         if not processed.prompt_token_ids:

@@ -1,8 +1,9 @@
-"""The `vlmserve` command: `serve`, `generate`, `bench throughput`."""
+"""The `vlmserve` command: `serve`, `generate`, `bench ...`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -46,15 +47,21 @@ def _generate(args: argparse.Namespace) -> None:
     print(out.outputs[0].text)
 
 
-def _bench_throughput(args: argparse.Namespace) -> None:
-    from vlmserve.benchmarks import throughput
+# `vlmserve bench NAME`: module under vlmserve.benchmarks (with add_args and main) and help
+_BENCHMARKS = {
+    "throughput": ("throughput", "Offline throughput, ours vs transformers generate."),
+    "serve": ("serve", "Online: TTFT, TPOT, ITL and goodput against a running server."),
+    "speed": ("model_speed", "Decode vs the bandwidth floor, prefill+vision vs matmul rate."),
+    "offload": ("offload", "Image-embedding offload on vs off: memory and throughput."),
+}
 
-    throughput.main(args)
+
+def _bench(args: argparse.Namespace) -> None:
+    module = importlib.import_module(f"vlmserve.benchmarks.{_BENCHMARKS[args.bench_command][0]}")
+    module.main(args)
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from vlmserve.benchmarks import throughput
-
     parser = argparse.ArgumentParser(
         prog="vlmserve", description="A serving engine for vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -91,11 +98,12 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    tp = bench_sub.add_parser("throughput", help="Offline throughput (ours vs transformers).",
-                              description=throughput.__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    throughput.add_args(tp)
-    tp.set_defaults(func=_bench_throughput)
+    for name, (module_name, help_text) in _BENCHMARKS.items():
+        module = importlib.import_module(f"vlmserve.benchmarks.{module_name}")
+        bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(bp)
+        bp.set_defaults(func=_bench)
     return parser
 
 

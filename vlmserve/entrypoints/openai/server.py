@@ -217,6 +217,8 @@ class OpenAIServing:
             choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
             data = ChatCompletionChunk(id=rid, created=created, model=self.model_name,
                                        choices=choices, usage=usage).model_dump()
+            if delta is not None:  # OpenAI leaves unset delta fields out
+                data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             if not req.include_usage:
                 data.pop("usage")
             return _sse(data)
@@ -326,6 +328,12 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, str(e), type="server_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.error("internal error: %r", e)
+        return error_response(500, f"internal server error: {type(e).__name__}",
+                              type="server_error")
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,128 @@
+"""The `vlmserve` command: help text, option parsing, `generate`, `serve`, `bench throughput`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.helpers import make_image
+from vlmserve import LLM, SamplingParams
+from vlmserve.config import EngineConfig
+from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
+from vlmserve.entrypoints.cli import main, make_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "VLMSERVE_CACHE": str(cache), "PYTHONIOENCODING": "utf-8"}
+
+
+def _flat(text: str) -> str:
+    return "".join(text.split())  # argparse re-wraps help text
+
+
+def test_console_script_help() -> None:
+    exe = Path(sys.executable).with_name("vlmserve")  # installed by `pip install -e .`
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("serve", "generate", "bench"):
+        assert command in out.stdout
+
+
+def test_serve_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = _flat(capsys.readouterr().out)
+    options = [*EngineConfig.option_fields(), *dataclasses.fields(ServerConfig)]
+    for f in options:
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        assert _flat(f.metadata["help"]) in text, flag
+    bools = [f for f in options if f.type in ("bool", "bool | None")]
+    assert bools and all("--no-" + f.name.replace("_", "-") in text for f in bools)
+
+
+def test_engine_options_parse_to_typed_kwargs() -> None:
+    args = make_parser().parse_args([
+        "serve", "some-model", "--max-num-seqs", "3", "--max-model-len", "100",
+        "--no-enable-chunked-prefill", "--mm-embedding-offload", "--gpu-memory-utilization",
+        "0.5", "--port", "9000", "--allow-remote-images"])
+    assert engine_kwargs(args) == {
+        "max_num_seqs": 3, "max_model_len": 100, "enable_chunked_prefill": False,
+        "mm_embedding_offload": True, "gpu_memory_utilization": 0.5}
+    config = EngineConfig.from_kwargs(model="some-model", **engine_kwargs(args))
+    assert config.scheduler_config.max_num_seqs == 3 and config.model_config.max_model_len == 100
+    server = ServerConfig.from_args(args)
+    assert server.port == 9000 and server.allow_remote_images and server.limit_mm_per_prompt == 8
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--max-num-seqs", "many"])
+
+
+def test_generate_prints_the_answer(vlmserve_cache: Path, tmp_path: Path) -> None:
+    image = tmp_path / "x.png"
+    make_image(84, 56, 3).save(image)
+    out = subprocess.run(
+        [sys.executable, "-m", "vlmserve", "generate", "--image", str(image), "What is this?",
+         "--max-tokens", "5", "--dtype", "float32", "--device", "cpu"],
+        cwd=REPO, env=_env(vlmserve_cache), capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu")
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(image)}},
+        {"type": "text", "text": "What is this?"}]}]
+    expected = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0.0),
+                        use_tqdm=False)[0].outputs[0].text
+    assert out.stdout.decode() == expected + "\n"
+
+
+def test_serve_subprocess(vlmserve_cache: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmserve", "serve", "--port", str(port), "--dtype", "float32",
+         "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning"],
+        cwd=REPO, env=_env(vlmserve_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        resp = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4,
+            temperature=0, extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once shut down
+
+
+def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    main(["bench", "throughput", "--num-requests", "2", "--output-len", "3",
+          "--image-sizes", "56", "--prompt-len", "8", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["args"]["num_requests"] == 2
+    assert result["results"][0]["backend"] == "vlmserve"
+    assert result["results"][0]["total_output_tokens"] == 6

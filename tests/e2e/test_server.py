@@ -1,0 +1,308 @@
+"""The OpenAI-compatible server, end to end: real uvicorn on a loopback port, official client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.helpers import make_image
+from vlmserve import LLM, SamplingParams
+from vlmserve.engine.async_engine import AsyncLLMEngine
+from vlmserve.entrypoints.args import engine_kwargs
+from vlmserve.entrypoints.cli import make_parser
+from vlmserve.entrypoints.openai.server import build_app
+
+MAX_MODEL_LEN = 1024
+ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+                "--max-num-batched-tokens", "256"]
+MODEL = "tiny-qwen2-vl"
+
+
+def data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(text: str, *urls: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class Server:
+    def __init__(self, engine: AsyncLLMEngine, url: str, media_dir: Path) -> None:
+        self.engine, self.url, self.media_dir = engine, url, media_dir
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        self.aclient_kwargs = dict(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats").json()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@pytest.fixture(scope="module")
+def server(vlmserve_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    media = tmp_path_factory.mktemp("media")
+    args = make_parser().parse_args([
+        "serve", MODEL, *ENGINE_FLAGS, "--allowed-local-media-path", str(media),
+        "--limit-mm-per-prompt", "2", "--max-image-pixels", "200000",
+        "--max-request-bytes", "1000000", "--served-model-name", "tiny"])
+    engine = AsyncLLMEngine.from_kwargs(**engine_kwargs(args) | {"model": MODEL})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, args), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    yield Server(engine, url, media)
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def llm(vlmserve_cache: Path) -> LLM:
+    return LLM(MODEL, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+               max_num_batched_tokens=256)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def chat(server: Server, messages: list[dict], n: int = 12, **kw):
+    kw = {"temperature": 0, "extra_body": {"ignore_eos": True}} | kw
+    return server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=n,
+                                                 **kw)
+
+
+def stream_text(server: Server, messages: list[dict], n: int, **kw) -> tuple[str, list]:
+    chunks = list(chat(server, messages, n, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_health_and_models(server: Server) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+
+
+def test_chat_with_image_matches_llm_chat(server: Server, llm: LLM) -> None:
+    messages = user("What is in this picture?", data_url(make_image(84, 56, 1)))
+    expected = llm.chat(messages, greedy(16), use_tqdm=False)[0]
+    resp = chat(server, messages, 16)
+    assert resp.object == "chat.completion" and resp.model == "tiny"
+    assert resp.choices[0].message.content == expected.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == 16
+    # max_completion_tokens is the newer name of max_tokens; a local file works like a data URL
+    path = server.media_dir / "img.png"
+    make_image(84, 56, 1).save(path)
+    again = server.client.chat.completions.create(
+        model="tiny", messages=user("What is in this picture?", f"file://{path}"),
+        max_completion_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == expected.outputs[0].text
+
+
+def test_streaming_equals_non_streamed(server: Server) -> None:
+    messages = user("Describe it.", data_url(make_image(56, 112, 2)))
+    full = chat(server, messages, 20).choices[0].message.content
+    text, chunks = stream_text(server, messages, 20, stream_options={"include_usage": True})
+    assert text == full
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    finishing = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishing[-1] == "length" and not any(finishing[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    text, chunks = stream_text(server, messages, 20)
+    assert text == full and all(c.usage is None for c in chunks)
+    # a stop string that straddles two chunks: the streamed text must not have sent its
+    # first half before the stop was seen
+    pieces = [c.choices[0].delta.content for c in chunks[1:-1] if c.choices[0].delta.content]
+    at = [sum(map(len, pieces[:k])) for k in range(1, len(pieces))]
+    stop = next(full[i - 1:i + 1] for i in at[2:] if full.find(full[i - 1:i + 1]) == i - 1)
+    cut = chat(server, messages, 20, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[: full.find(stop)]
+    text, chunks = stream_text(server, messages, 20, stop=stop)
+    assert text == cut.message.content and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions(server: Server, llm: LLM) -> None:
+    expected = llm.generate("Once upon a time", greedy(10), use_tqdm=False)[0].outputs[0]
+    resp = server.client.completions.create(model="tiny", prompt="Once upon a time",
+                                            max_tokens=10, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == expected.text and resp.usage.completion_tokens == 10
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    by_ids = server.client.completions.create(model="tiny", prompt=ids, max_tokens=10,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == expected.text
+    chunks = list(server.client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sixteen_concurrent_streams(server: Server, llm: LLM) -> None:
+    convs = [user(f"Request {i}: what do you see?" + " more" * (i % 5),
+                  *[data_url(make_image(56 + 28 * (i % 3), 56 + 28 * j, 100 * i + j))
+                    for j in range(i % 3)])
+             for i in range(16)]
+    expected = [o.outputs[0].text for o in llm.chat(convs, greedy(24), use_tqdm=False)]
+
+    async def one(client: openai.AsyncOpenAI, messages: list[dict]) -> str:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(**server.aclient_kwargs) as client:
+            return await asyncio.gather(*(one(client, m) for m in convs))
+
+    assert asyncio.run(run_all()) == expected
+
+
+def _idle(server: Server) -> dict:
+    for _ in range(100):
+        s = server.stats()
+        if s["num_running"] == s["num_waiting"] == s["num_streams"] == 0:
+            return s
+        time.sleep(0.05)
+    return s
+
+
+def test_client_disconnect_frees_blocks_and_cache_references(server: Server) -> None:
+    before = server.metrics()
+    messages = user("Talk for a long time.", data_url(make_image(112, 112, 3)))
+    stream = chat(server, messages, MAX_MODEL_LEN - 100, stream=True)
+    got = [next(stream) for _ in range(3)]  # the role chunk, then two content chunks
+    assert server.stats()["num_running"] == 1
+    stream.close()
+    s = _idle(server)
+    assert s["num_running"] == s["num_waiting"] == s["num_streams"] == 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+    assert s["encoder_cache_referenced"] == 0
+    after = server.metrics()
+    key = 'vlmserve_requests_finished_total{finish_reason=abort}'
+    assert after[key] == before.get(key, 0) + 1
+    generated = after["vlmserve_generation_tokens_total"] - before[
+        "vlmserve_generation_tokens_total"]
+    assert 2 <= generated < MAX_MODEL_LEN - 200, "aborted long before max_tokens"
+    assert len(got) == 3
+    # a non-streamed request whose client gives up is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=0.5, json={
+            "messages": messages, "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True})
+    s = _idle(server)
+    assert s["num_running"] == 0 and s["num_free_kv_blocks"] == s["num_kv_blocks"]
+    assert server.metrics()[key] == before.get(key, 0) + 2
+
+
+BAD_IMAGE = "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode()
+
+
+def _bad_cases(server: Server) -> list[tuple[dict, int, str]]:
+    img = data_url(make_image(56, 56, 4))
+    outside = server.media_dir.parent / "outside.png"
+    make_image(56, 56, 5).save(outside)
+    ok = {"model": "tiny", "max_tokens": 4}
+    return [
+        ({**ok, "messages": user("x", BAD_IMAGE)}, 400, "could not decode image"),
+        ({**ok, "messages": user("x", img, img, img)}, 400, "at most 2"),
+        ({**ok, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+         400, "input_audio"),
+        ({**ok, "messages": user("word " * 2000)}, 400, "maximum context length"),
+        ({**ok, "messages": user("x"), "temperature": -1}, 400, "temperature"),
+        ({**ok, "messages": user("x"), "n": 2}, 400, "n must be 1"),
+        ({**ok, "messages": user("x"), "max_tokens": 0}, 400, "max_tokens"),
+        ({**ok, "messages": user("x"), "top_p": "high"}, 400, "top_p"),
+        ({**ok, "messages": user("x", str(outside))}, 400, "outside the allowed directory"),
+        ({**ok, "messages": user("x", "http://127.0.0.1:1/x.png")}, 400,
+         "remote image URLs are not allowed"),
+        ({**ok, "messages": user("x", data_url(Image.new("RGB", (500, 500))))}, 400,
+         "exceeds the limit"),
+        ({**ok, "messages": []}, 400, "messages"),
+        ({**ok, "model": "gpt-4o", "messages": user("x")}, 404, "gpt-4o"),
+        ({**ok, "messages": user("x" * 1_100_000)}, 413, "exceeds the limit"),
+    ]
+
+
+def test_bad_requests_get_errors_while_others_complete(server: Server, llm: LLM) -> None:
+    good = [user(f"Good request {i}.", data_url(make_image(56, 84, 40 + i))) for i in range(3)]
+    expected = [o.outputs[0].text for o in llm.chat(good, greedy(500), use_tqdm=False)]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(stream_text, server, m, 500) for m in good]
+        deadline = time.monotonic() + 30
+        while server.stats()["num_running"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for body, status, words in _bad_cases(server):
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == status, (words, r.text)
+            err = r.json()["error"]
+            assert words in err["message"] and err["type"] and "param" in err and "code" in err
+        r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            chat(server, user("x"), temperature=-1)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            server.client.chat.completions.create(model="nope", messages=user("x"))
+        assert server.stats()["num_running"] == 3, "the good requests were still running"
+        assert [f.result()[0] for f in futures] == expected
+    assert httpx.get(server.url + "/health").status_code == 200
+    s = _idle(server)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_metrics_parse_and_move(server: Server) -> None:
+    before = server.metrics()
+    for name in ("vlmserve_num_requests_running", "vlmserve_num_requests_waiting",
+                 "vlmserve_kv_cache_usage_ratio", "vlmserve_encoder_cache_usage_rows",
+                 "vlmserve_encoder_cache_entries"):
+        assert name in before
+    resp = chat(server, user("Count.", data_url(make_image(56, 56, 6))), 8)
+    after = server.metrics()
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert moved("vlmserve_prompt_tokens_total") == resp.usage.prompt_tokens
+    assert moved("vlmserve_generation_tokens_total") == 8
+    assert moved("vlmserve_requests_finished_total{finish_reason=length}") == 1
+    assert moved("vlmserve_time_to_first_token_seconds_count") == 1
+    assert moved("vlmserve_inter_token_latency_seconds_count") == 7
+    assert moved("vlmserve_e2e_request_latency_seconds_count") == 1
+    assert after["vlmserve_e2e_request_latency_seconds_sum"] > before.get(
+        "vlmserve_e2e_request_latency_seconds_sum", 0.0)
