@@ -10,32 +10,23 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.layers.attention import (
     block_table_tensor,
     build_attention_metadata,
     get_paged_attention_backend,
 )
 from vlmserve.layers.sampler import sample
-from vlmserve.multimodal.inputs import ImageInput
-from vlmserve.sampling_params import SamplingParams
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
 
 @dataclass
-class CachedRequestState:
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    images: list[ImageInput]
-    mrope_positions: torch.Tensor | None
-    mrope_delta: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
+class CachedRequestState(NewRequestData):
+    """The worker's copy of a running request; `token_ids` grows as tokens are sampled."""
+
+    generator: torch.Generator | None = None
 
 
 class ModelRunner:
@@ -77,17 +68,8 @@ class ModelRunner:
             if sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             self.requests[new.request_id] = CachedRequestState(
-                request_id=new.request_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                images=new.images,
-                mrope_positions=new.mrope_positions,
-                mrope_delta=new.mrope_delta,
-                sampling_params=sp,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                generator=gen,
-            )
+                **{**vars(new), "token_ids": list(new.token_ids),
+                   "block_ids": list(new.block_ids)}, generator=gen)
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)

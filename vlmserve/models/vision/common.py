@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan, varlen_attention
 
 
@@ -42,20 +43,6 @@ def rope_theta(config) -> float:
     """Rotary base of a HF vision config (transformers 5.x ``rope_parameters``; default 1e4)."""
     params = getattr(config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back before scaling (as the Qwen checkpoints expect)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class PatchEmbed(nn.Module):
