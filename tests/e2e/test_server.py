@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import socket
 import threading
 import time
@@ -306,3 +307,20 @@ def test_metrics_parse_and_move(server: Server) -> None:
     assert moved("vlmserve_e2e_request_latency_seconds_count") == 1
     assert after["vlmserve_e2e_request_latency_seconds_sum"] > before.get(
         "vlmserve_e2e_request_latency_seconds_sum", 0.0)
+
+
+def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
+    from vlmserve.entrypoints.cli import main
+
+    out = tmp_path / "bench"
+    main(["bench", "serve", "--base-url", server.url, "--num-requests", "6",
+          "--concurrency", "1,3", "--image-sizes", "56,84", "--output-len", "4",
+          "--prompt-words", "5", "--request-rate", "50", "--out-dir", str(out)])
+    runs = json.loads((out / "serve.json").read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert len(r["ttfts_ms"]) == 6 and r["median_ttft_ms"] > 0
+        assert r["output_tokens_per_s"] > 0 and len(r["tpots_ms"]) == 6
+    for png in ("latency.png", "throughput_vs_concurrency.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,30 @@
+"""The offline benchmarks run end to end on the tiny model (CPU) and write their results."""
+
+from __future__ import annotations
+
+import json
+
+from vlmserve.entrypoints.cli import main
+
+
+def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
+    out = tmp_path / "tp.json"
+    main(["bench", "throughput", "--model", "tiny-qwen2-vl", "--num-requests", "6",
+          "--image-sizes", "56,84", "--prompt-len", "8", "--output-len", "4",
+          "--backend", "both", "--hf-batch-size", "4", "--out", str(out)])
+    ours, hf = json.loads(out.read_text())["results"]
+    assert ours["backend"] == "vlmserve" and hf["backend"] == "hf"
+    assert ours["total_output_tokens"] == hf["total_output_tokens"] == 24
+    assert ours["speedup_vs_hf_output_tokens"] > 0
+
+
+def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):
+    out = tmp_path / "offload.json"
+    main(["bench", "offload", "--model", "tiny-qwen2-vl", "--num-requests", "4",
+          "--images-per-request", "2", "--image-size", "112", "--max-num-batched-tokens", "32",
+          "--output-len", "4", "--out", str(out)])
+    data = json.loads(out.read_text())
+    off, on = data["results"]
+    assert data["summary"]["greedy_outputs_identical"]
+    assert not off["offload"] and on["offload"]
+    assert on["prefetch_hit_rows"] > 0 and on["embedding_host_mib_at_end"] > 0
