@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlmserve.benchmarks import parse_args
+
 Fn = Callable[[], object]
 
 
@@ -209,10 +211,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
-    if args is None:
-        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-        add_args(parser)
-        args = parser.parse_args()
+    args = parse_args(args, add_args, __doc__)
     if not torch.cuda.is_available():
         raise SystemExit("kernel benchmarks need a CUDA device")
     roofline = measure_roofline()

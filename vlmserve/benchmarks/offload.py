@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.datasets import random_mm
 
 
@@ -78,11 +79,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace | None = None) -> None:
-    if args is None:
-        ap = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_args(ap)
-        args = ap.parse_args()
+    args = parse_args(args, add_args, __doc__)
     from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class

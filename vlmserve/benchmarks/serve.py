@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from vlmserve.benchmarks import parse_args
+
 
 def _data_url(image) -> str:
     buf = io.BytesIO()
@@ -147,11 +149,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
-    if args is None:
-        ap = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_args(ap)
-        args = ap.parse_args()
+    args = parse_args(args, add_args, __doc__)
     convs = make_messages(args)
     runs = [asyncio.run(run_once(args, convs, int(c))) for c in args.concurrency.split(",")]
     for r in runs:

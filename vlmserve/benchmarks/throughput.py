@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
 
 
@@ -129,10 +130,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
-    if args is None:
-        ap = argparse.ArgumentParser(description=__doc__)
-        add_args(ap)
-        args = ap.parse_args()
+    args = parse_args(args, add_args, __doc__)
     from vlmserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early on bad install)
     from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
