@@ -47,8 +47,10 @@ class Scheduler:
         max_num_encoder_tokens: int | None = None,
         encoder_cache_rows: int | None = None,
         retain_encoder_outputs: bool = False,
+        plan_prefetch: bool = True,
     ) -> None:
         self.max_num_seqs = max_num_seqs
+        self.plan_prefetch = plan_prefetch  # only the offloading worker reads the plan
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -146,7 +148,8 @@ class Scheduler:
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
-        out.prefetch = self._predict_next_rows(out)
+        if self.plan_prefetch:
+            out.prefetch = self._predict_next_rows(out)
         return out
 
     def _predict_next_rows(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:

@@ -79,6 +79,7 @@ class LLMEngine:
             encoder_cache_rows=int(cc.mm_cache_gb * 2**30)
             // self.executor.bytes_per_embedding_row,
             retain_encoder_outputs=cc.enable_mm_cache,
+            plan_prefetch=self.executor.mm_offload,
         )
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
