@@ -42,6 +42,7 @@ class HFOracle:
 
         cls = getattr(transformers, arch)
         self.model = cls.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        self.model.generation_config.eos_token_id = None  # run to max_new_tokens, never stop
         self.device = device
         self._cache: dict = {}
 
@@ -63,12 +64,15 @@ class HFOracle:
             for img in processed.images:
                 mm[0, img.offset:img.offset + img.length] = 1
             kwargs["mm_token_type_ids"] = mm
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
+        # no eos: generate runs to max_new_tokens like our ignore_eos (min_new_tokens would
+        # instead mask eos out of the logits, which changes the greedy path)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
         ids = ids.to(self.device)
         kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                   generation_config=cfg, **kwargs)
         tokens = out[0, ids.shape[1]:].tolist()
+        assert len(tokens) == max_new_tokens, "transformers stopped early"
         self._cache[key] = tokens
         return tokens

@@ -107,3 +107,24 @@ def test_offload_and_cache_modes(setup, budget, offload, cache):
         assert stats["prefetch_hit_rows"] > 0, "the next-step prediction should mostly hit"
         assert stats["mm_embedding_peak_bytes_device"] == 2 * budget * engine.executor \
             .bytes_per_embedding_row, "only the two ping-pong buffers stay on the device"
+
+
+def test_same_image_twice_in_a_prompt_and_across_requests(setup):
+    _, llm, oracle = setup
+    a, b = make_image(112, 84, 21), make_image(84, 112, 22)
+    prompts = [chat_prompt(llm, "Twice the same?", [a, b, a]),
+               chat_prompt(llm, "And again.", [a]),
+               chat_prompt(llm, "Only b.", [b, b])]
+    engine = check(llm, oracle, prompts, max_num_batched_tokens=16, max_num_seqs=2,
+                   mm_embedding_offload=True).engine
+    stats = engine.get_stats()
+    assert stats["num_images_encoded"] == 2  # a and b, once each
+
+
+def test_everything_at_once(setup):
+    """Chunking through images, few sequences, preemption, offload and the cache together."""
+    _, llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm) + mixed_prompts(llm)[:3],
+                   max_num_batched_tokens=37, max_num_seqs=5, num_kv_blocks=24, block_size=8,
+                   mm_embedding_offload=True).engine
+    assert engine.scheduler.num_preemptions > 0

@@ -61,6 +61,7 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: to
     model = cls.from_pretrained(model_path, dtype=dtype).to("cuda" if torch.cuda.is_available()
                                                             else "cpu").eval()
     device = next(model.parameters()).device
+    model.generation_config.eos_token_id = None  # fixed output lengths, like ignore_eos
     groups = defaultdict(list)
     for r in reqs:
         groups[(tuple(r.image_sizes), len(r.prompt["prompt_token_ids"]), r.output_len)].append(r)
@@ -77,8 +78,8 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: to
         pixels = torch.cat([img.pixel_values for p in procs for img in p.images]).to(device)
         grid = torch.tensor([img.grid_thw for p in procs for img in p.images], device=device)
         n = batch[0].output_len
-        gcfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
+        gcfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  pixel_values=pixels, image_grid_thw=grid,
