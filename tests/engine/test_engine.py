@@ -182,3 +182,16 @@ def test_abort_frees_everything(llm):
     assert s["encoder_cache_referenced"] == 0
     assert s["mm_embedding_entries"] == s["encoder_cache_entries"]
     assert RequestStatus.FINISHED_ABORTED.value == "abort"
+
+
+def test_seeded_sampling_survives_preemption(vlmserve_cache):
+    prompts = mixed_prompts(LLM("tiny-qwen2-vl", dtype="float32", device="cpu"))
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    roomy = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_batched_tokens=128)
+    tight = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_batched_tokens=128,
+                num_kv_blocks=24, block_size=8)
+    a = roomy.generate(prompts, params, use_tqdm=False)
+    b = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

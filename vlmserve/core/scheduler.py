@@ -65,6 +65,7 @@ class Scheduler:
         self._on_worker: set[str] = set()  # requests whose state the worker holds
         self._sent_blocks: dict[str, int] = {}  # blocks the worker knows of, per request
         self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -147,7 +148,8 @@ class Scheduler:
 
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_request_ids = self._finished_ids
-        self._finished_ids = set()
+        out.preempted_request_ids = self._preempted_ids & self._finished_ids
+        self._finished_ids, self._preempted_ids = set(), set()
         if self.plan_prefetch:
             out.prefetch = self._predict_next_rows(out)
         return out
@@ -259,6 +261,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
+        self._preempted_ids.add(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -312,6 +315,9 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._preempted_ids.discard(request_id)
+        if req.status == RequestStatus.PREEMPTED:
+            self._finished_ids.add(request_id)  # the worker still holds its paused generator
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

@@ -47,6 +47,8 @@ class SchedulerOutput:
     free_encoder_hashes: list[str] = field(default_factory=list)
     # requests finished, aborted or preempted since the last step: the worker drops them
     finished_request_ids: set[str] = field(default_factory=set)
+    # the preempted ones among them: the worker keeps their sampling generators for the resume
+    preempted_request_ids: set[str] = field(default_factory=set)
     # image rows (hash, first row, end row) the NEXT step is expected to read from entries
     # that exist after this step's encoder runs: the worker copies them to the GPU ahead
     prefetch: list[tuple[str, int, int]] = field(default_factory=list)

@@ -48,6 +48,7 @@ class ModelRunner:
                                       buffer_rows=max_num_batched_tokens)
         self.encoder = EncoderRunner(model, device, self.store)
         self.requests: dict[str, CachedRequestState] = {}
+        self._paused_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         if cuda_graph_max_batch > 0:
@@ -60,12 +61,17 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if rid in so.preempted_request_ids and state is not None:
+                # a resumed request continues its random stream instead of restarting it
+                self._paused_generators[rid] = state.generator
+            else:
+                self._paused_generators.pop(rid, None)
         self.store.free(so.free_encoder_hashes)
         for new in so.new_requests:
             sp = new.sampling_params
-            gen = None
-            if sp.seed is not None and not sp.greedy:
+            gen = self._paused_generators.pop(new.request_id, None)
+            if gen is None and sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             self.requests[new.request_id] = CachedRequestState(
                 **{**vars(new), "token_ids": list(new.token_ids),
