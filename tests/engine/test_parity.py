@@ -128,3 +128,11 @@ def test_everything_at_once(setup):
                    max_num_batched_tokens=37, max_num_seqs=5, num_kv_blocks=24, block_size=8,
                    mm_embedding_offload=True).engine
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_compiled_fused_ops(setup):
+    """torch.compile'd norm/rotary/SiLU (what CUDA decode graphs capture) change nothing."""
+    name, llm, oracle = setup
+    if name != "tiny-qwen2-vl":
+        pytest.skip("one model is enough: the compiled functions are shared")
+    check(llm, oracle, mixed_prompts(llm)[:4], max_num_batched_tokens=37, compile_ops=True)

@@ -20,6 +20,7 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for name, kw in {"graphs": {}, "eager": {"enforce_eager": True},
+                     "compiled": {"compile_ops": True},
                      "torch": {"attention_backend": "torch"}}.items():
         llm = LLM(model, dtype="float32", device="cuda", attention_backend="triton",
                   max_num_seqs=8, max_num_batched_tokens=64, **kw) if name != "torch" else \
@@ -31,4 +32,4 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
             assert llm.engine.executor.runner.num_graph_steps > 0
         if name == "eager":
             assert llm.engine.executor.runner.graphs is None
-    assert results["graphs"] == results["eager"] == results["torch"]
+    assert results["graphs"] == results["eager"] == results["torch"] == results["compiled"]

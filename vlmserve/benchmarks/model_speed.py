@@ -114,6 +114,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compile-ops", action="store_true")
     ap.add_argument("--out", default=None)
 
 
@@ -126,7 +127,8 @@ def main(args: argparse.Namespace | None = None) -> None:
     ceilings = device_ceilings()
     print(json.dumps(ceilings))
     llm = LLM(path, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
-              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              compile_ops=args.compile_ops)
     results = {"ceilings": ceilings, "decode": [], "prefill_vision": None}
     for b in [int(x) for x in args.decode_batches.split(",")]:
         results["decode"].append(decode_step(llm, 512, ceilings, batch=b))

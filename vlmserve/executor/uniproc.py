@@ -9,6 +9,7 @@ import torch
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
+from vlmserve.layers.fused import FusedOps
 from vlmserve.models.loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
@@ -47,6 +48,8 @@ class UniprocExecutor:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
+        if mc.compile_ops:
+            model.set_fused_ops(FusedOps(compile=True))
         backend = get_paged_attention_backend(mc.attention_backend, self.device)
         graphs = (self.device.type == "cuda" and not mc.enforce_eager
                   and backend is not paged_attention_reference)

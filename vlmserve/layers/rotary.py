@@ -9,11 +9,6 @@ import torch
 from torch import nn
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class MRotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float, mrope_section: list[int] | None) -> None:
         super().__init__()
@@ -40,9 +35,3 @@ class MRotaryEmbedding(nn.Module):
                 freqs = pos.t() * inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return x * cos + rotate_half(x) * sin

@@ -37,5 +37,8 @@ class VisionLanguageModel(Protocol):
     def set_attention_backend(self, fn) -> None:
         """Paged attention function used by every layer (see layers/attention.py)."""
 
+    def set_fused_ops(self, ops) -> None:
+        """Eager or compiled elementwise ops of the decoder (see layers/fused.py)."""
+
     def load_weights(self, weights) -> set[str]:
         """Copy (checkpoint name, tensor) pairs into the model; returns the names loaded."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
+from vlmserve.layers.fused import EAGER_OPS, FusedOps
 from vlmserve.layers.linear import MergedLinear
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
@@ -21,12 +21,13 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
+        self.ops = EAGER_OPS
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = MRotaryEmbedding.apply(q.view(T, self.heads, self.head_dim), cos, sin)
-        k = MRotaryEmbedding.apply(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        q, k = self.ops.rotary_qk(q.view(T, self.heads, self.head_dim),
+                                  k.view(T, self.kv_heads, self.head_dim), cos, sin)
         write_kv(kv_cache, k, v.view(T, self.kv_heads, self.head_dim), meta.slot_mapping)
         o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, -1))
@@ -37,10 +38,10 @@ class Qwen2MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -53,9 +54,16 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """Residual stream: returns (this layer's output, the sum before it); the next norm
+        adds them (one fused kernel when compiled)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 def rope_settings(cfg) -> tuple[float, list[int] | None]:
@@ -85,6 +93,11 @@ class Qwen2Model(nn.Module):
         for layer in self.layers:
             layer.self_attn.attn_fn = fn
 
+    def set_fused_ops(self, ops: FusedOps) -> None:
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         attn = self.layers[0].self_attn
         return (2, num_blocks, block_size, attn.kv_heads, attn.head_dim)
@@ -97,10 +110,10 @@ class Qwen2Model(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        x = inputs_embeds
+        x, residual = inputs_embeds, None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)  # [T, hidden]
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        return self.norm(x, residual)[0]  # [T, hidden]
 
     _STACKED = {  # checkpoint projection -> (merged module attribute, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

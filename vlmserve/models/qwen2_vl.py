@@ -51,6 +51,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def set_attention_backend(self, fn) -> None:
         self.language_model.set_attention_backend(fn)
 
+    def set_fused_ops(self, ops) -> None:
+        self.language_model.set_fused_ops(ops)
+
     @property
     def hidden_size(self) -> int:
         return self.language_model.config.hidden_size
