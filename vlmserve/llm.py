@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -43,14 +45,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, sp))
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+        # preprocessing (image decoding and processing, tokenization) runs on a thread pool
+        # and overlaps the engine steps; requests join the engine in input order
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(self.engine.process_request, p, sp)
+                       for p, sp in zip(prompts, params)]
+            try:
+                return self._run(futures, use_tqdm)
+            finally:
+                for f in futures:
+                    f.cancel()
 
     def chat(
         self,
@@ -69,19 +73,27 @@ class LLM:
         text = self.engine.input_processor.model_processor.apply_chat_template(hf_messages)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
+    def _run(self, futures: list[Future], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        pending: set[str] = set()
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Requests", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(futures), desc="Requests", disable=not use_tqdm, unit="req")
         try:
-            while pending:
-                for out in self.engine.step():
+            while len(ids) < len(futures) or pending:
+                # admit what is preprocessed; wait for the next request only when idle
+                while len(ids) < len(futures) and (futures[len(ids)].done()
+                                                   or not engine.has_unfinished_requests()):
+                    rid = engine.add_processed_request(futures[len(ids)].result())
+                    ids.append(rid)
+                    pending.add(rid)
+                for out in engine.step():
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
-            self.engine.abort_request(list(pending))
+            engine.abort_request(list(pending))
             raise
         finally:
             bar.close()

@@ -195,3 +195,14 @@ def test_seeded_sampling_survives_preemption(vlmserve_cache):
     b = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_generate_with_a_bad_prompt_raises_and_leaves_the_engine_clean(llm):
+    good = chat_prompt(llm, "Fine.", [make_image(56, 56, 3)])
+    bad = {"prompt": good["prompt"], "multi_modal_data": {"image": b"garbage"}}
+    with pytest.raises(InvalidImageError, match="image 0"):
+        llm.generate([good, good, bad, good], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    s = llm.engine.get_stats()
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+    assert llm.generate(good, greedy(), use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -22,12 +22,17 @@ def test_image_shared_by_five_concurrent_requests_is_encoded_once(vlmserve_cache
     img = make_image(112, 112, 42)
     prompts = [chat_prompt(llm, f"Question {i}: what do you see?" + " more" * i, [img])
                for i in range(5)]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    s = llm.engine.get_stats()
+    engine = llm.engine
+    for i, p in enumerate(prompts):  # all five in the engine at once
+        engine.add_request(p, GREEDY, request_id=f"r{i}")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    s = engine.get_stats()
     assert s["num_images_encoded"] == 1 and s["num_encoder_cache_hits"] == 4
-    assert llm.engine.executor.runner.encoder.num_images == 1
+    assert engine.executor.runner.encoder.num_images == 1
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    assert [outs[f"r{i}"] for i in range(5)] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_retained_entries_are_reused_then_evicted_within_budget(vlmserve_cache):

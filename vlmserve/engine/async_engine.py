@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -129,7 +130,9 @@ class AsyncLLMEngine:
         self._stats_lock = threading.Lock()
         self._finish_callbacks: list[Callable[[RequestTiming], None]] = []
         self._error: BaseException | None = None
-        self._engine: LLMEngine | None = None  # touched only by the engine thread
+        self._engine: LLMEngine | None = None  # stepped only by the engine thread
+        self._preprocess = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="vlmserve-preprocess")
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,),
                                         name="vlmserve-engine", daemon=True)
@@ -161,8 +164,11 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = RequestStream(self, rid, loop, RequestTiming(time.monotonic()))
+        # preprocessing (images, tokens) runs on a pool, so the engine thread keeps stepping
+        req = await loop.run_in_executor(self._preprocess, self._engine.process_request,
+                                         prompt, params, rid)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(("add", stream, prompt, params, fut))
+        self._submit(("add", stream, req, fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -203,6 +209,7 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._inbox.put(("stop",))
             self._thread.join(timeout)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     def _check_alive(self) -> None:
         if not self.is_running:
@@ -260,11 +267,11 @@ class AsyncLLMEngine:
         """Act on one inbox message; True if the worker has state to drop."""
         kind = item[0]
         if kind == "add":
-            _, stream, prompt, params, fut = item
+            _, stream, req, fut = item
             if not fut.set_running_or_notify_cancel():  # the caller gave up before admission
                 return False
             try:
-                engine.add_request(prompt, params, stream.request_id)
+                engine.add_processed_request(req)
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 fut.set_exception(e)
                 return False

@@ -94,23 +94,36 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request. Bad input raises an `InvalidRequestError` naming the
-        problem and leaves the engine untouched."""
+    def process_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                        request_id: str | None = None) -> Request:
+        """Validate and preprocess (tokenize, decode and process images, hash, positions).
+        Reads only configuration, so it may run on other threads, overlapping the steps.
+        Bad input raises an `InvalidRequestError` naming the problem."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process(prompt)
         req = Request(request_id, processed, params, self.eos_token_ids)
         reason = self.scheduler.check_admissible(req)
         if reason is not None:
             raise PromptTooLongError(reason)
+        return req
+
+    def add_processed_request(self, req: Request) -> str:
+        """Queue a request from `process_request` (engine thread only)."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add_request(req)
-        self.output_processor.add(request_id)
-        return request_id
+        self.output_processor.add(req.request_id)
+        return req.request_id
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request. Bad input raises an `InvalidRequestError` naming the
+        problem and leaves the engine untouched."""
+        if request_id is not None and request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.add_processed_request(self.process_request(prompt, params, request_id))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
