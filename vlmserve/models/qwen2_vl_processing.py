@@ -7,6 +7,7 @@ placeholder is expanded to ``t * h * w // merge**2`` tokens from the image proce
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ class Qwen2VLInputProcessor:
             hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.hf_config = hf_config
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self._tokenizer_lock = threading.Lock()
         self.image_processor = _load_image_processor(self.model_path)
         self.image_token_id: int = hf_config.image_token_id
         self.video_token_id: int | None = getattr(hf_config, "video_token_id", None)
@@ -108,7 +110,11 @@ class Qwen2VLInputProcessor:
         """
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
-        ids = list(self.tokenizer.encode(prompt)) if prompt is not None else list(prompt_token_ids)
+        if prompt is not None:
+            with self._tokenizer_lock:  # HF fast tokenizers are not safe to share across threads
+                ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt_token_ids)
         if self.video_token_id is not None and self.video_token_id in ids:
             raise InvalidRequestError("video inputs are not supported")
         runs = _placeholder_runs(ids, self.image_token_id)
