@@ -111,7 +111,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget, out)
+            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -134,7 +134,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             if not self.enable_chunked_prefill and remaining > budget:
                 break
-            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget, out)
+            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
             if num_new == 0:
                 break
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
@@ -177,7 +177,7 @@ class Scheduler:
         return spans
 
     def _plan_chunk(
-        self, req: Request, budget: int, enc_budget: int, out: SchedulerOutput
+        self, req: Request, budget: int, enc_budget: int
     ) -> tuple[int, list[int], int]:
         """How many tokens of `req` to compute now, which images to encode for them, and the
         encoder rows that costs. A chunk stops before an image it cannot encode this step."""
