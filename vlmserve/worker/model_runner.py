@@ -135,7 +135,8 @@ class ModelRunner:
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
         sample from and their requests."""
         token_ids: list[int] = []
-        positions = []
+        text_pos: list[int] = []  # 1-D position of every token (mRoPE: + delta past prompts)
+        prompt_spans: list[tuple[int, torch.Tensor]] = []  # (flat offset, [3, n] mRoPE rows)
         seq_lens = []
         dest_rows: list[int] = []
         spans: list[tuple[str, int, int]] = []
@@ -146,7 +147,11 @@ class ModelRunner:
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
             assert end <= len(st.token_ids)
             token_ids.extend(st.token_ids[start:end])
-            positions.append(self._positions(st, start, end))
+            if self.model.uses_mrope and start < st.num_prompt_tokens:
+                prompt_spans.append(
+                    (base, st.mrope_positions[:, start:min(end, st.num_prompt_tokens)]))
+            delta = st.mrope_delta if self.model.uses_mrope else 0
+            text_pos.extend(range(start + delta, end + delta))
             seq_lens.append(end)
             for img in st.images:
                 lo, hi = max(start, img.offset), min(end, img.offset + img.length)
@@ -164,7 +169,12 @@ class ModelRunner:
         if rows is not None:
             dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             embeds.index_copy_(0, dest, rows.to(embeds.dtype))
-        pos = torch.cat(positions, dim=-1).to(self.device, non_blocking=True)
+        pos = torch.tensor(text_pos, dtype=torch.int64)
+        if self.model.uses_mrope:  # three equal rows, prompt spans overwritten with theirs
+            pos = pos.expand(3, -1).clone()
+            for offset, rows in prompt_spans:
+                pos[:, offset:offset + rows.shape[1]] = rows
+        pos = pos.to(self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
         hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
@@ -172,15 +182,3 @@ class ModelRunner:
             return None, []
         index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
         return hidden.index_select(0, index), to_sample
-
-    def _positions(self, st: CachedRequestState, start: int, end: int) -> torch.Tensor:
-        """Positions of tokens [start, end): [3, n] for mRoPE models, else [n]."""
-        if not self.model.uses_mrope:
-            return torch.arange(start, end)
-        parts = []
-        if start < st.num_prompt_tokens:
-            parts.append(st.mrope_positions[:, start:min(end, st.num_prompt_tokens)])
-        if end > st.num_prompt_tokens:
-            gen = torch.arange(max(start, st.num_prompt_tokens), end) + st.mrope_delta
-            parts.append(gen.expand(3, -1))
-        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
