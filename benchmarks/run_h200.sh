@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Everything we measure on the H200 in one device call (the device budget is 30 min a session).
-# Usage (device tool, repo root): bash benchmarks/run_h200.sh   -> logs and JSON under $OUT
+# The GPU measurements of docs/benchmarks.md, one section per device call (each fits in the
+# 10-minute limit). Usage (device tool, repo root): bash benchmarks/run_h200.sh SECTION
+#   checks  : GPU tests (Triton kernels, CUDA graphs, compiled ops, offload streams), CUDA parity
+#   w1      : W1 throughput, 512 requests, ours vs transformers generate
+#   speed   : decode vs floor (2B eager ops and compiled ops, 7B), prefill + vision, kernels
+#   offload : image-embedding offload off/on and on/off
+# Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,18 +16,30 @@ step() {  # step NAME SECONDS CMD...
   grep -v "it/s\]\|s/it\]" "$OUT/$name.log" | tail -n "${TAIL:-6}"
   return $rc
 }
+B="python -m vlmserve.benchmarks"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# kernels and CUDA graphs first: if they fail, the benchmarks fall back to the torch backend
-if step gpu_tests 100 python -m pytest -q -p no:cacheprovider -x tests/gpu -k "not varlen"; then
-  FAST=(--attention-backend auto)
-else
-  FAST=(--attention-backend torch)
-fi
-step throughput_w1 150 python -m vlmserve.benchmarks.throughput --model qwen2-vl-2b-random \
-  --num-requests 64 --image-sizes 448,672,896 --prompt-len 50 --output-len 128 \
-  --backend both --hf-batch-size 64 --max-num-seqs 64 "${FAST[@]}" --out "$OUT/throughput.json"
-step offload 220 python -m vlmserve.benchmarks.offload --model qwen2-vl-2b-random \
-  --num-requests 64 --images-per-request 4 --image-size 1344 --max-num-batched-tokens 2048 \
-  --output-len 64 --kv-blocks 40000 "${FAST[@]}" --out "$OUT/offload.json"
-step speed 100 python -m vlmserve.benchmarks.model_speed --model qwen2-vl-2b-random \
-  --num-requests 128 --decode-batches 1,64 "${FAST[@]}" --out "$OUT/speed.json"
+case "${1:-checks}" in
+checks)
+  step gpu_tests 360 python -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu
+  VLMSERVE_TEST_DEVICE=cuda step cuda_parity 200 python -m pytest -q -p no:cacheprovider \
+    -o addopts="" tests/engine/test_parity.py ;;
+w1)
+  step w1 560 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
+    --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
+    --hf-batch-size 64 --max-num-seqs 256 --out "$OUT/w1.json" ;;
+speed)
+  step speed_2b 150 $B.model_speed --model qwen2-vl-2b-random --num-requests 512 \
+    --decode-batches 1,64 --out "$OUT/speed_2b.json"
+  step speed_2b_compiled 150 $B.model_speed --model qwen2-vl-2b-random --num-requests 128 \
+    --decode-batches 1,64 --compile-ops --out "$OUT/speed_2b_compiled.json"
+  step speed_7b 150 $B.model_speed --model qwen2.5-vl-7b-random --num-requests 64 \
+    --decode-batches 1 --out "$OUT/speed_7b.json"
+  step kernels 120 $B.kernels --json "$OUT/kernels.json" ;;
+offload)
+  for order in "" "--on-first"; do
+    step "offload${order:+_on_first}" 280 $B.offload --model qwen2-vl-2b-random \
+      --num-requests 64 --images-per-request 4 --image-size 1344 \
+      --max-num-batched-tokens 2048 --output-len 64 --kv-blocks 40000 $order \
+      --out "$OUT/offload${order:+_on_first}.json"
+  done ;;
+esac

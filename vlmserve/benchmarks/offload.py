@@ -75,6 +75,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-blocks", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--on-first", action="store_true",
+                    help="run offload on before off (check that order does not matter)")
     ap.add_argument("--out", default=None)
 
 
@@ -93,7 +95,9 @@ def main(args: argparse.Namespace | None = None) -> None:
     warmup = random_mm(tok, num_requests=2, image_sizes=[args.image_size],
                        images_per_request=args.images_per_request, prompt_len=args.prompt_len,
                        output_len=4, seed=1)  # other images: the measured run starts cold
-    results = [run_mode(reqs, warmup, False, args), run_mode(reqs, warmup, True, args)]
+    order = (True, False) if args.on_first else (False, True)
+    runs = {mode: run_mode(reqs, warmup, mode, args) for mode in order}
+    results = [runs[False], runs[True]]  # off, on
     same = results[0].pop("token_ids") == results[1].pop("token_ids")
     summary = {"greedy_outputs_identical": same,
                "throughput_ratio_on_vs_off": results[1]["output_tokens_per_s"]
