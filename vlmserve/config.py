@@ -25,6 +25,9 @@ class ModelConfig:
     )
     seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
+    vision_attention_backend: str = _opt(
+        "torch", "Vision tower attention: torch (SDPA per equal-length group) or triton "
+        "(one launch for all images and windows; CUDA).")
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
     compile_ops: bool = _opt(
         False, "torch.compile the decoder's norm/rotary/SiLU pieces into fused kernels "

@@ -10,6 +10,7 @@ from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
 from vlmserve.layers.fused import FusedOps
+from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
@@ -50,6 +51,8 @@ class UniprocExecutor:
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
         if mc.compile_ops:
             model.set_fused_ops(FusedOps(compile=True))
+        model.set_vision_attention_backend(
+            get_vision_attention_backend(mc.vision_attention_backend, self.device))
         backend = get_paged_attention_backend(mc.attention_backend, self.device)
         graphs = (self.device.type == "cuda" and not mc.enforce_eager
                   and backend is not paged_attention_reference)

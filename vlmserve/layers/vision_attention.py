@@ -179,3 +179,17 @@ def varlen_attention(
             o = o[b.valid]
         out.index_copy_(0, b.tokens, o)
     return out
+
+
+def get_vision_attention_backend(name: str, device: torch.device):
+    """None (torch SDPA, grouped by segment length) for `torch`; the Triton kernel (one launch
+    for every image or window) for `triton`, CUDA only."""
+    if name == "torch":
+        return None
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("the triton vision attention backend needs a CUDA device")
+        from vlmserve.layers.triton_attention import varlen_attention_triton
+
+        return varlen_attention_triton
+    raise ValueError(f"unknown vision attention backend {name!r}; choose torch or triton")

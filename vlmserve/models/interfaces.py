@@ -37,6 +37,9 @@ class VisionLanguageModel(Protocol):
     def set_attention_backend(self, fn) -> None:
         """Paged attention function used by every layer (see layers/attention.py)."""
 
+    def set_vision_attention_backend(self, fn) -> None:
+        """Variable-length attention of the vision tower (see layers/vision_attention.py)."""
+
     def set_fused_ops(self, ops) -> None:
         """Eager or compiled elementwise ops of the decoder (see layers/fused.py)."""
 

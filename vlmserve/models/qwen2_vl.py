@@ -54,6 +54,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def set_fused_ops(self, ops) -> None:
         self.language_model.set_fused_ops(ops)
 
+    def set_vision_attention_backend(self, fn) -> None:
+        self.visual.set_attention_backend(fn)
+
     @property
     def hidden_size(self) -> int:
         return self.language_model.config.hidden_size

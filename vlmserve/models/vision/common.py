@@ -119,6 +119,7 @@ class VisionAttention(nn.Module):
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
+        self.attn_fn = None  # None: torch SDPA per equal-length group; else (q, k, v, cu, max)
 
     def forward(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], seg: AttnSegments
@@ -127,7 +128,10 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, H, D]
         cos, sin = rotary
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, seg.cu_seqlens, seg.max_seqlen, plan=seg.plan)  # [N, H, D]
+        if self.attn_fn is None:
+            out = varlen_attention(q, k, v, seg.cu_seqlens, seg.max_seqlen, plan=seg.plan)
+        else:
+            out = self.attn_fn(q, k, v, seg.cu_seqlens, seg.max_seqlen)  # [N, H, D]
         return self.proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -238,6 +242,12 @@ class VisionTowerBase(nn.Module):
 
     spatial_merge_size: int
     out_hidden_size: int
+
+    def set_attention_backend(self, fn) -> None:
+        """`fn(q, k, v, cu_seqlens, max_seqlen)` for every block, or None for torch SDPA."""
+        for module in self.modules():
+            if isinstance(module, VisionAttention):
+                module.attn_fn = fn
 
     @property
     def dtype(self) -> torch.dtype:
