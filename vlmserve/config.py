@@ -66,10 +66,18 @@ class SchedulerConfig:
     )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(
+        1, "Ranks that split the language model's heads and MLP (one process per rank; "
+        "a GPU each on CUDA, gloo on CPU).")
+
+
 _SECTIONS = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
 }
 
 
@@ -78,6 +86,7 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def option_fields() -> list[dataclasses.Field]:
@@ -109,3 +118,5 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.parallel_config.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")

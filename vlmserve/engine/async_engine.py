@@ -262,6 +262,8 @@ class AsyncLLMEngine:
                 self._send(stream, err)
             self._streams.clear()
             self._fail_pending(err)
+        finally:
+            engine.shutdown()  # tensor-parallel worker processes, if any
 
     def _handle(self, engine: LLMEngine, item: tuple) -> bool:
         """Act on one inbox message; True if the worker has state to drop."""

@@ -14,6 +14,7 @@ from vlmserve.core.scheduler import Scheduler
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.errors import PromptTooLongError
+from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import load_hf_config
@@ -65,8 +66,10 @@ class LLMEngine:
         self.tokenizer = model_processor.tokenizer
         self.max_model_len = mc.max_model_len or tcfg.max_position_embeddings
         self.input_processor = InputProcessor(model_processor, tcfg.vocab_size)
-        self.executor = UniprocExecutor(config, self.model_path, self.hf_config,
-                                        self.max_model_len)
+        executor_cls = (MultiprocExecutor if config.parallel_config.tensor_parallel_size > 1
+                        else UniprocExecutor)
+        self.executor = executor_cls(config, self.model_path, self.hf_config,
+                                     self.max_model_len)
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -129,6 +132,10 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             self.output_processor.drop(rid)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (no-op for one process)."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -8,6 +8,8 @@ import torch
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.distributed.parallel_state import TensorParallel
+from vlmserve.distributed.tensor_parallel import shard_language_model
 from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
@@ -20,10 +22,14 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """`auto` is CUDA when available; a tensor-parallel rank takes GPU `rank`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and rank is not None:
+        device = torch.device("cuda", rank)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -35,15 +41,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class UniprocExecutor:
+    """Model, KV cache and runner in this process. With `tp`, this process is one rank of a
+    tensor-parallel group (see executor/multiproc.py)."""
+
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
-                 random_weights: bool = False) -> None:
+                 tp: TensorParallel | None = None) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-        self.device = resolve_device(mc.device)
+        self.device = resolve_device(mc.device, tp.rank if tp else None)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        torch.manual_seed(mc.seed)
-        model = load_model(model_path, hf_config, self.dtype, self.device, random_weights)
+        torch.manual_seed(mc.seed)  # every rank draws the same random numbers
+        model = load_model(model_path, hf_config, self.dtype, self.device)
+        if tp is not None and tp.world_size > 1:
+            shard_language_model(model.language_model, tp)
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
             model, config, max_model_len)
+        if tp is not None:
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         offload = cc.mm_embedding_offload
         if offload is None:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
@@ -79,3 +92,6 @@ class UniprocExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
         return self.runner.execute_model(so)
+
+    def shutdown(self) -> None:
+        pass

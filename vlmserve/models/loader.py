@@ -39,14 +39,9 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn
     return model.eval()
 
 
-def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
-               random_weights: bool = False) -> torch.nn.Module:
+def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device
+               ) -> torch.nn.Module:
     model = build_model(hf_config, dtype, device)
-    if random_weights:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02)
-        return model
     loaded = model.load_weights(iter_safetensors(path))
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:

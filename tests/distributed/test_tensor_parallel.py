@@ -1,0 +1,34 @@
+"""Tensor parallelism on the CPU: ranks in separate processes over gloo give the same greedy
+tokens as one process (and so as transformers), for both model families."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import mixed_prompts
+from vlmserve import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_tp2_matches_single_process(vlmserve_cache, model):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
+    single = LLM(model, **kw)
+    prompts = mixed_prompts(single)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(model, tensor_parallel_size=2, **kw)
+    try:
+        runner = tp.engine.executor.runner
+        attn = runner.model.language_model.layers[0].self_attn
+        assert (attn.heads, attn.kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over 2
+        outs = tp.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats = tp.engine.get_stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        tp.engine.shutdown()
+
+
+def test_tp_must_divide_heads(vlmserve_cache):
+    with pytest.raises(Exception, match="must divide"):
+        LLM("tiny-qwen2-vl", dtype="float32", device="cpu", tensor_parallel_size=3)

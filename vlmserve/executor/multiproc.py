@@ -1,0 +1,82 @@
+"""Tensor-parallel executor: rank 0 in this process, ranks 1..N-1 in spawned processes.
+
+Every step rank 0 broadcasts the `SchedulerOutput` (a small picklable delta) on a gloo group;
+all ranks run the same step, their sharded layers meet in all-reduces, and each computes the
+same logits and samples the same tokens, so every rank's request state stays identical. Rank
+0's tokens go back to the scheduler.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import torch.distributed as dist
+
+from vlmserve.config import EngineConfig
+from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.distributed.parallel_state import init_tensor_parallel
+from vlmserve.distributed.tensor_parallel import check_divisible
+from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
+            max_model_len: int) -> None:
+    from vlmserve.models.loader import load_hf_config
+
+    tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device))
+    executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
+                               tp=tp)
+    while (so := tp.broadcast_object()) is not None:
+        executor.execute_model(so)
+    dist.destroy_process_group()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int) -> None:
+        world = config.parallel_config.tensor_parallel_size
+        check_divisible(getattr(hf_config, "text_config", None) or hf_config, world)
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self._procs = [ctx.Process(target=_worker, daemon=True, name=f"vlmserve-tp{rank}",
+                                   args=(rank, world, port, config, model_path, max_model_len))
+                       for rank in range(1, world)]
+        for p in self._procs:
+            p.start()
+        self.tp = init_tensor_parallel(0, world, port, resolve_device(config.model_config.device))
+        try:
+            self.local = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=self.tp)
+        except BaseException:
+            for p in self._procs:
+                p.terminate()
+            dist.destroy_process_group()
+            raise
+        for name in ("device", "dtype", "num_kv_blocks", "mm_offload",
+                     "bytes_per_embedding_row", "runner"):
+            setattr(self, name, getattr(self.local, name))
+        self._closed = False
+
+    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
+        self.tp.broadcast_object(so)
+        return self.local.execute_model(so)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.tp.broadcast_object(None)
+        for p in self._procs:
+            p.join(timeout=30)
+        dist.destroy_process_group()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
