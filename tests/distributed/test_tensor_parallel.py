@@ -29,6 +29,23 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         tp.engine.shutdown()
 
 
+def test_tp4_replicates_kv_heads(vlmserve_cache):
+    """4 ranks, 2 KV heads: each KV head lives on two ranks, each rank has one query head."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
+    single = LLM("tiny-qwen2-vl", **kw)
+    prompts = mixed_prompts(single)[:4]
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    tp = LLM("tiny-qwen2-vl", tensor_parallel_size=4, **kw)
+    try:
+        attn = tp.engine.executor.runner.model.language_model.layers[0].self_attn
+        assert (attn.heads, attn.kv_heads) == (1, 1)
+        outs = tp.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        tp.engine.shutdown()
+
+
 def test_tp_must_divide_heads(vlmserve_cache):
-    with pytest.raises(Exception, match="must divide"):
+    with pytest.raises(ValueError, match="must divide"):
         LLM("tiny-qwen2-vl", dtype="float32", device="cpu", tensor_parallel_size=3)

@@ -46,23 +46,29 @@ def _shard_merged(lin: MergedLinear, parts: list[tuple[int, int]]) -> MergedLine
 
 def check_divisible(text_config, world_size: int) -> None:
     """Raise a clear error before any process starts if the model cannot be split."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in ("num_attention_heads", "intermediate_size"):
         value = getattr(text_config, name)
         if value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} must divide {name} ({value})")
+    kv = text_config.num_key_value_heads
+    if kv % world_size and world_size % kv:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide, or be a multiple of, "
+                         f"num_key_value_heads ({kv})")
 
 
 def shard_language_model(lm, tp: TensorParallel) -> None:
-    """In place, on a `Qwen2Model` whose full weights are loaded."""
+    """In place, on a `Qwen2Model` whose full weights are loaded (`check_divisible` first)."""
     r, w = tp.rank, tp.world_size
     for layer in lm.layers:
         attn = layer.self_attn
-        if attn.heads % w or attn.kv_heads % w:
-            raise ValueError(f"tensor_parallel_size={w} must divide the attention heads "
-                             f"({attn.heads}) and KV heads ({attn.kv_heads})")
-        h, kv, d = attn.heads // w, attn.kv_heads // w, attn.head_dim
-        attn.qkv_proj = _shard_merged(attn.qkv_proj, [(r * h * d, h * d), (r * kv * d, kv * d),
-                                                      (r * kv * d, kv * d)])
+        h, d = attn.heads // w, attn.head_dim
+        if attn.kv_heads >= w:
+            kv, kv_start = attn.kv_heads // w, r * (attn.kv_heads // w)
+        else:  # fewer KV heads than ranks: each is replicated on w / kv_heads ranks
+            kv, kv_start = 1, r // (w // attn.kv_heads)
+        attn.qkv_proj = _shard_merged(attn.qkv_proj, [(r * h * d, h * d),
+                                                      (kv_start * d, kv * d),
+                                                      (kv_start * d, kv * d)])
         attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, r * h * d:(r + 1) * h * d]
                                         .detach().clone(), tp)
         attn.heads, attn.kv_heads = h, kv
