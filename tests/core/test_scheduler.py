@@ -175,3 +175,18 @@ def test_tiny_budgets_make_progress(budget):
     sched.add_request(r)
     run(sched)
     assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_encoder_cache_counts_unreferenced_rows_as_evictable():
+    from vlmserve.core.mm_cache_manager import EncoderCacheManager
+
+    cache = EncoderCacheManager(capacity_rows=10, retain=True)
+    cache.allocate("a", 4, "r1")
+    cache.allocate("b", 4, "r1")
+    cache.release_all("r1", ["a", "b"])  # both retained, unreferenced
+    assert cache.can_allocate(10) and not cache.can_allocate(11)
+    assert not cache.can_allocate(7, keep={"a"})  # "a" is about to be reused: not evictable
+    cache.add_ref("a", "r2")
+    assert cache.can_allocate(6) and not cache.can_allocate(7)
+    cache.allocate("c", 6, "r2")  # evicts "b" only
+    assert cache.take_freed() == ["b"] and cache.num_evictions == 1 and cache.used_rows == 10

@@ -15,17 +15,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
 def test_cuda_graphs_match_eager(vlmserve_cache, model):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for name, kw in {"graphs": {}, "eager": {"enforce_eager": True},
                      "compiled": {"compile_ops": True},
                      "torch": {"attention_backend": "torch"}}.items():
-        llm = LLM(model, dtype="float32", device="cuda", attention_backend="triton",
-                  max_num_seqs=8, max_num_batched_tokens=64, **kw) if name != "torch" else \
-            LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
-                max_num_batched_tokens=64, **kw)
+        llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
+                  max_num_batched_tokens=64, **{"attention_backend": "triton", **kw})
         outs = llm.generate(mixed_prompts(llm), params, use_tqdm=False)
         results[name] = [o.outputs[0].token_ids for o in outs]
         if name == "graphs":

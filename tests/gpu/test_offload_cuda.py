@@ -14,8 +14,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
 def test_offload_on_cuda_matches_device_resident(vlmserve_cache, model):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = {}
     for offload in (False, True):

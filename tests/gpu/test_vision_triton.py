@@ -37,8 +37,6 @@ def test_full_size_tower_bf16(preset):
 
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
 def test_tiny_models_same_tokens(vlmserve_cache, model):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = []
     for backend in ("torch", "triton"):

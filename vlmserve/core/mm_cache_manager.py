@@ -22,6 +22,7 @@ class EncoderCacheManager:
         self._rows: dict[str, int] = {}  # hash -> rows, every entry
         self._refs: dict[str, set[str]] = {}  # hash -> request ids, referenced entries only
         self._lru: OrderedDict[str, None] = OrderedDict()  # unreferenced entries, oldest first
+        self._lru_rows = 0  # rows held by them
         self._to_free: list[str] = []
         self.num_encoded = 0  # misses: images sent to the encoder
         self.num_hits = 0  # a request found its image already present
@@ -33,7 +34,7 @@ class EncoderCacheManager:
     def can_allocate(self, rows: int, keep: set[str] = frozenset()) -> bool:
         """Whether `rows` more fit, counting unreferenced entries (other than `keep`, which
         are about to be reused) as evictable."""
-        evictable = sum(self._rows[h] for h in self._lru if h not in keep)
+        evictable = self._lru_rows - sum(self._rows[h] for h in keep if h in self._lru)
         return self.used_rows - evictable + rows <= self.capacity_rows
 
     def allocate(self, mm_hash: str, rows: int, request_id: str) -> None:
@@ -41,6 +42,7 @@ class EncoderCacheManager:
         assert mm_hash not in self._rows and self.can_allocate(rows)
         while self.used_rows + rows > self.capacity_rows:
             victim, _ = self._lru.popitem(last=False)
+            self._lru_rows -= self._rows[victim]
             self._drop(victim)
             self.num_evictions += 1
         self._rows[mm_hash] = rows
@@ -53,6 +55,7 @@ class EncoderCacheManager:
         refs = self._refs.get(mm_hash)
         if refs is None:  # a retained entry comes back into use
             self._lru.pop(mm_hash)
+            self._lru_rows -= self._rows[mm_hash]
             refs = self._refs[mm_hash] = set()
         if request_id not in refs:
             refs.add(request_id)
@@ -68,6 +71,7 @@ class EncoderCacheManager:
         del self._refs[mm_hash]
         if self.retain:
             self._lru[mm_hash] = None
+            self._lru_rows += self._rows[mm_hash]
         else:
             self._drop(mm_hash)
 

@@ -10,6 +10,7 @@ arrived running request is preempted and later recomputed from scratch.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -160,8 +161,8 @@ class Scheduler:
         costs a synchronous copy in the worker, never correctness."""
         budget = self.max_num_batched_tokens
         spans = []
-        admitted = list(self.waiting)[: max(self.max_num_seqs - len(self.running), 0)]
-        for req in self.running + admitted:
+        admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
+        for req in itertools.chain(self.running, admitted):
             start = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
             total = req.num_tokens + (1 if start >= req.num_tokens else 0)
             n = min(total - start, budget)

@@ -17,6 +17,7 @@ but the same code path and buffer rotation run.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ class MMEmbeddingStore:
         self._host: dict[str, torch.Tensor] = {}  # offloaded entries
         self._fresh: dict[str, torch.Tensor] = {}  # encoded this step, still on the device
         self._ev = _Events(device)
-        self.trace: list[tuple] = []  # (op, buffer, step): the ping-pong order, for tests
+        # (op, buffer, step) of the latest ping-pong operations, bounded: a server runs forever
+        self.trace: deque[tuple] = deque(maxlen=4096)
         self.step = 0
         if offload:
             self._buffers = [torch.empty(buffer_rows, hidden_size, dtype=dtype, device=device)
