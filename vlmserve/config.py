@@ -29,9 +29,9 @@ class ModelConfig:
         "torch", "Vision tower attention: torch (SDPA per equal-length group) or triton "
         "(one launch for all images and windows; CUDA).")
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
-    compile_ops: bool = _opt(
-        False, "torch.compile the decoder's norm/rotary/SiLU pieces into fused kernels "
-        "(compiles at start-up; fewer launches per decode step).")
+    fused_ops: str = _opt(
+        "auto", "The decoder's norm/rotary/SiLU pieces: auto (triton on CUDA), eager, triton "
+        "(one kernel each), compile (torch.compile, compiles at start-up).")
 
 
 @dataclass(frozen=True)

@@ -135,4 +135,4 @@ def test_compiled_fused_ops(setup):
     name, llm, oracle = setup
     if name != "tiny-qwen2-vl":
         pytest.skip("one model is enough: the compiled functions are shared")
-    check(llm, oracle, mixed_prompts(llm)[:4], max_num_batched_tokens=37, compile_ops=True)
+    check(llm, oracle, mixed_prompts(llm)[:4], max_num_batched_tokens=37, fused_ops="compile")

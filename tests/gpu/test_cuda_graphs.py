@@ -18,8 +18,10 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for name, kw in {"graphs": {}, "eager": {"enforce_eager": True},
-                     "compiled": {"compile_ops": True},
-                     "torch": {"attention_backend": "torch"}}.items():
+                     "compiled": {"fused_ops": "compile"},
+                     "torch": {"attention_backend": "torch"},
+                     "reference": {"attention_backend": "torch", "fused_ops": "eager",
+                                   "enforce_eager": True}}.items():
         llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
                   max_num_batched_tokens=64, **{"attention_backend": "triton", **kw})
         outs = llm.generate(mixed_prompts(llm), params, use_tqdm=False)
@@ -28,4 +30,5 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
             assert llm.engine.executor.runner.num_graph_steps > 0
         if name == "eager":
             assert llm.engine.executor.runner.graphs is None
-    assert results["graphs"] == results["eager"] == results["torch"] == results["compiled"]
+    assert results["graphs"] == results["eager"] == results["torch"] == results["compiled"] \
+        == results["reference"]

@@ -3,44 +3,30 @@
 Runs on CUDA at serving shapes, or on CPU through Triton's interpreter at small shapes:
 
     TRITON_INTERPRET=1 python -m pytest -q tests/gpu/test_triton_attention.py
-
-(Triton 3.6's interpreter needs numpy < 2.4: it converts 1-element arrays to ints.)
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = torch.cuda.is_available() and not INTERPRET
-if not (ON_GPU or INTERPRET):
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-pytest.importorskip("triton")
-if INTERPRET:
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip("Triton's interpreter needs numpy < 2.4", allow_module_level=True)
-
-import vlmserve.layers.triton_attention as triton_attention  # noqa: E402
-from vlmserve.layers.attention import (  # noqa: E402
+from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
+from vlmserve.layers import triton_attention
+from vlmserve.layers.attention import (
     build_attention_metadata,
     paged_attention_reference,
 )
-from vlmserve.layers.triton_attention import (  # noqa: E402
+from vlmserve.layers.triton_attention import (
     paged_attention_triton,
     varlen_attention_triton,
 )
-from vlmserve.layers.vision_attention import varlen_attention  # noqa: E402
+from vlmserve.layers.vision_attention import varlen_attention
 
 # numpy warns about the interpreter's 1-element-array-to-int conversions.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # Sizes: serving shapes on the GPU, small ones for the (slow) interpreter.
 MAX_CTX = 4000 if ON_GPU else 300
 MAX_CHUNK = 2048 if ON_GPU else 70

@@ -14,28 +14,15 @@ import torch
 
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.datasets import random_mm
-
-
-def device_ceilings(device: str = "cuda") -> dict:
-    """Measured copy bandwidth (read + write bytes / s) and bf16 matmul rate (FLOP/s)."""
-    from triton.testing import do_bench
-
-    src = torch.randn(2**28, device=device, dtype=torch.bfloat16)  # 512 MiB
-    dst = torch.empty_like(src)
-    t = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median") / 1e3
-    bw = 2 * src.numel() * src.element_size() / t
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    t = do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median") / 1e3
-    return {"copy_bandwidth_gbs": bw / 1e9, "bf16_matmul_tflops": 2 * n**3 / t / 1e12}
+from vlmserve.benchmarks.kernels import measure_roofline
 
 
 def _lm_params(model) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("visual."))
 
 
-def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128) -> dict:
+def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128,
+                profile: bool = False) -> dict:
     """Time per decode step for `batch` text requests, against weights + KV bytes / bandwidth."""
     from vlmserve import SamplingParams
 
@@ -53,16 +40,53 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
 
     run(8)
     step_s = (run(steps + 1) - run(1)) / steps
-    model = llm.engine.executor.runner.model
+    runner = llm.engine.executor.runner
+    model = runner.model
     itemsize = llm.engine.executor.dtype.itemsize
     weight_bytes = _lm_params(model) * itemsize
-    cache = llm.engine.executor.runner.kv_caches[0]
+    cache = runner.kv_caches[0]
     kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
     kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
-    floor_s = (weight_bytes + kv_bytes) / (ceilings["copy_bandwidth_gbs"] * 1e9 / 2)
-    return {"batch": batch, "prompt_len": prompt_len, "step_ms": 1e3 * step_s,
-            "floor_ms": 1e3 * floor_s, "ratio_to_floor": step_s / floor_s,
-            "graph_steps": llm.engine.executor.runner.num_graph_steps}
+    # reading the weights and KV once is that many bytes of memory traffic; the copy rate
+    # counts read + write traffic, so it is the rate of traffic the memory sustains
+    floor_s = (weight_bytes + kv_bytes) / (ceilings["copy_gbps"] * 1e9)
+    row = {"batch": batch, "prompt_len": prompt_len, "step_ms": 1e3 * step_s,
+           "floor_ms": 1e3 * floor_s, "ratio_to_floor": step_s / floor_s,
+           "graph_steps": runner.num_graph_steps}
+    if runner.graphs is not None:  # the GPU's share of a step: the captured graph alone
+        graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch)][0]
+        row["graph_replay_ms"] = _time_cuda(graph.replay)
+        if profile:
+            row["graph_kernels"] = _kernel_table(graph.replay)
+    return row
+
+
+def _time_cuda(fn, iters: int = 50) -> float:
+    """Milliseconds per call of `fn` measured with CUDA events."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _kernel_table(fn, top: int = 25) -> dict:
+    """Kernels launched by one call of `fn`: count, total GPU time, the costliest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time)
+    rows = sorted(((sum(t), len(t), n) for n, t in by_name.items()), reverse=True)[:top]
+    return {"num_kernels": len(kernels), "total_us": sum(e.device_time for e in kernels),
+            "top": [{"name": n, "calls": c, "total_us": round(t, 1)} for t, c, n in rows]}
 
 
 def _vision_flops(vcfg, grid) -> float:
@@ -78,8 +102,30 @@ def _vision_flops(vcfg, grid) -> float:
     return vcfg.depth * per_layer + patch + merge
 
 
-def prefill_vision(llm, path: str, ceilings: dict, num_requests: int, sizes: list[int]) -> dict:
-    """W1-like requests with one output token: achieved FLOP/s over the matmul rate."""
+def _prompt_flops(model, cfg, processed) -> float:
+    """LM FLOPs of a prompt (linears + causal attention) plus its images' vision FLOPs."""
+    tcfg = getattr(cfg, "text_config", cfg)
+    n = len(processed.prompt_token_ids)
+    lm = 2 * _lm_params(model) * n + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size
+    return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
+
+
+def _run_processed(llm, reqs) -> float:
+    """Seconds for the engine to finish already-processed requests (no preprocessing)."""
+    engine = llm.engine
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_processed_request(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> dict:
+    """W1 requests with one output token: achieved FLOP/s (vision + LM) over the matmul rate,
+    end to end (preprocessing on the engine's thread pool) and engine only."""
     from vlmserve import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -87,24 +133,60 @@ def prefill_vision(llm, path: str, ceilings: dict, num_requests: int, sizes: lis
                      prompt_len=50, output_len=1, seed=3)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)
-    processed = [llm.engine.input_processor.process(r.prompt) for r in reqs]
+    model, cfg = llm.engine.executor.runner.model, llm.engine.hf_config
+    t0 = time.perf_counter()
+    processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
+    preprocess_s = time.perf_counter() - t0
+    flops = sum(_prompt_flops(model, cfg, p) for p in processed)
+    engine_s = _run_processed(llm, processed)
+    # end to end, with new image content so that the encoder cache cannot serve it
+    reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
+                     prompt_len=50, output_len=1, seed=4)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    model = llm.engine.executor.runner.model
-    cfg = llm.engine.hf_config
-    tcfg = getattr(cfg, "text_config", cfg)
-    lm = 2 * _lm_params(model)
-    flops = 0.0
-    for p in processed:
-        n = len(p.prompt_token_ids)
-        flops += lm * n + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size  # causal
-        flops += sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in p.images)
-    rate = flops / elapsed
-    return {"requests": num_requests, "elapsed_s": elapsed, "tflops": rate / 1e12,
-            "fraction_of_matmul_rate": rate / (ceilings["bf16_matmul_tflops"] * 1e12)}
+    e2e_s = time.perf_counter() - t0
+    peak = ceilings["matmul_bf16_tflops"] * 1e12
+    return {"requests": num_requests, "tflop": flops / 1e12,
+            "serial_preprocess_s": preprocess_s, "engine_s": engine_s, "end_to_end_s": e2e_s,
+            "engine_tflops": flops / engine_s / 1e12,
+            "engine_fraction_of_matmul_rate": flops / engine_s / peak,
+            "end_to_end_fraction_of_matmul_rate": flops / e2e_s / peak}
+
+
+def prefill_chunk(llm, ceilings: dict, tokens: int = 8192) -> dict:
+    """One text prompt of `tokens` tokens prefilled in one chunk (max_tokens=1)."""
+    from vlmserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ids = [32 + (i * 7919) % 95 for i in range(tokens)]  # byte-level ids of printable chars
+    _run_processed(llm, [engine.process_request({"prompt_token_ids": ids}, params)])
+    times = [_run_processed(llm, [engine.process_request({"prompt_token_ids": ids}, params)])
+             for _ in range(3)]
+    req = engine.process_request({"prompt_token_ids": ids}, params)
+    flops = _prompt_flops(engine.executor.runner.model, engine.hf_config, req)
+    t = min(times)
+    return {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
+            "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
+
+
+def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896) -> dict:
+    """The vision tower alone on `num_images` images of size x size in one forward."""
+    engine = llm.engine
+    req = random_mm(llm.get_tokenizer(), num_requests=1, image_sizes=[size],
+                    images_per_request=num_images, prompt_len=10, output_len=1, seed=5)[0]
+    images = engine.input_processor.process(req.prompt).images
+    runner = engine.executor.runner
+    pixels = torch.cat([img.pixel_values for img in images]).to(runner.device)
+    grid = torch.tensor([img.grid_thw for img in images], device=runner.device)
+    with torch.inference_mode():
+        ms = _time_cuda(lambda: runner.model.encode_images(pixels, grid), iters=5)
+    flops = sum(_vision_flops(engine.hf_config.vision_config, img.grid_thw) for img in images)
+    rate = flops / (ms / 1e3)
+    return {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
+            "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -114,7 +196,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--compile-ops", action="store_true")
+    ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
+    ap.add_argument("--profile", action="store_true", help="kernel table of each decode graph")
     ap.add_argument("--out", default=None)
 
 
@@ -124,21 +209,32 @@ def main(args: argparse.Namespace | None = None) -> None:
     from vlmserve.models.builtin import resolve_model
 
     path = str(resolve_model(args.model))
-    ceilings = device_ceilings()
+    ceilings = measure_roofline()
     print(json.dumps(ceilings))
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=256,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              compile_ops=args.compile_ops)
-    results = {"ceilings": ceilings, "decode": [], "prefill_vision": None}
+              fused_ops=args.fused_ops)
+    results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
+
+    def report(key, row):
+        print(json.dumps({key: row}))
+        if isinstance(results.get(key), list):
+            results[key].append(row)
+        else:
+            results[key] = row
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
     for b in [int(x) for x in args.decode_batches.split(",")]:
-        results["decode"].append(decode_step(llm, 512, ceilings, batch=b))
-        print(json.dumps(results["decode"][-1]))
-    results["prefill_vision"] = prefill_vision(
-        llm, path, ceilings, args.num_requests, [int(s) for s in args.image_sizes.split(",")])
-    print(json.dumps(results["prefill_vision"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        report("decode", decode_step(llm, 512, ceilings, batch=b, profile=args.profile))
+    if not args.decode_only:
+        report("vision_16x896", vision_batch(llm, ceilings))
+        report("prefill_8192", prefill_chunk(llm, ceilings, min(8192,
+                                                                args.max_num_batched_tokens)))
+        report("prefill_vision", prefill_vision(
+            llm, ceilings, args.num_requests, [int(x) for x in args.image_sizes.split(",")]))
 
 
 if __name__ == "__main__":

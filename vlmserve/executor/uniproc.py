@@ -62,8 +62,7 @@ class UniprocExecutor:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
-        if mc.compile_ops:
-            model.set_fused_ops(FusedOps(compile=True))
+        model.set_fused_ops(FusedOps.for_device(mc.fused_ops, self.device))
         model.set_vision_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device))
         backend = get_paged_attention_backend(mc.attention_backend, self.device)

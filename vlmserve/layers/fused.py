@@ -1,11 +1,11 @@
 """The decoder's elementwise pieces as pure functions, eager or compiled into fused kernels.
 
 A decode step of a small model is dominated by launches of tiny elementwise kernels (norm,
-rotary, SiLU-and-mul), about 40 per layer in eager PyTorch. `FusedOps(compile=True)` wraps
-the same functions in `torch.compile` (dynamic shapes: compiled once, reused by every layer
-and batch size) so each becomes one or two fused kernels; the CUDA graphs of decode capture
-those. The eager versions compute exactly what transformers computes (float32 norm, cast,
-then weight).
+rotary, SiLU-and-mul), about 40 per layer in eager PyTorch. `FusedOps("triton")` swaps in
+one hand-written Triton kernel per piece (`layers/triton_ops.py`, the default on CUDA);
+`FusedOps("compile")` wraps these same functions in `torch.compile` instead. The CUDA graphs
+of decode capture either. The eager versions compute exactly what transformers computes
+(float32 norm, cast, then weight).
 """
 
 from __future__ import annotations
@@ -44,17 +44,45 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+FUSED_OPS_KINDS = ("auto", "eager", "triton", "compile")
+
+
 class FusedOps:
-    def __init__(self, compile: bool = False) -> None:
-        self.compiled = compile
+    """The set of elementwise ops a model uses: `eager`, `triton` (CUDA), or `compile`."""
 
-        def wrap(fn):
-            return torch.compile(fn, dynamic=True, fullgraph=True) if compile else fn
+    def __init__(self, kind: str = "eager") -> None:
+        if kind not in FUSED_OPS_KINDS[1:]:
+            raise ValueError(
+                f"unknown fused ops {kind!r}; choose from {', '.join(FUSED_OPS_KINDS)}")
+        self.kind = kind
+        if kind == "triton":
+            from vlmserve.layers import triton_ops as impl
+        else:
+            impl = None
+        fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
+               "rotary_qk": rotary_qk}
+        for name, fn in fns.items():
+            if impl is not None:
+                fn = getattr(impl, name)
+            elif kind == "compile":
+                fn = torch.compile(fn, dynamic=True, fullgraph=True)
+            setattr(self, name, fn)
 
-        self.rms_norm = wrap(rms_norm)
-        self.add_rms_norm = wrap(add_rms_norm)
-        self.silu_mul = wrap(silu_mul)
-        self.rotary_qk = wrap(rotary_qk)
+    @classmethod
+    def for_device(cls, kind: str, device: torch.device) -> FusedOps:
+        """`auto`: Triton kernels on CUDA when triton imports, eager elsewhere."""
+        if kind == "auto":
+            kind = "eager"
+            if device.type == "cuda":
+                try:
+                    import triton  # noqa: F401
+
+                    kind = "triton"
+                except ImportError:
+                    pass
+        if kind == "triton" and device.type != "cuda":
+            raise ValueError("the triton fused ops need a CUDA device")
+        return cls(kind)
 
 
-EAGER_OPS = FusedOps(compile=False)
+EAGER_OPS = FusedOps("eager")

@@ -25,6 +25,14 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Captured decode steps (embedding, decoder, lm_head) over persistent device inputs.
+
+    Inputs travel in two host-to-device copies per step from pinned staging buffers: an int64
+    block [ids | positions | slots] and an int32 block [seq_lens | block table rows]. Block
+    table rows are rewritten on the host only when a row changes owner or its request gains
+    blocks, so a step's host work is a few numpy stores per request.
+    """
+
     def __init__(self, model, kv_caches: list[torch.Tensor], max_batch: int, max_blocks: int,
                  block_size: int, scratch_block: int, device: torch.device) -> None:
         self.model = model
@@ -32,16 +40,19 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
-        n = self.sizes[-1]
-        rows = 3 if model.uses_mrope else 1
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.int64,
-                                device=device)
-        self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int64,
-                                       device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        n = self.n = self.sizes[-1]
+        self.host64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32
+                                 ).pin_memory()
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.np_table = self.np32[n:].reshape(n, max_blocks)
+        self.np64[2] = scratch_block * block_size  # padding rows write to the scratch block
+        self.np32[:n] = 1
+        self.dev64 = self.host64.to(device)
+        self.dev32 = self.host32.to(device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.row_owner: list[object] = [None] * n  # request state whose blocks fill the row
+        self.row_blocks = [0] * n  # how many of its blocks are written
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
@@ -60,41 +71,53 @@ class DecodeGraphs:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def _forward_fn(self, bs: int, kv_caches):
+        n = self.n
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+            slot_mapping=self.dev64[2, :bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.dev32[:bs],
+            block_tables=self.dev32[n:n + bs * self.max_blocks].view(bs, self.max_blocks),
             max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
             block_size=self.block_size)
-        positions = self.positions[:, :bs] if self.positions.shape[0] == 3 else \
-            self.positions[0, :bs]
+        positions = self.dev64[1, :bs]
+        if self.model.uses_mrope:  # decode tokens have three equal positions
+            positions = positions.expand(3, bs)
 
         def fn():
-            embeds = self.model.embed_tokens(self.ids[:bs])
-            return self.model(embeds, positions, kv_caches, meta)
+            embeds = self.model.embed_tokens(self.dev64[0, :bs])
+            hidden = self.model(embeds, positions, kv_caches, meta)
+            return self.model.compute_logits(hidden)
 
         return fn
 
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Host tensors for B decode tokens -> hidden states [B, hidden] (a graph output
-        view, valid until the next replay)."""
-        B = ids.shape[0]
+    def run(self, states) -> torch.Tensor:
+        """One decode token for each request state (past its prompt) -> float32 logits
+        [B, vocab] (a graph output view, valid until the next replay)."""
+        B = len(states)
         bs = next(s for s in self.sizes if s >= B)
-        self.ids[:B].copy_(ids, non_blocking=True)
-        self.positions[:, :B].copy_(positions, non_blocking=True)
-        self.slots[:B].copy_(slots, non_blocking=True)
-        self.block_tables[:B, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        self.block_tables[:B, block_tables.shape[1]:].fill_(self.scratch_block)
-        self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
-        if bs > B:  # padding rows: harmless tokens writing to the scratch block
-            self.ids[B:bs].zero_()
-            self.positions[:, B:bs].zero_()
-            self.slots[B:bs].fill_(self.scratch_block * self.block_size)
-            self.block_tables[B:bs].fill_(self.scratch_block)
-            self.seq_lens[B:bs].fill_(1)
+        bsz, mb = self.block_size, self.max_blocks
+        np64, np32, table = self.np64, self.np32, self.np_table
+        for i, st in enumerate(states):
+            p = st.num_computed_tokens
+            np64[0, i] = st.token_ids[p]
+            np64[1, i] = p + st.mrope_delta
+            np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
+            np32[i] = p + 1
+            have = self.row_blocks[i] if self.row_owner[i] is st else 0
+            if have < len(st.block_ids):
+                table[i, have:len(st.block_ids)] = st.block_ids[have:]
+                self.row_owner[i], self.row_blocks[i] = st, len(st.block_ids)
+        for i in range(B, bs):  # padding rows: harmless tokens writing to the scratch block
+            if self.row_owner[i] is not None:
+                table[i, :self.row_blocks[i]] = self.scratch_block
+                self.row_owner[i], self.row_blocks[i] = None, 0
+            np64[:, i] = (0, 0, self.scratch_block * bsz)
+            np32[i] = 1
+        self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
+        n32 = self.n + bs * mb
+        self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:B]

@@ -11,11 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
-from vlmserve.layers.attention import (
-    block_table_tensor,
-    build_attention_metadata,
-    get_paged_attention_backend,
-)
+from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
 from vlmserve.layers.sampler import sample
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
@@ -105,31 +101,19 @@ class ModelRunner:
         if (self.graphs is not None and len(states) <= self.graphs.max_batch()
                 and all(n == 1 and st.num_computed_tokens >= st.num_prompt_tokens
                         for st, n in zip(states, query_lens))):
-            hidden = self._decode_graph(states)  # [B, hidden]
+            self.num_graph_steps += 1
+            logits = self.graphs.run(states)  # [B, vocab]
             to_sample = states
         else:
             hidden, to_sample = self._forward_eager(states, query_lens)
-        if not to_sample:
-            return {}
-        logits = self.model.compute_logits(hidden)  # [N, vocab]
+            if not to_sample:
+                return {}
+            logits = self.model.compute_logits(hidden)  # [N, vocab]
         tokens = sample(logits, [st.sampling_params for st in to_sample],
                         [st.generator for st in to_sample])
         for st, tok in zip(to_sample, tokens):
             st.token_ids.append(tok)
         return {st.request_id: tok for st, tok in zip(to_sample, tokens)}
-
-    def _decode_graph(self, states: list[CachedRequestState]) -> torch.Tensor:
-        """One new token per request, all past their prompts: replay a captured graph."""
-        bs = self.block_size
-        pos = [st.num_computed_tokens for st in states]
-        ids = torch.tensor([st.token_ids[p] for st, p in zip(states, pos)])
-        mpos = torch.tensor([p + st.mrope_delta for st, p in zip(states, pos)])
-        slots = torch.tensor([st.block_ids[p // bs] * bs + p % bs for st, p in zip(states, pos)])
-        table = block_table_tensor([st.block_ids for st in states])
-        seq_lens = torch.tensor(pos, dtype=torch.int32) + 1
-        self.num_graph_steps += 1
-        rows = 3 if self.model.uses_mrope else 1
-        return self.graphs.run(ids, mpos.expand(rows, -1), slots, table, seq_lens)
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to

@@ -1,0 +1,74 @@
+"""Triton norm / SiLU-and-mul / rotary kernels against the eager functions they replace
+(CUDA, or CPU through `TRITON_INTERPRET=1`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
+from vlmserve.layers import fused, triton_ops
+from vlmserve.layers.rotary import MRotaryEmbedding
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+# bf16: one rounding of the fused result vs several in eager, so a unit in the last place
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+HIDDEN = [1536, 3584, 80] if ON_GPU else [64, 80]
+TOKENS = [1, 7, 2048] if ON_GPU else [1, 5]
+
+
+def _randn(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_norms(dtype, hidden, tokens):
+    x = _randn(tokens, hidden, dtype=dtype, seed=1)
+    r = _randn(tokens, hidden, dtype=dtype, seed=2)
+    w = 1 + 0.1 * _randn(hidden, dtype=dtype, seed=3)
+    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6), fused.rms_norm(x, w, 1e-6),
+                               **TOL[dtype])
+    out, total = triton_ops.add_rms_norm(x, r, w, 1e-6)
+    ref_out, ref_total = fused.add_rms_norm(x, r, w, 1e-6)
+    # one rounding of the same float32 sum (the interpreter emulates bf16 by truncation)
+    exact = ON_GPU or dtype == torch.float32
+    torch.testing.assert_close(total, ref_total, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("inter", [8960, 18944, 100] if ON_GPU else [100, 48])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_mul(dtype, inter, tokens):
+    x = _randn(tokens, 2 * inter, dtype=dtype)
+    torch.testing.assert_close(triton_ops.silu_mul(x), fused.silu_mul(x), **TOL[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (16, 16, 80), (4, 1, 64)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_in_place_on_qkv_views(dtype, heads, kv_heads, head_dim, tokens):
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    rope = MRotaryEmbedding(head_dim, 1e6, [head_dim // 8, 3 * head_dim // 16,
+                                            3 * head_dim // 16]).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 5000, (3, tokens), generator=g).to(DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+
+    def views(t):
+        q, k, v = t.split(sizes, dim=-1)
+        return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v
+
+    ref_q, ref_k = fused.rotary_qk(*views(qkv.clone())[:2], cos, sin)
+    ours = qkv.clone()
+    q, k, v = views(ours)
+    triton_ops.rotary_qk(q, k, cos, sin)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    torch.testing.assert_close(v, views(qkv)[2], atol=0, rtol=0)  # v untouched
