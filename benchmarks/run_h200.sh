@@ -4,6 +4,7 @@
 #   bash benchmarks/run_h200.sh SECTION [SECTION...]
 #   checks  : GPU tests (Triton kernels and fused ops, CUDA graphs, offload streams), CUDA parity
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
+#   vision  : the same with the Triton varlen kernel in the vision tower
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   kernels : attention kernels vs reference and the hardware
@@ -31,6 +32,10 @@ checks)
 speed)
   step speed_2b 280 $B.model_speed --model qwen2-vl-2b-random --num-requests 512 \
     --decode-batches 1,64 --profile --out "$OUT/speed_2b.json" ;;
+vision)
+  step speed_2b_vtriton 200 $B.model_speed --model qwen2-vl-2b-random --num-requests 256 \
+    --decode-batches 1 --vision-attention-backend triton --profile \
+    --out "$OUT/speed_2b_vtriton.json" ;;
 speed7b)
   step speed_7b 200 $B.model_speed --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --profile --out "$OUT/speed_7b.json" ;;

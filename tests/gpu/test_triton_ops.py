@@ -72,3 +72,30 @@ def test_rotary_in_place_on_qkv_views(dtype, heads, kv_heads, head_dim, tokens):
     torch.testing.assert_close(q, ref_q, **TOL[dtype])
     torch.testing.assert_close(k, ref_k, **TOL[dtype])
     torch.testing.assert_close(v, views(qkv)[2], atol=0, rtol=0)  # v untouched
+
+
+@DTYPES
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (4, 1, 80)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_writes_kv_cache(dtype, heads, kv_heads, head_dim, tokens):
+    """The fused rotary + cache write fills exactly the given slots with rotated k and v."""
+    num_blocks, block_size = 2 * tokens // 16 + 3, 16
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    positions = torch.arange(tokens, device=DEVICE) * 3
+    cos, sin = MRotaryEmbedding(head_dim, 1e4, None).to(DEVICE).cos_sin(positions, dtype)
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(DEVICE)
+
+    def run(fn):
+        t = qkv.clone()
+        q, k, v = (x.view(tokens, -1, head_dim) for x in t.split(sizes, dim=-1))
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
+                            device=DEVICE)
+        return fn(q, k, v, cos, sin, cache, slots), cache
+
+    q, cache = run(triton_ops.rotary_qk_cache)
+    ref_q, ref_cache = run(fused.rotary_qk_cache)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(cache, ref_cache, **TOL[dtype])
+    assert (cache.view(2, -1, kv_heads, head_dim).abs().sum((0, 2, 3)) > 0).sum() == tokens

@@ -23,23 +23,26 @@ def _lm_params(model) -> int:
 
 def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128,
                 profile: bool = False) -> dict:
-    """Time per decode step for `batch` text requests, against weights + KV bytes / bandwidth."""
+    """Engine step time with `batch` text requests all decoding (steady state, timed over
+    `steps` steps), against weights + KV bytes over the memory bandwidth."""
     from vlmserve import SamplingParams
 
-    tok = llm.get_tokenizer()
-    ids = tok.encode("hello " * prompt_len)[:prompt_len]
-    prompts = [{"prompt_token_ids": ids} for _ in range(batch)]
-
-    def run(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    run(8)
-    step_s = (run(steps + 1) - run(1)) / steps
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    ids = [32 + (i * 7919) % 95 for i in range(prompt_len)]  # byte-level printable chars
+    rids = [engine.add_request({"prompt_token_ids": ids}, params) for _ in range(batch)]
+    reqs = [engine.scheduler.requests[r] for r in rids]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    engine.abort_request(rids)
     runner = llm.engine.executor.runner
     model = runner.model
     itemsize = llm.engine.executor.dtype.itemsize
@@ -172,7 +175,8 @@ def prefill_chunk(llm, ceilings: dict, tokens: int = 8192) -> dict:
             "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
 
 
-def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896) -> dict:
+def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
+                 profile: bool = False) -> dict:
     """The vision tower alone on `num_images` images of size x size in one forward."""
     engine = llm.engine
     req = random_mm(llm.get_tokenizer(), num_requests=1, image_sizes=[size],
@@ -181,12 +185,18 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896) -> 
     runner = engine.executor.runner
     pixels = torch.cat([img.pixel_values for img in images]).to(runner.device)
     grid = torch.tensor([img.grid_thw for img in images], device=runner.device)
-    with torch.inference_mode():
-        ms = _time_cuda(lambda: runner.model.encode_images(pixels, grid), iters=5)
+    def encode():
+        with torch.inference_mode():
+            runner.model.encode_images(pixels, grid)
+
+    ms = _time_cuda(encode, iters=5)
     flops = sum(_vision_flops(engine.hf_config.vision_config, img.grid_thw) for img in images)
     rate = flops / (ms / 1e3)
-    return {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
-            "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}
+    row = {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
+           "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}
+    if profile:
+        row["kernels"] = _kernel_table(encode)
+    return row
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -197,9 +207,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
+    ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
-    ap.add_argument("--profile", action="store_true", help="kernel table of each decode graph")
+    ap.add_argument("--profile", action="store_true", 
+                    help="kernel tables of decode graphs and the vision batch")
     ap.add_argument("--out", default=None)
 
 
@@ -214,7 +226,8 @@ def main(args: argparse.Namespace | None = None) -> None:
     llm = LLM(path, dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              fused_ops=args.fused_ops)
+              fused_ops=args.fused_ops,
+              vision_attention_backend=args.vision_attention_backend)
     results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
 
     def report(key, row):
@@ -230,7 +243,7 @@ def main(args: argparse.Namespace | None = None) -> None:
     for b in [int(x) for x in args.decode_batches.split(",")]:
         report("decode", decode_step(llm, 512, ceilings, batch=b, profile=args.profile))
     if not args.decode_only:
-        report("vision_16x896", vision_batch(llm, ceilings))
+        report("vision_16x896", vision_batch(llm, ceilings, profile=args.profile))
         report("prefill_8192", prefill_chunk(llm, ceilings, min(8192,
                                                                 args.max_num_batched_tokens)))
         report("prefill_vision", prefill_vision(

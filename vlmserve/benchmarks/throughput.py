@@ -128,6 +128,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
+    ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
     ap.add_argument("--out", default=None, help="write results as JSON here")
 
 
@@ -154,7 +155,7 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-            fused_ops=args.fused_ops)))
+            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend)))
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))

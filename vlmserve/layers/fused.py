@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vlmserve.layers.attention import write_kv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -47,6 +49,15 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 FUSED_OPS_KINDS = ("auto", "eager", "triton", "compile")
 
 
+def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+                    ) -> torch.Tensor:
+    """Rotate q and k, write k and v to the paged cache at `slots`; returns the rotated q."""
+    q, k = rotary_qk(q, k, cos, sin)
+    write_kv(kv_cache, k, v, slots)
+    return q
+
+
 class FusedOps:
     """The set of elementwise ops a model uses: `eager`, `triton` (CUDA), or `compile`."""
 
@@ -60,7 +71,7 @@ class FusedOps:
         else:
             impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
-               "rotary_qk": rotary_qk}
+               "rotary_qk": rotary_qk, "rotary_qk_cache": rotary_qk_cache}
         for name, fn in fns.items():
             if impl is not None:
                 fn = getattr(impl, name)

@@ -83,15 +83,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_c, num_q_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One program per (token, head) over q heads then k heads; rotate-half in place."""
+def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_qt,
+                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                         plane, num_q_heads, num_kv_heads, WRITE_CACHE: tl.constexpr,
+                         HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One program per (token, head) over q heads then k heads: rotate-half in place; a k
+    program also writes its rotated key and the matching value to the token's cache slot."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if h < num_q_heads:
+    is_q = h < num_q_heads
+    kh = h - num_q_heads
+    if is_q:
         base = q_ptr + t * stride_qt + h * stride_qh
     else:
-        base = k_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
+        base = k_ptr + t * stride_kt + kh * stride_kh
     d = tl.arange(0, HALF_PAD)
     ok = d < HALF
     dtype = q_ptr.dtype.element_ty
@@ -99,22 +104,51 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_
     x2 = tl.load(base + HALF + d, mask=ok, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + t * stride_c + d, mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_c + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(base + d, (x1 * cos - x2 * sin).to(dtype), mask=ok)
-    tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=ok)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(base + d, y1, mask=ok)
+    tl.store(base + HALF + d, y2, mask=ok)
+    if WRITE_CACHE and not is_q:  # cache [2, slots, kv_heads, 2 * HALF]; plane = K's size
+        dst = cache_ptr + (tl.load(slot_ptr + t) * num_kv_heads + kh) * (2 * HALF)
+        tl.store(dst + d, y1.to(cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d, y2.to(cache_ptr.dtype.element_ty), mask=ok)
+        src = v_ptr + t * stride_vt + kh * stride_vh
+        for part in tl.static_range(2):
+            val = tl.load(src + part * HALF + d, mask=ok, other=0.0)
+            tl.store(dst + plane + part * HALF + d, val.to(cache_ptr.dtype.element_ty), mask=ok)
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, Hkv, D] (strided views, last dim contiguous), cos/sin: [T, D]
     whose two halves are equal (`MRotaryEmbedding.cos_sin`). Rotates q and k in place."""
-    T, H, D = q.shape
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
-    if T:
-        half = D // 2
-        _rotary_kernel[(T, H + k.shape[1])](
-            q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            H, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1)
+    _launch_rotary(q, k, None, cos, sin, None, None)
     return q, k
 
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_qk", "silu_mul"]
+def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+                    ) -> torch.Tensor:
+    """`rotary_qk`, then the rotated k and v written to `kv_cache` [2, blocks, block_size,
+    kv_heads, D] at `slots` [T], all in one launch. Returns the rotated q."""
+    assert kv_cache.is_contiguous() and v.stride(-1) == 1
+    _launch_rotary(q, k, v, cos, sin, kv_cache, slots)
+    return q
+
+
+def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
+    T, H, D = q.shape
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
+    if not T:
+        return
+    cache = v is not None
+    half = D // 2
+    _rotary_cache_kernel[(T, H + k.shape[1])](
+        q, k, v if cache else k, cos, sin, kv_cache if cache else q,
+        slots if cache else cos, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0) if cache else 0, v.stride(1) if cache else 0, cos.stride(0),
+        kv_cache[0].numel() if cache else 0, H, k.shape[1],
+        WRITE_CACHE=cache, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1)
+
+
+__all__ = ["add_rms_norm", "rms_norm", "rotary_qk", "rotary_qk_cache", "silu_mul"]

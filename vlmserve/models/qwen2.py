@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
+from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference
 from vlmserve.layers.fused import EAGER_OPS, FusedOps
 from vlmserve.layers.linear import MergedLinear
 from vlmserve.layers.norm import RMSNorm
@@ -26,9 +26,9 @@ class Qwen2Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q, k = self.ops.rotary_qk(q.view(T, self.heads, self.head_dim),
-                                  k.view(T, self.kv_heads, self.head_dim), cos, sin)
-        write_kv(kv_cache, k, v.view(T, self.kv_heads, self.head_dim), meta.slot_mapping)
+        q = self.ops.rotary_qk_cache(
+            q.view(T, self.heads, self.head_dim), k.view(T, self.kv_heads, self.head_dim),
+            v.view(T, self.kv_heads, self.head_dim), cos, sin, kv_cache, meta.slot_mapping)
         o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, -1))
 
