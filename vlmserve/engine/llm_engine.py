@@ -70,6 +70,8 @@ class LLMEngine:
                         else UniprocExecutor)
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
+        self.input_processor.place_pixels(self.executor.dtype,
+                                          pin=self.executor.device.type == "cuda")
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
@@ -39,6 +40,13 @@ class InputProcessor:
     def __init__(self, model_processor, vocab_size: int) -> None:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
+        self.pixel_dtype: torch.dtype | None = None
+        self.pin_pixels = False
+
+    def place_pixels(self, dtype: torch.dtype, pin: bool) -> None:
+        """Cast pixel values to the vision tower's dtype and (for a CUDA engine) pin them here,
+        on the preprocessing threads, so the engine step only starts asynchronous copies."""
+        self.pixel_dtype, self.pin_pixels = dtype, pin
 
     def process(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -66,4 +74,9 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
+        for img in processed.images:
+            if self.pixel_dtype is not None:
+                img.pixel_values = img.pixel_values.to(self.pixel_dtype)
+            if self.pin_pixels:
+                img.pixel_values = img.pixel_values.pin_memory()
         return processed

@@ -21,8 +21,9 @@ class EncoderRunner:
         images = [img for img in images if img.mm_hash not in self.store]
         if not images:
             return
-        pixels = torch.cat([img.pixel_values for img in images]).to(self.device,
-                                                                    non_blocking=True)
+        # each image's (pinned) pixels copied on their own, then joined on the device
+        pixels = torch.cat([img.pixel_values.to(self.device, non_blocking=True)
+                            for img in images])
         grid = torch.tensor([img.grid_thw for img in images], dtype=torch.int64)
         rows = self.model.encode_images(pixels, grid.to(self.device))  # [sum(length), hidden]
         assert rows.shape[0] == sum(img.length for img in images), (
