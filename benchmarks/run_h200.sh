@@ -3,6 +3,7 @@
 # device call when they fit its 10-minute limit. Usage (device tool, repo root):
 #   bash benchmarks/run_h200.sh SECTION [SECTION...]
 #   checks  : GPU tests (Triton kernels and fused ops, CUDA graphs, offload streams), CUDA parity
+#   quick   : fused ops, CUDA graphs and vision kernel tests only
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
@@ -29,6 +30,9 @@ checks)
     -k "not triton_attention or (bf16 and bs16)"
   VLMSERVE_TEST_DEVICE=cuda step cuda_parity 110 python -m pytest -q -p no:cacheprovider \
     -o addopts="" tests/engine/test_parity.py ;;
+quick)
+  step gpu_quick 100 python -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py ;;
 speed)
   step speed_2b 280 $B.model_speed --model qwen2-vl-2b-random --num-requests 512 \
     --decode-batches 1,64 --profile --out "$OUT/speed_2b.json" ;;
@@ -40,7 +44,7 @@ speed7b)
   step speed_7b 200 $B.model_speed --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --profile --out "$OUT/speed_7b.json" ;;
 w1)
-  step w1 560 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
+  step w1 490 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
     --hf-batch-size 64 --max-num-seqs 256 --out "$OUT/w1.json" ;;
 kernels)

@@ -99,3 +99,26 @@ def test_rotary_writes_kv_cache(dtype, heads, kv_heads, head_dim, tokens):
     torch.testing.assert_close(q, ref_q, **TOL[dtype])
     torch.testing.assert_close(cache, ref_cache, **TOL[dtype])
     assert (cache.view(2, -1, kv_heads, head_dim).abs().sum((0, 2, 3)) > 0).sum() == tokens
+
+
+@DTYPES
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_vision_rotary_and_quick_gelu(dtype, tokens):
+    """Vision towers: float32 rotary on q/k views of the fused qkv, QuickGELU."""
+    heads, head_dim = (16, 80) if ON_GPU else (2, 80)
+    qkv = _randn(tokens, 3 * heads * head_dim, dtype=dtype)
+    g = torch.Generator().manual_seed(9)
+    angles = (torch.rand(tokens, head_dim // 2, generator=g) * 50).to(DEVICE)
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos(), emb.sin()  # float32, as the vision rotary makes them
+
+    def qk(t):
+        return t.view(tokens, 3, heads, head_dim).unbind(1)[:2]
+
+    ref_q, ref_k = fused.rotary_qk_float32(*qk(qkv), cos, sin)
+    ours = qkv.clone()
+    q, k = triton_ops.rotary_qk_float32(*qk(ours), cos, sin)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    x = 3 * _randn(tokens, 300, dtype=dtype)
+    torch.testing.assert_close(triton_ops.quick_gelu(x), fused.quick_gelu(x), **TOL[dtype])

@@ -150,8 +150,19 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     else:
         reqs = jsonl(args.dataset, args.output_len)
     results = []
+
+    def report(row: dict) -> None:  # printed and saved as each backend finishes
+        results.append(row)
+        if len(results) == 2:
+            results[0]["speedup_vs_hf_output_tokens"] = (
+                results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"])
+        print(json.dumps(row))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=2)
+
     if args.backend in ("vlmserve", "both"):
-        results.append(run_vlmserve(reqs, dict(
+        report(run_vlmserve(reqs, dict(
             model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -159,15 +170,7 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
-        results.append(run_hf(reqs, path, args.hf_batch_size, dtype, processor))
-    if len(results) == 2:
-        results[0]["speedup_vs_hf_output_tokens"] = (
-            results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"])
-    for r in results:
-        print(json.dumps(r))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+        report(run_hf(reqs, path, args.hf_batch_size, dtype, processor))
     return results
 
 

@@ -1,4 +1,5 @@
-"""The decoder's elementwise pieces as pure functions, eager or compiled into fused kernels.
+"""The elementwise pieces of the decoder and the vision towers as pure functions, eager or
+fused into single kernels.
 
 A decode step of a small model is dominated by launches of tiny elementwise kernels (norm,
 rotary, SiLU-and-mul), about 40 per layer in eager PyTorch. `FusedOps("triton")` swaps in
@@ -49,6 +50,22 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 FUSED_OPS_KINDS = ("auto", "eager", "triton", "compile")
 
 
+def rotary_qk_float32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary computed in float32 and cast back once (the vision towers' convention)."""
+    def rot(x):
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` (CLIP's approximation of GELU)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
                     ) -> torch.Tensor:
@@ -71,7 +88,8 @@ class FusedOps:
         else:
             impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
-               "rotary_qk": rotary_qk, "rotary_qk_cache": rotary_qk_cache}
+               "rotary_qk": rotary_qk, "rotary_qk_cache": rotary_qk_cache,
+               "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu}
         for name, fn in fns.items():
             if impl is not None:
                 fn = getattr(impl, name)

@@ -83,6 +83,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _quick_gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (x * tl.sigmoid(1.702 * x)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _quick_gelu_kernel[(triton.cdiv(x.numel(), 2048),)](x, out, x.numel(), BLOCK=2048,
+                                                             num_warps=8)
+    return out
+
+
+@triton.jit
 def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                          plane, num_q_heads, num_kv_heads, WRITE_CACHE: tl.constexpr,
@@ -126,6 +143,12 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return q, k
 
 
+def rotary_qk_float32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel always computes in float32 and rounds once: the vision convention too."""
+    return rotary_qk(q, k, cos, sin)
+
+
 def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
                     ) -> torch.Tensor:
@@ -151,4 +174,5 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
         WRITE_CACHE=cache, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1)
 
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_qk", "rotary_qk_cache", "silu_mul"]
+__all__ = ["add_rms_norm", "quick_gelu", "rms_norm", "rotary_qk", "rotary_qk_cache",
+           "rotary_qk_float32", "silu_mul"]

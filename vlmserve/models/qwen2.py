@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference
-from vlmserve.layers.fused import EAGER_OPS, FusedOps
+from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import MergedLinear
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
@@ -92,11 +92,6 @@ class Qwen2Model(nn.Module):
     def set_attention_backend(self, fn) -> None:
         for layer in self.layers:
             layer.self_attn.attn_fn = fn
-
-    def set_fused_ops(self, ops: FusedOps) -> None:
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         attn = self.layers[0].self_attn

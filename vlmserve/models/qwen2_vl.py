@@ -52,7 +52,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.language_model.set_attention_backend(fn)
 
     def set_fused_ops(self, ops) -> None:
-        self.language_model.set_fused_ops(ops)
+        """Both towers: every module with an `ops` attribute takes these."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def set_vision_attention_backend(self, fn) -> None:
         self.visual.set_attention_backend(fn)

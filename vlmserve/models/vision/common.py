@@ -14,17 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.layers.fused import EAGER_OPS, quick_gelu
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan, varlen_attention
 
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)`` (CLIP's approximation of GELU)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": quick_gelu,
+    "quick_gelu": quick_gelu,  # FusedOps.quick_gelu replaces it (one kernel with triton)
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
@@ -86,14 +81,6 @@ class VisionRotary(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on ``x [N, heads, head_dim]`` in float32; returns ``x.dtype``."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
-
-
 @dataclass
 class AttnSegments:
     """Attention segmentation for one forward: device ``cu_seqlens`` plus its launch plan."""
@@ -120,6 +107,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
         self.attn_fn = None  # None: torch SDPA per equal-length group; else (q, k, v, cu, max)
+        self.ops = EAGER_OPS
 
     def forward(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], seg: AttnSegments
@@ -127,7 +115,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, H, D]
         cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotary_qk_float32(q, k, cos, sin)
         if self.attn_fn is None:
             out = varlen_attention(q, k, v, seg.cu_seqlens, seg.max_seqlen, plan=seg.plan)
         else:
@@ -142,10 +130,13 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
+        self.act_name = act
         self.act = get_activation(act)
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        act = self.ops.quick_gelu if self.act_name == "quick_gelu" else self.act
+        return self.fc2(act(self.fc1(x)))
 
 
 class GatedVisionMLP(nn.Module):
