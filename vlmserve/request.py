@@ -17,10 +17,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str) -> None:
+        # a plain attribute, not a property: the engine asks every request every step
+        self.finished = value in ("stop", "length", "abort")
 
 
 class Request:
@@ -39,6 +38,9 @@ class Request:
         self.prompt = prompt.prompt
         self.prompt_token_ids = prompt.prompt_token_ids
         self.images: list[ImageInput] = prompt.images
+        # position just past the last image row (0 without images): from there on a request
+        # has no image left to encode or to hold
+        self.images_end = max((img.offset + img.length for img in self.images), default=0)
         self.mrope_positions = prompt.mrope_positions
         self.mrope_delta = prompt.mrope_delta
         self.sampling_params = sampling_params

@@ -99,6 +99,19 @@ def test_image_encoded_in_step_whose_chunk_first_needs_it_and_chunk_cuts_through
     assert sched.schedule().free_encoder_hashes == ["a-img0"]
 
 
+def test_one_token_chunk_through_an_image_is_not_treated_as_a_decode():
+    # the prompt ends in an image; its last chunk is one token, the image's only row
+    sched = make_scheduler(max_num_batched_tokens=8, max_num_encoder_tokens=16)
+    sched.add_request(make_request("a", 9, [(8, 1)]))
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"a": 8} and not so1.scheduled_encoder_inputs
+    sched.update_from_output(so1, {})
+    so2 = sched.schedule()
+    assert so2.num_scheduled_tokens == {"a": 1} and so2.scheduled_encoder_inputs == {"a": [0]}
+    sched.update_from_output(so2, {"a": 100})
+    assert sched.schedule().free_encoder_hashes == ["a-img0"]
+
+
 def test_chunk_stops_before_image_when_encoder_budget_is_spent():
     sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_tokens=10)
     sched.add_request(make_request("a", 40, [(2, 8), (12, 8)]))

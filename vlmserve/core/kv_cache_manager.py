@@ -35,13 +35,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's blocks to hold `num_tokens` tokens; False if blocks ran out."""
-        owned = self._blocks.setdefault(request_id, [])
+        owned = self._blocks.get(request_id, [])
         extra = self.blocks_needed(num_tokens) - len(owned)
+        if extra <= 0:  # most decode steps: the last block still has room
+            return True
         if extra > len(self._free):
-            if not owned:
-                del self._blocks[request_id]
             return False
-        owned.extend(self._free.popleft() for _ in range(max(extra, 0)))
+        owned.extend(self._free.popleft() for _ in range(extra))
+        self._blocks[request_id] = owned
         return True
 
     def free(self, request_id: str) -> None:

@@ -112,17 +112,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
-            if num_new == 0:
-                i += 1
-                continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            start = req.num_computed_tokens
+            if start >= req.images_end and start + 1 == req.num_tokens:
+                # decode: one token, past every image: nothing to plan
+                num_new, enc_ids, enc_cost = 1, [], 0
+            else:
+                num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+            while not self.kv.allocate_slots(req.request_id, start + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted; everything after it already was too
             self._commit_chunk(req, num_new, enc_ids, out)
             budget -= num_new
@@ -164,15 +169,17 @@ class Scheduler:
         admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
         for req in itertools.chain(self.running, admitted):
             start = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
-            total = req.num_tokens + (1 if start >= req.num_tokens else 0)
+            num_tokens = req.num_tokens
+            total = num_tokens + (1 if start >= num_tokens else 0)
             n = min(total - start, budget)
             if n <= 0:
                 continue
             budget -= n
-            for img in req.images:
-                lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
-                if lo < hi and img.mm_hash in self.encoder_cache:
-                    spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
+            if start < req.images_end:  # else it has no image rows left to read
+                for img in req.images:
+                    lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
+                    if lo < hi and img.mm_hash in self.encoder_cache:
+                        spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
             if budget <= 0:
                 break
         return spans
@@ -216,28 +223,18 @@ class Scheduler:
     def _commit_chunk(
         self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
     ) -> None:
-        start = req.num_computed_tokens
-        needed = [(idx, img) for idx, img in enumerate(req.images)
-                  if img.offset < start + num_new and img.offset + img.length > start]
-        new_hashes = {req.images[idx].mm_hash for idx in enc_ids}
-        # reuse present entries first, so that allocating new ones cannot evict them
-        for _, img in needed:
-            if img.mm_hash not in new_hashes:
-                self.encoder_cache.add_ref(img.mm_hash, req.request_id)
-        for idx in enc_ids:
-            img = req.images[idx]
-            self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
-            out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
-        out.num_scheduled_tokens[req.request_id] = num_new
-        block_ids = self.kv.block_ids(req.request_id)
-        if req.request_id in self._on_worker:
+        if req.num_computed_tokens < req.images_end:
+            self._commit_images(req, num_new, enc_ids, out)
+        rid = req.request_id
+        out.num_scheduled_tokens[rid] = num_new
+        block_ids = self.kv.block_ids(rid)
+        if rid in self._on_worker:
             out.cached_requests.append(CachedRequestData(
-                req.request_id, block_ids[self._sent_blocks[req.request_id]:],
-                req.num_computed_tokens))
+                rid, block_ids[self._sent_blocks[rid]:], req.num_computed_tokens))
         else:
-            self._on_worker.add(req.request_id)
+            self._on_worker.add(rid)
             out.new_requests.append(NewRequestData(
-                request_id=req.request_id,
+                request_id=rid,
                 token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
                 images=req.images,
@@ -247,7 +244,24 @@ class Scheduler:
                 block_ids=list(block_ids),
                 num_computed_tokens=req.num_computed_tokens,
             ))
-        self._sent_blocks[req.request_id] = len(block_ids)
+        self._sent_blocks[rid] = len(block_ids)
+
+    def _commit_images(
+        self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
+    ) -> None:
+        """Reference the images the chunk reads and reserve those it encodes."""
+        start = req.num_computed_tokens
+        needed = [img for img in req.images
+                  if img.offset < start + num_new and img.offset + img.length > start]
+        new_hashes = {req.images[idx].mm_hash for idx in enc_ids}
+        # reuse present entries first, so that allocating new ones cannot evict them
+        for img in needed:
+            if img.mm_hash not in new_hashes:
+                self.encoder_cache.add_ref(img.mm_hash, req.request_id)
+        for idx in enc_ids:
+            img = req.images[idx]
+            self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
+            out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
 
     def _drop_from_worker(self, req: Request) -> None:
         if req.request_id in self._on_worker:
@@ -279,10 +293,12 @@ class Scheduler:
         updated = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += n
-            self._release_consumed_images(req)
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + n
+            if start < req.images_end:  # past it, every image was released already
+                self._release_consumed_images(req)
             token = sampled.get(rid)
             if token is None:
                 continue

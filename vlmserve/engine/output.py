@@ -10,11 +10,12 @@ from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class _DetokState:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    prefix_text: str | None = ""  # decode of ids[prefix_offset:read_offset]; None: not yet
     num_tokens: int = 0  # output tokens reflected in `text`
     stop_reason: str | None = None  # set when a stop string ended the request
 
@@ -23,14 +24,23 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _DetokState] = {}
+        # text of single tokens (at most the vocabulary), by skip_special_tokens: most prefix
+        # windows are the one token read last
+        self._token_text: tuple[dict[int, str], dict[int, str]] = ({}, {})
         # the Rust tokenizer directly: the transformers wrapper costs ~10 us per call, which
         # adds up to milliseconds per step at large batch (same text when it does no cleanup)
         # (a private copy: preprocessing threads tokenize with the shared one concurrently)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._fast_decode = None
+        self._id_to_token = None
+        self._special_ids: set[int] = set()
         if backend is not None and not cleanup:
-            self._fast_decode = Tokenizer.from_str(backend.to_str()).decode
+            fast = Tokenizer.from_str(backend.to_str())
+            self._fast_decode = fast.decode
+            self._id_to_token = fast.id_to_token
+            self._special_ids = {i for i, t in fast.get_added_tokens_decoder().items()
+                                 if t.special}
 
     def add(self, request_id: str) -> None:
         self._states[request_id] = _DetokState()
@@ -39,26 +49,53 @@ class OutputProcessor:
         self._states.pop(request_id, None)
 
     def _decode(self, ids: list[int], skip: bool) -> str:
+        if len(ids) == 1:
+            memo = self._token_text[skip]
+            text = memo.get(ids[0])
+            if text is None:
+                text = memo[ids[0]] = self._decode_uncached(ids, skip)
+            return text
+        return self._decode_uncached(ids, skip)
+
+    def _decode_uncached(self, ids: list[int], skip: bool) -> str:
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=skip)
         return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
+    def _dropped(self, token: int, skip: bool) -> bool:
+        """Whether the tokenizer leaves this id out before decoding (an id it does not know,
+        or a special token while skipping those), so that it changes no decoded text. Only
+        known for the Rust tokenizer, whose decode filters ids before its decoder runs."""
+        if self._id_to_token is None:
+            return False
+        return (skip and token in self._special_ids) or self._id_to_token(token) is None
+
     def update(self, req: Request) -> bool:
         """Take in the request's new tokens; True if a stop string was hit (the caller then
-        finishes the request)."""
+        finishes the request).
+
+        The text grows by the decode of the window ids[prefix_offset:] past the decode of
+        ids[prefix_offset:read_offset], once that is a complete character. A token the
+        tokenizer drops leaves the window's decode as it was, so it cannot advance the text
+        and is not decoded at all."""
         st = self._states[req.request_id]
         ids = req.output_token_ids
         sp = req.sampling_params
         skip = sp.skip_special_tokens
         before = len(st.text)
         while st.num_tokens < len(ids):
+            token = ids[st.num_tokens]
             st.num_tokens += 1
-            window = ids[st.prefix_offset:st.num_tokens]
-            prefix = self._decode(ids[st.prefix_offset:st.read_offset], skip)
-            full = self._decode(window, skip)
+            if self._dropped(token, skip):
+                continue
+            if st.prefix_text is None:
+                st.prefix_text = self._decode(ids[st.prefix_offset:st.read_offset], skip)
+            prefix = st.prefix_text
+            full = self._decode(ids[st.prefix_offset:st.num_tokens], skip)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 st.text += full[len(prefix):]
                 st.prefix_offset, st.read_offset = st.read_offset, st.num_tokens
+                st.prefix_text = None
         if sp.stop and self._apply_stop(st, sp, before):
             return True
         return False
@@ -87,6 +124,7 @@ class OutputProcessor:
         if len(full) > len(prefix):
             st.text += full[len(prefix):]
             st.prefix_offset = st.read_offset = len(ids)
+            st.prefix_text = None
 
     def make_output(self, req: Request) -> RequestOutput:
         st = self._states[req.request_id]
