@@ -42,6 +42,7 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
+    host_profile = _host_profile(engine, steps=32) if profile else None
     engine.abort_request(rids)
     runner = llm.engine.executor.runner
     model = runner.model
@@ -61,7 +62,25 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
         row["graph_replay_ms"] = _time_cuda(graph.replay)
         if profile:
             row["graph_kernels"] = _kernel_table(graph.replay)
+    if host_profile:
+        row["host_profile"] = host_profile
     return row
+
+
+def _host_profile(engine, steps: int, top: int = 30) -> list[str]:
+    """cProfile of `steps` engine steps: where the host's time per step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
 
 
 def _time_cuda(fn, iters: int = 50) -> float:
@@ -229,6 +248,11 @@ def main(args: argparse.Namespace | None = None) -> None:
               fused_ops=args.fused_ops,
               vision_attention_backend=args.vision_attention_backend)
     results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
+    if llm.engine.executor.runner.device.type == "cuda":
+        from vlmserve.layers import triton_gemv
+
+        results["gemv_choices"] = {str(k[:3]): v for k, v in triton_gemv._choice.items()}
+        print(json.dumps({"gemv_choices": results["gemv_choices"]}))
 
     def report(key, row):
         print(json.dumps({key: row}))

@@ -41,12 +41,11 @@ class InputProcessor:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
         self.pixel_dtype: torch.dtype | None = None
-        self.pin_pixels = False
 
-    def place_pixels(self, dtype: torch.dtype, pin: bool) -> None:
-        """Cast pixel values to the vision tower's dtype and (for a CUDA engine) pin them here,
-        on the preprocessing threads, so the engine step only starts asynchronous copies."""
-        self.pixel_dtype, self.pin_pixels = dtype, pin
+    def set_pixel_dtype(self, dtype: torch.dtype) -> None:
+        """Cast pixel values to the vision tower's dtype here, on the preprocessing threads:
+        the engine step then copies half the bytes of float32 pixels (bfloat16 models)."""
+        self.pixel_dtype = dtype
 
     def process(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -74,9 +73,7 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
-        for img in processed.images:
-            if self.pixel_dtype is not None:
+        if self.pixel_dtype is not None:
+            for img in processed.images:
                 img.pixel_values = img.pixel_values.to(self.pixel_dtype)
-            if self.pin_pixels:
-                img.pixel_values = img.pixel_values.pin_memory()
         return processed

@@ -21,7 +21,7 @@ class EncoderRunner:
         images = [img for img in images if img.mm_hash not in self.store]
         if not images:
             return
-        # each image's (pinned) pixels copied on their own, then joined on the device
+        # each image's pixels copied on their own, then joined on the device
         pixels = torch.cat([img.pixel_values.to(self.device, non_blocking=True)
                             for img in images])
         grid = torch.tensor([img.grid_thw for img in images], dtype=torch.int64)
