@@ -119,6 +119,9 @@ class MMEmbeddingStore:
         if not self.offload:
             return
         nxt = self.cur ^ 1
+        if not spans:  # nothing to copy (decode steps): no stream work at all
+            self._layout[nxt], self._used[nxt], self._copy_done[nxt] = {}, 0, None
+            return
         self.trace.append(("wait_reads", nxt, self.step))
         layout, used = {}, 0
         buf = self._buffers[nxt]
