@@ -8,6 +8,7 @@
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
+#   w1ours  : W1 with our engine only (no transformers run)
 #   kernels : attention kernels vs reference and the hardware
 #   offload : image-embedding offload off/on and on/off
 # Logs and JSON go to $OUT.
@@ -47,6 +48,10 @@ w1)
   step w1 490 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
     --hf-batch-size 64 --max-num-seqs 256 --out "$OUT/w1.json" ;;
+w1ours)
+  step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
+    --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
+    --max-num-seqs 256 --out "$OUT/w1_ours.json" ;;
 kernels)
   step kernels 120 $B.kernels --json "$OUT/kernels.json" ;;
 offload)
