@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
-from vlmserve.layers import fused, triton_gemv, triton_ops
+from vlmserve.layers import fused, triton_ops
 from vlmserve.layers.rotary import MRotaryEmbedding
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -122,29 +122,3 @@ def test_vision_rotary_and_quick_gelu(dtype, tokens):
     torch.testing.assert_close(k, ref_k, **TOL[dtype])
     x = 3 * _randn(tokens, 300, dtype=dtype)
     torch.testing.assert_close(triton_ops.quick_gelu(x), fused.quick_gelu(x), **TOL[dtype])
-
-
-@DTYPES
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", triton_gemv.CONFIGS[:3] if ON_GPU else [(4, 64, 4), (8, 32, 4)])
-def test_gemv_matches_linear(dtype, tokens, config):
-    shapes = [(2048, 1536, True), (1536, 8960, False), (100, 70, True)] if ON_GPU else \
-        [(40, 96, True), (13, 70, False)]
-    for out_f, in_f, bias in shapes:
-        x = _randn(tokens, in_f, dtype=dtype, seed=1)
-        w = _randn(out_f, in_f, dtype=dtype, seed=2) / in_f**0.5
-        b = _randn(out_f, dtype=dtype, seed=3) if bias else None
-        torch.testing.assert_close(triton_gemv.gemv(x, w, b, config),
-                                   torch.nn.functional.linear(x, w, b), **TOL[dtype])
-
-
-def test_linear_uses_the_tuned_choice(monkeypatch):
-    x = _randn(2, 96, dtype=torch.float32)
-    w = _randn(40, 96, dtype=torch.float32)
-    calls = []
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *a: calls.append(a[3]) or a[0] @ a[1].T)
-    monkeypatch.setitem(triton_gemv._choice, (2, 40, 96, torch.float32), (8, 32, 4))
-    triton_gemv.linear(x, w)
-    triton_gemv.linear(_randn(5, 96, dtype=torch.float32), w)  # too many tokens: F.linear
-    triton_gemv.linear(_randn(1, 96, dtype=torch.float32), w)  # not tuned: F.linear
-    assert calls == [(8, 32, 4)]

@@ -62,12 +62,7 @@ class UniprocExecutor:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
-        ops = FusedOps.for_device(mc.fused_ops, self.device)
-        model.set_fused_ops(ops)
-        if ops.kind == "triton":  # decode GEMVs where they beat F.linear (before capture)
-            from vlmserve.layers.triton_gemv import tune_linears
-
-            tune_linears(model.language_model)
+        model.set_fused_ops(FusedOps.for_device(mc.fused_ops, self.device))
         model.set_vision_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device))
         backend = get_paged_attention_backend(mc.attention_backend, self.device)

@@ -83,20 +83,18 @@ class FusedOps:
             raise ValueError(
                 f"unknown fused ops {kind!r}; choose from {', '.join(FUSED_OPS_KINDS)}")
         self.kind = kind
+        if kind == "triton":
+            from vlmserve.layers import triton_ops as impl
+        else:
+            impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
                "rotary_qk": rotary_qk, "rotary_qk_cache": rotary_qk_cache,
-               "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu,
-               "linear": F.linear}
-        if kind == "triton":
-            from vlmserve.layers import triton_gemv, triton_ops
-
-            fns = {name: getattr(triton_ops, name) for name in fns if name != "linear"}
-            fns["linear"] = triton_gemv.linear
-        elif kind == "compile":
-            fns = {name: fn if name == "linear" else torch.compile(fn, dynamic=True,
-                                                                   fullgraph=True)
-                   for name, fn in fns.items()}
+               "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu}
         for name, fn in fns.items():
+            if impl is not None:
+                fn = getattr(impl, name)
+            elif kind == "compile":
+                fn = torch.compile(fn, dynamic=True, fullgraph=True)
             setattr(self, name, fn)
 
     @classmethod

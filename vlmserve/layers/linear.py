@@ -1,23 +1,10 @@
-"""Linear layers of the decoder: `Linear` runs through the model's fused ops (a tuned GEMV for
-decode steps of a few tokens with the triton ops); `MergedLinear` stacks several checkpoint
-tensors along the output dim."""
+"""Linear layers whose weight is several checkpoint tensors stacked along the output dim."""
 
 import torch
 from torch import nn
 
-from vlmserve.layers.fused import EAGER_OPS
 
-
-class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.ops = EAGER_OPS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
+class MergedLinear(nn.Linear):
     """One matmul for several projections (q/k/v, gate/up). `load_shard(i, w)` copies the
     checkpoint's i-th projection into its rows."""
 
