@@ -248,11 +248,6 @@ def main(args: argparse.Namespace | None = None) -> None:
               fused_ops=args.fused_ops,
               vision_attention_backend=args.vision_attention_backend)
     results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
-    if llm.engine.executor.runner.device.type == "cuda":
-        from vlmserve.layers import triton_gemv
-
-        results["gemv_choices"] = {str(k[:3]): v for k, v in triton_gemv._choice.items()}
-        print(json.dumps({"gemv_choices": results["gemv_choices"]}))
 
     def report(key, row):
         print(json.dumps({key: row}))
