@@ -9,7 +9,7 @@
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
-#   kernels : attention kernels vs reference and the hardware
+#   attention: attention kernels vs reference and the hardware
 #   offload : image-embedding offload off/on and on/off
 # Logs and JSON go to $OUT.
 set -u
@@ -35,14 +35,14 @@ quick)
   step gpu_quick 100 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py ;;
 speed)
-  step speed_2b 280 $B.model_speed --model qwen2-vl-2b-random --num-requests 512 \
+  step speed_2b 280 $B.kernels --model qwen2-vl-2b-random --num-requests 512 \
     --decode-batches 1,64 --profile --out "$OUT/speed_2b.json" ;;
 vision)
-  step speed_2b_vtriton 200 $B.model_speed --model qwen2-vl-2b-random --num-requests 256 \
+  step speed_2b_vtriton 200 $B.kernels --model qwen2-vl-2b-random --num-requests 256 \
     --decode-batches 1 --vision-attention-backend triton --profile \
     --out "$OUT/speed_2b_vtriton.json" ;;
 speed7b)
-  step speed_7b 200 $B.model_speed --model qwen2.5-vl-7b-random --decode-batches 1 \
+  step speed_7b 200 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --profile --out "$OUT/speed_7b.json" ;;
 w1)
   step w1 490 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
@@ -52,8 +52,8 @@ w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
     --max-num-seqs 256 --out "$OUT/w1_ours.json" ;;
-kernels)
-  step kernels 120 $B.kernels --json "$OUT/kernels.json" ;;
+attention)
+  step attention 120 $B.attention_kernels --json "$OUT/attention.json" ;;
 offload)
   for order in "" "--on-first"; do
     step "offload${order:+_on_first}" 280 $B.offload --model qwen2-vl-2b-random \

@@ -1,226 +1,274 @@
-"""Kernel microbenchmarks (CUDA only): our Triton attention vs the torch references.
+"""The model against the hardware (CUDA): engine decode step time vs the memory-bandwidth floor
+(weight + KV bytes over the measured copy bandwidth), prefill chunk, vision-tower batch and the
+W1 prefill + vision workload vs the measured bf16 matrix rate.
 
-    python -m vlmserve.benchmarks.kernels [--json rows.json]
-
-Decode cases report achieved bandwidth (bytes of K/V read / time) against the device's measured
-copy bandwidth; prefill and vision cases report achieved TFLOP/s (causal FLOPs actually needed,
-real head_dim) against a measured bf16 matmul rate. Times are ``triton.testing.do_bench``
-medians (launch included); ``graph_us`` is the same call replayed from a CUDA graph (kernel
-time only, as the engine's graphed decode sees it).
+    vlmserve bench kernels --model qwen2-vl-2b-random [--profile]
+    python -m vlmserve.benchmarks.kernels --model qwen2-vl-2b-random
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import time
 
 import torch
 
 from vlmserve.benchmarks import parse_args
-
-Fn = Callable[[], object]
-
-
-@dataclass
-class Case:
-    """One benchmark shape: two callables computing the same thing, and the work it does."""
-
-    name: str
-    kind: str  # "decode" (bandwidth-bound) | "prefill" | "vision" (compute-bound)
-    ours: Fn
-    ref: Fn
-    bytes: float = 0.0  # K/V bytes read (decode)
-    flops: float = 0.0  # attention FLOPs (prefill / vision)
-    info: dict = field(default_factory=dict)
+from vlmserve.benchmarks.attention_kernels import measure_roofline
+from vlmserve.benchmarks.datasets import random_mm
 
 
-def measure_roofline(device: torch.device | None = None) -> dict:
-    """Measured device copy bandwidth (read + write bytes) and bf16 matmul rate."""
-    from triton.testing import do_bench
-
-    device = device or torch.device("cuda")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: torch.matmul(a, b), return_mode="median")
-    return {
-        "device": torch.cuda.get_device_name(device),
-        "copy_gbps": 2 * (1 << 30) / copy_ms / 1e6,
-        "matmul_bf16_tflops": 2 * n**3 / mm_ms / 1e9,
-    }
+def _lm_params(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("visual."))
 
 
-def paged_case(
-    name: str,
-    query_lens: list[int],
-    seq_lens: list[int],
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-    device: str = "cuda",
-) -> Case:
-    """A paged-attention step over a randomly scattered KV cache."""
-    from vlmserve.layers.attention import build_attention_metadata, paged_attention_reference
-    from vlmserve.layers.triton_attention import default_num_splits, paged_attention_triton
+def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128,
+                profile: bool = False) -> dict:
+    """Engine step time with `batch` text requests all decoding (steady state, timed over
+    `steps` steps), against weights + KV bytes over the memory bandwidth."""
+    from vlmserve import SamplingParams
 
-    counts = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(seed)).tolist()
-    block_ids, used = [], 0
-    for n in counts:
-        block_ids.append(perm[used : used + n])
-        used += n
-    meta = build_attention_metadata(query_lens, seq_lens, block_ids, block_size, device)
-    kv = torch.randn(2, sum(counts), block_size, kv_heads, head_dim, device=device, dtype=dtype)
-    q = torch.randn(sum(query_lens), heads, head_dim, device=device, dtype=dtype)
-    scale = head_dim**-0.5
-    kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * kv.element_size()
-    # Causal score count: query j of a chunk of q tokens ending at s sees s - q + j + 1 keys.
-    scores = sum(q_len * (s - q_len) + q_len * (q_len + 1) // 2
-                 for q_len, s in zip(query_lens, seq_lens))
-    decode = max(query_lens) == 1
-    info = {"batch": len(query_lens), "tokens": sum(query_lens), "max_ctx": max(seq_lens),
-            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
-    if decode:
-        info["splits"] = default_num_splits(
-            len(seq_lens), kv_heads, max(seq_lens), torch.device(device))
-    return Case(
-        name, "decode" if decode else "prefill",
-        ours=lambda: paged_attention_triton(q, kv, meta, scale),
-        ref=lambda: paged_attention_reference(q, kv, meta, scale),
-        bytes=kv_bytes, flops=4.0 * scores * heads * head_dim, info=info,
-    )
-
-
-def varlen_case(
-    name: str, lengths: list[int], heads: int, head_dim: int,
-    dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-) -> Case:
-    """Packed non-causal segments (vision tower); the reference gets a prebuilt plan."""
-    from vlmserve.layers.triton_attention import varlen_attention_triton
-    from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
-
-    total = sum(lengths)
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    plan = build_varlen_plan(cu, device=device)
-    cu_dev = cu.to(device)
-    q, k, v = (torch.randn(total, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    max_len = max(lengths)
-    return Case(
-        name, "vision",
-        ours=lambda: varlen_attention_triton(q, k, v, cu_dev, max_len),
-        ref=lambda: varlen_attention(q, k, v, cu_dev, max_len, plan=plan),
-        flops=4.0 * sum(n * n for n in lengths) * heads * head_dim,
-        info={"segments": len(lengths), "tokens": total, "heads": heads, "head_dim": head_dim},
-    )
-
-
-def attention_cases() -> list[Callable[[], Case]]:
-    """Representative shapes (built lazily, one at a time, to bound memory)."""
-    rng = random.Random(0)
-    cases: list[Callable[[], Case]] = []
-    qwen2vl_2b = (12, 2, 128)  # heads, kv_heads, head_dim
-    for batch in (1, 64):
-        for ctx in (1024, 4096, 8192):
-            cases.append(lambda b=batch, c=ctx: paged_case(
-                f"2B decode B={b} ctx={c}", [1] * b, [c] * b, *qwen2vl_2b))
-    mixed_ctx = [rng.randint(512, 4096) for _ in range(63)]
-    cases.append(lambda: paged_case(
-        "2B decode B=64 ctx~U(512,4k)", [1] * 64, mixed_ctx + [4096], *qwen2vl_2b))
-    cases.append(lambda: paged_case(
-        "7B decode B=64 ctx=4096", [1] * 64, [4096] * 64, 28, 4, 128))
-    cases.append(lambda: paged_case(
-        "2B prefill 2048 after 6k", [2048], [2048 + 6144], *qwen2vl_2b))
-    cases.append(lambda: paged_case(
-        "2B mixed 2048@6k + 63 dec", [2048] + [1] * 63, [8192] + mixed_ctx, *qwen2vl_2b))
-    cases.append(lambda: varlen_case("vision 16 x 4096 (896px)", [4096] * 16, 16, 80))
-    cases.append(lambda: varlen_case("windows 1024 x 64", [64] * 1024, 16, 80))
-    return cases
-
-
-def run_case(case: Case, roofline: dict) -> dict:
-    """Time one case; JSON-serialisable row."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    ours_ms = do_bench(case.ours, return_mode="median")
-    ref_ms = do_bench(case.ref, return_mode="median")
-    row: dict = {"case": case.name, "kind": case.kind, **case.info,
-                 "ours_us": ours_ms * 1e3, "ref_us": ref_ms * 1e3, "speedup": ref_ms / ours_ms}
-    try:
-        row["graph_us"] = do_bench_cudagraph(case.ours, return_mode="median") * 1e3
-    except Exception as exc:  # reported in the row, not fatal
-        row["graph_us"] = None
-        row["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    if case.kind == "decode":
-        row["gbps"] = case.bytes / ours_ms / 1e6
-        row["ref_gbps"] = case.bytes / ref_ms / 1e6
-        row["pct_peak"] = 100 * row["gbps"] / roofline["copy_gbps"]
-    else:
-        row["tflops"] = case.flops / ours_ms / 1e9
-        row["ref_tflops"] = case.flops / ref_ms / 1e9
-        row["pct_peak"] = 100 * row["tflops"] / roofline["matmul_bf16_tflops"]
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    ids = [32 + (i * 7919) % 95 for i in range(prompt_len)]  # byte-level printable chars
+    rids = [engine.add_request({"prompt_token_ids": ids}, params) for _ in range(batch)]
+    reqs = [engine.scheduler.requests[r] for r in rids]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    host_profile = _host_profile(engine, steps=32) if profile else None
+    engine.abort_request(rids)
+    runner = llm.engine.executor.runner
+    model = runner.model
+    itemsize = llm.engine.executor.dtype.itemsize
+    weight_bytes = _lm_params(model) * itemsize
+    cache = runner.kv_caches[0]
+    kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
+    kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
+    # reading the weights and KV once is that many bytes of memory traffic; the copy rate
+    # counts read + write traffic, so it is the rate of traffic the memory sustains
+    floor_s = (weight_bytes + kv_bytes) / (ceilings["copy_gbps"] * 1e9)
+    row = {"batch": batch, "prompt_len": prompt_len, "step_ms": 1e3 * step_s,
+           "floor_ms": 1e3 * floor_s, "ratio_to_floor": step_s / floor_s,
+           "graph_steps": runner.num_graph_steps}
+    if runner.graphs is not None:  # the GPU's share of a step: the captured graph alone
+        graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch)][0]
+        row["graph_replay_ms"] = _time_cuda(graph.replay)
+        if profile:
+            row["graph_kernels"] = _kernel_table(graph.replay)
+    if host_profile:
+        row["host_profile"] = host_profile
     return row
 
 
-def check_case(case: Case) -> float:
-    """Relative error of ours vs the reference on the benchmark inputs."""
-    out, ref = case.ours(), case.ref()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+def _host_profile(engine, steps: int, top: int = 30) -> list[str]:
+    """cProfile of `steps` engine steps: where the host's time per step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
 
 
-def bench_attention_kernels(roofline: dict | None = None) -> list[dict]:
-    roofline = roofline or measure_roofline()
-    rows = []
-    for make in attention_cases():
-        case = make()
-        row = run_case(case, roofline)
-        row["rel_err"] = check_case(case)
-        rows.append(row)
-        del case
-        torch.cuda.empty_cache()
-    return rows
+def _time_cuda(fn, iters: int = 50) -> float:
+    """Milliseconds per call of `fn` measured with CUDA events."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
-def format_table(rows: list[dict], roofline: dict) -> str:
-    lines = [
-        f"{roofline['device']}: copy {roofline['copy_gbps']:.0f} GB/s, "
-        f"bf16 matmul {roofline['matmul_bf16_tflops']:.0f} TFLOP/s",
-        f"{'case':32} {'ours us':>9} {'graph us':>9} {'ref us':>9} {'x ref':>6} "
-        f"{'achieved':>14} {'%peak':>6} {'err':>8}",
-    ]
-    for r in rows:
-        rate = (f"{r['gbps']:.0f} GB/s" if r["kind"] == "decode"
-                else f"{r['tflops']:.1f} TFLOP/s")
-        graph = f"{r['graph_us']:.1f}" if r.get("graph_us") is not None else "-"
-        lines.append(
-            f"{r['case']:32} {r['ours_us']:9.1f} {graph:>9} {r['ref_us']:9.1f} "
-            f"{r['speedup']:6.2f} {rate:>14} {r['pct_peak']:6.1f} {r.get('rel_err', 0):8.1e}")
-    return "\n".join(lines)
+def _kernel_table(fn, top: int = 25) -> dict:
+    """Kernels launched by one call of `fn`: count, total GPU time, the costliest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time)
+    rows = sorted(((sum(t), len(t), n) for n, t in by_name.items()), reverse=True)[:top]
+    return {"num_kernels": len(kernels), "total_us": sum(e.device_time for e in kernels),
+            "top": [{"name": n, "calls": c, "total_us": round(t, 1)} for t, c, n in rows]}
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", help="also write the rows (and roofline) to this file")
+def _vision_flops(vcfg, grid) -> float:
+    t, h, w = grid
+    n = t * h * w
+    dim = getattr(vcfg, "embed_dim", None) or vcfg.hidden_size
+    inter = getattr(vcfg, "intermediate_size", None)
+    mlp = 3 * dim * inter if inter else 2 * dim * int(dim * vcfg.mlp_ratio)
+    per_layer = 2 * n * (4 * dim * dim + mlp) + 4 * n * n * dim / t  # linears + attention
+    patch = 2 * n * dim * vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    merge = 2 * (n // 4) * (4 * dim) * (4 * dim + vcfg.out_hidden_size
+                                        if hasattr(vcfg, "out_hidden_size") else 4 * dim)
+    return vcfg.depth * per_layer + patch + merge
 
 
-def main(args: argparse.Namespace | None = None) -> list[dict]:
+def _prompt_flops(model, cfg, processed) -> float:
+    """LM FLOPs of a prompt (linears + causal attention) plus its images' vision FLOPs."""
+    tcfg = getattr(cfg, "text_config", cfg)
+    n = len(processed.prompt_token_ids)
+    lm = 2 * _lm_params(model) * n + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size
+    return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
+
+
+def _run_processed(llm, reqs) -> float:
+    """Seconds for the engine to finish already-processed requests (no preprocessing)."""
+    engine = llm.engine
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_processed_request(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> dict:
+    """W1 requests with one output token: achieved FLOP/s (vision + LM) over the matmul rate,
+    end to end (preprocessing on the engine's thread pool) and engine only."""
+    from vlmserve import SamplingParams
+
+    tok = llm.get_tokenizer()
+    reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
+                     prompt_len=50, output_len=1, seed=3)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)
+    model, cfg = llm.engine.executor.runner.model, llm.engine.hf_config
+    t0 = time.perf_counter()
+    processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
+    preprocess_s = time.perf_counter() - t0
+    flops = sum(_prompt_flops(model, cfg, p) for p in processed)
+    engine_s = _run_processed(llm, processed)
+    # end to end, with new image content so that the encoder cache cannot serve it
+    reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
+                     prompt_len=50, output_len=1, seed=4)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    e2e_s = time.perf_counter() - t0
+    peak = ceilings["matmul_bf16_tflops"] * 1e12
+    return {"requests": num_requests, "tflop": flops / 1e12,
+            "serial_preprocess_s": preprocess_s, "engine_s": engine_s, "end_to_end_s": e2e_s,
+            "engine_tflops": flops / engine_s / 1e12,
+            "engine_fraction_of_matmul_rate": flops / engine_s / peak,
+            "end_to_end_fraction_of_matmul_rate": flops / e2e_s / peak}
+
+
+def prefill_chunk(llm, ceilings: dict, tokens: int = 8192) -> dict:
+    """One text prompt of `tokens` tokens prefilled in one chunk (max_tokens=1)."""
+    from vlmserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ids = [32 + (i * 7919) % 95 for i in range(tokens)]  # byte-level ids of printable chars
+    _run_processed(llm, [engine.process_request({"prompt_token_ids": ids}, params)])
+    times = [_run_processed(llm, [engine.process_request({"prompt_token_ids": ids}, params)])
+             for _ in range(3)]
+    req = engine.process_request({"prompt_token_ids": ids}, params)
+    flops = _prompt_flops(engine.executor.runner.model, engine.hf_config, req)
+    t = min(times)
+    return {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
+            "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
+
+
+def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
+                 profile: bool = False) -> dict:
+    """The vision tower alone on `num_images` images of size x size in one forward."""
+    engine = llm.engine
+    req = random_mm(llm.get_tokenizer(), num_requests=1, image_sizes=[size],
+                    images_per_request=num_images, prompt_len=10, output_len=1, seed=5)[0]
+    images = engine.input_processor.process(req.prompt).images
+    runner = engine.executor.runner
+    pixels = torch.cat([img.pixel_values for img in images]).to(runner.device)
+    grid = torch.tensor([img.grid_thw for img in images], device=runner.device)
+    def encode():
+        with torch.inference_mode():
+            runner.model.encode_images(pixels, grid)
+
+    ms = _time_cuda(encode, iters=5)
+    flops = sum(_vision_flops(engine.hf_config.vision_config, img.grid_thw) for img in images)
+    rate = flops / (ms / 1e3)
+    row = {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
+           "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}
+    if profile:
+        row["kernels"] = _kernel_table(encode)
+    return row
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="qwen2-vl-2b-random")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--image-sizes", default="448,672,896")
+    ap.add_argument("--decode-batches", default="1,64")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
+    ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
+    ap.add_argument("--profile", action="store_true", 
+                    help="kernel tables of decode graphs and the vision batch")
+    ap.add_argument("--out", default=None)
+
+
+def main(args: argparse.Namespace | None = None) -> None:
     args = parse_args(args, add_args, __doc__)
-    if not torch.cuda.is_available():
-        raise SystemExit("kernel benchmarks need a CUDA device")
-    roofline = measure_roofline()
-    rows = bench_attention_kernels(roofline)
-    print(format_table(rows, roofline))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"roofline": roofline, "attention": rows}, f, indent=1)
-    return rows
+    from vlmserve import LLM
+    from vlmserve.models.builtin import resolve_model
+
+    path = str(resolve_model(args.model))
+    ceilings = measure_roofline()
+    print(json.dumps(ceilings))
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=256,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              fused_ops=args.fused_ops,
+              vision_attention_backend=args.vision_attention_backend)
+    results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
+
+    def report(key, row):
+        print(json.dumps({key: row}))
+        if isinstance(results.get(key), list):
+            results[key].append(row)
+        else:
+            results[key] = row
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
+    for b in [int(x) for x in args.decode_batches.split(",")]:
+        report("decode", decode_step(llm, 512, ceilings, batch=b, profile=args.profile))
+    if not args.decode_only:
+        report("vision_16x896", vision_batch(llm, ceilings, profile=args.profile))
+        report("prefill_8192", prefill_chunk(llm, ceilings, min(8192,
+                                                                args.max_num_batched_tokens)))
+        report("prefill_vision", prefill_vision(
+            llm, ceilings, args.num_requests, [int(x) for x in args.image_sizes.split(",")]))
 
 
 if __name__ == "__main__":

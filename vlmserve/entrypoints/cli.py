@@ -51,8 +51,10 @@ def _generate(args: argparse.Namespace) -> None:
 _BENCHMARKS = {
     "throughput": ("throughput", "Offline throughput, ours vs transformers generate."),
     "serve": ("serve", "Online: TTFT, TPOT, ITL and goodput against a running server."),
-    "kernels": ("kernels", "Attention kernels vs the torch reference and the hardware."),
-    "speed": ("model_speed", "Decode vs the bandwidth floor, prefill+vision vs matmul rate."),
+    "kernels": ("kernels", "Decode step vs the bandwidth floor; prefill and vision vs the "
+                "bf16 matmul rate."),
+    "attention": ("attention_kernels", "Attention kernels vs the torch reference and the "
+                  "hardware."),
     "offload": ("offload", "Image-embedding offload on vs off: memory and throughput."),
 }
 
