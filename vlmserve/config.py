@@ -64,6 +64,9 @@ class SchedulerConfig:
     max_num_encoder_tokens: int | None = _opt(
         None, "Image-embedding rows the vision tower may produce per step (default: step budget)."
     )
+    async_scheduling: bool = _opt(
+        True, "Schedule and launch each step before reading back the previous one's tokens, "
+        "so the device does not wait for the host between steps (outputs come a step later).")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     """One sequence. `num_computed_tokens` counts tokens whose KV is in the cache; each step
-    the scheduler tries to bring it up to `num_tokens` (prompt + outputs so far)."""
+    the scheduler tries to bring it up to `num_tokens` (prompt + outputs so far, in flight
+    included)."""
 
     def __init__(
         self,
@@ -47,6 +48,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
+        # tokens being sampled by steps not yet read back: scheduled on as if known (their
+        # values reach the worker's next step on the device), replaced as results arrive
+        self.num_placeholders = 0
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -57,7 +61,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + outputs, counting the outputs still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

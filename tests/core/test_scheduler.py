@@ -29,21 +29,23 @@ def make_scheduler(**kw):
     return Scheduler(**args)
 
 
-def run(sched, max_steps=1000, on_step=None):
-    """Drive the scheduler like the engine; return the list of SchedulerOutputs."""
-    outs = []
+def run(sched, max_steps=1000, on_step=None, lag=False):
+    """Drive the scheduler like the engine; return the list of SchedulerOutputs. A sampled
+    token's value is its position. `lag`: schedule step N+1 before step N's tokens come
+    back (the engine's async scheduling)."""
+    outs, pending = [], []
     for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and not pending:
             return outs
+        before = {rid: r.num_placeholders for rid, r in sched.requests.items()}
         so = sched.schedule()
-        sampled = {}
-        for rid, n in so.num_scheduled_tokens.items():
-            req = sched.requests[rid]
-            if req.num_computed_tokens + n == req.num_tokens:
-                sampled[rid] = 100 + len(req.output_token_ids)
+        sampled = {rid: 100 + end for rid, end in so.chunk_ends.items()
+                   if sched.requests[rid].num_placeholders > before[rid]}
         if on_step:
             on_step(sched, so)
-        sched.update_from_output(so, sampled)
+        pending.append((so, sampled))
+        while pending and (not lag or so.is_empty or len(pending) > 1):
+            sched.update_from_output(*pending.pop(0))
         outs.append(so)
     raise AssertionError("requests did not finish")
 
@@ -203,3 +205,29 @@ def test_encoder_cache_counts_unreferenced_rows_as_evictable():
     assert cache.can_allocate(6) and not cache.can_allocate(7)
     cache.allocate("c", 6, "r2")  # evicts "b" only
     assert cache.take_freed() == ["b"] and cache.num_evictions == 1 and cache.used_rows == 10
+
+
+@pytest.mark.parametrize("kv_blocks", [256, 12])
+def test_lagged_updates_give_the_same_tokens_and_free_everything(kv_blocks):
+    """Scheduling step N+1 before step N's tokens are known (placeholders) changes no token,
+    also through preemptions, and leaves nothing allocated."""
+    results = []
+    for lag in (False, True):
+        sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=20,
+                               max_num_encoder_tokens=12, num_kv_blocks=kv_blocks)
+        rng = random.Random(1)
+        reqs = []
+        for i in range(8):
+            images = [(2, rng.randint(1, 10))] if rng.random() < 0.5 else []
+            reqs.append(make_request(f"r{i}", 14 + rng.randint(0, 6), images,
+                                     max_tokens=rng.randint(1, 9)))
+            sched.add_request(reqs[-1])
+        run(sched, lag=lag)
+        results.append([r.output_token_ids for r in reqs])
+        assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+        assert all(r.num_placeholders == 0 for r in reqs)
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+        assert sched.encoder_cache.num_referenced == 0
+        if kv_blocks == 12:
+            assert sched.num_preemptions > 0
+    assert results[0] == results[1]

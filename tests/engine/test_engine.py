@@ -206,3 +206,32 @@ def test_generate_with_a_bad_prompt_raises_and_leaves_the_engine_clean(llm):
     s = llm.engine.get_stats()
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
     assert llm.generate(good, greedy(), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_async_scheduling_changes_no_output(vlmserve_cache):
+    """Scheduling each step before the previous one's tokens are read back gives the same
+    tokens and text as the synchronous loop: seeded sampling, stop strings and stop tokens
+    (which finish a request whose next step is already running), preemption, and EOS."""
+    probe = LLM("tiny-qwen2-vl", dtype="float32", device="cpu")
+    prompts = mixed_prompts(probe)
+    reference = probe.generate(prompts, greedy(8), use_tqdm=False)
+    stop_text = reference[0].outputs[0].text[3:6]
+    stop_token = reference[1].outputs[0].token_ids[4]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    params[0] = greedy(12, stop=[stop_text])
+    params[1] = greedy(12, stop_token_ids=[stop_token])
+    params[2] = SamplingParams(max_tokens=12, temperature=0.0)  # EOS applies
+    results = {}
+    for mode in (False, True):
+        llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_batched_tokens=96,
+                  num_kv_blocks=24, block_size=8, async_scheduling=mode)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                         for o in outs]
+        assert llm.engine.scheduler.num_preemptions > 0
+        s = llm.engine.get_stats()
+        assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0
+        assert s["num_generated_tokens"] == sum(len(r[0]) for r in results[mode])
+    assert results[True] == results[False]
+    assert results[True][0][2] == "stop" and results[True][1][2] == "stop"

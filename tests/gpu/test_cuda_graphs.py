@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
-    for name, kw in {"graphs": {}, "eager": {"enforce_eager": True},
+    for name, kw in {"graphs": {}, "sync": {"async_scheduling": False},
+                     "eager": {"enforce_eager": True},
                      "compiled": {"fused_ops": "compile"},
                      "torch": {"attention_backend": "torch"},
                      "reference": {"attention_backend": "torch", "fused_ops": "eager",
@@ -30,5 +31,5 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
             assert llm.engine.executor.runner.num_graph_steps > 0
         if name == "eager":
             assert llm.engine.executor.runner.graphs is None
-    assert results["graphs"] == results["eager"] == results["torch"] == results["compiled"] \
-        == results["reference"]
+    assert results["graphs"] == results["sync"] == results["eager"] == results["torch"] \
+        == results["compiled"] == results["reference"]

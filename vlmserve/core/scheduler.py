@@ -6,6 +6,12 @@ different sizes. Running requests go first (FCFS), then waiting ones. An image i
 the step whose chunk first needs its rows, within a per-step encoder budget; if the budget
 is spent, the chunk stops just before the image. When KV blocks run out, the most recently
 arrived running request is preempted and later recomputed from scratch.
+
+Progress is committed when a step is scheduled: `num_computed_tokens` advances by the chunk,
+and a chunk that reaches the end of the known tokens adds a placeholder for the token it will
+sample. So the next step can be scheduled before this one's tokens are read back (the engine's
+async scheduling); `update_from_output` replaces placeholders with tokens and applies stops.
+A request that stops while its next step is already scheduled just has that token dropped.
 """
 
 from __future__ import annotations
@@ -113,6 +119,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed_tokens
+            if req.num_placeholders and self._length_done(req):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             if start >= req.images_end and start + 1 == req.num_tokens:
                 # decode: one token, past every image: nothing to plan
                 num_new, enc_ids, enc_cost = 1, [], 0
@@ -168,10 +177,8 @@ class Scheduler:
         spans = []
         admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
         for req in itertools.chain(self.running, admitted):
-            start = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
-            num_tokens = req.num_tokens
-            total = num_tokens + (1 if start >= num_tokens else 0)
-            n = min(total - start, budget)
+            start = req.num_computed_tokens  # already past this step's chunk
+            n = min(req.num_tokens - start, budget)
             if n <= 0:
                 continue
             budget -= n
@@ -223,15 +230,18 @@ class Scheduler:
     def _commit_chunk(
         self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
     ) -> None:
-        if req.num_computed_tokens < req.images_end:
+        start = req.num_computed_tokens
+        if start < req.images_end:
             self._commit_images(req, num_new, enc_ids, out)
         rid = req.request_id
         out.num_scheduled_tokens[rid] = num_new
+        out.chunk_ends[rid] = start + num_new
         block_ids = self.kv.block_ids(rid)
         if rid in self._on_worker:
             out.cached_requests.append(CachedRequestData(
-                rid, block_ids[self._sent_blocks[rid]:], req.num_computed_tokens))
+                rid, block_ids[self._sent_blocks[rid]:], start))
         else:
+            assert not req.num_placeholders, "a request is sent whole only with known tokens"
             self._on_worker.add(rid)
             out.new_requests.append(NewRequestData(
                 request_id=rid,
@@ -242,9 +252,12 @@ class Scheduler:
                 mrope_delta=req.mrope_delta,
                 sampling_params=req.sampling_params,
                 block_ids=list(block_ids),
-                num_computed_tokens=req.num_computed_tokens,
+                num_computed_tokens=start,
             ))
         self._sent_blocks[rid] = len(block_ids)
+        req.num_computed_tokens = start + num_new
+        if start + num_new == req.num_tokens:  # reaches the end: the step samples a token
+            req.num_placeholders += 1
 
     def _commit_images(
         self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
@@ -288,20 +301,22 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int]
     ) -> list[Request]:
-        """Advance progress by what ran, append sampled tokens, finish requests that hit a stop
-        token or a length limit. Returns the requests that got a new token."""
+        """After step `out` ran: release the images its chunks consumed, replace placeholders
+        with the sampled tokens, finish requests that hit a stop token or a length limit.
+        Returns the requests that got a new token."""
         updated = []
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid, end in out.chunk_ends.items():
             req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue
-            start = req.num_computed_tokens
-            req.num_computed_tokens = start + n
-            if start < req.images_end:  # past it, every image was released already
-                self._release_consumed_images(req)
+            if req is None:
+                continue  # finished or aborted since: its token, if any, is dropped
+            if req.status is RequestStatus.RUNNING and end - out.num_scheduled_tokens[rid] \
+                    < req.images_end:
+                self._release_consumed_images(req, end)
             token = sampled.get(rid)
             if token is None:
                 continue
+            # a request preempted after this step was scheduled still takes its token
+            req.num_placeholders -= 1
             req.output_token_ids.append(token)
             updated.append(req)
             status = self._check_stop(req, token)
@@ -309,12 +324,17 @@ class Scheduler:
                 self.finish_request(rid, status)
         return updated
 
-    def _release_consumed_images(self, req: Request) -> None:
-        done = req.num_computed_tokens
+    def _release_consumed_images(self, req: Request, done: int) -> None:
         needed = {img.mm_hash for img in req.images if img.offset + img.length > done}
         for img in req.images:
             if img.offset + img.length <= done and img.mm_hash not in needed:
                 self.encoder_cache.release(img.mm_hash, req.request_id)
+
+    def _length_done(self, req: Request) -> bool:
+        """The request reaches max_tokens or max_model_len once its tokens in flight land."""
+        n_out = len(req.output_token_ids) + req.num_placeholders
+        return (n_out >= req.sampling_params.max_tokens
+                or req.num_prompt_tokens + n_out >= self.max_model_len)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -322,7 +342,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -41,6 +41,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     # request id -> tokens to compute this step, in batch order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # request id -> position its chunk ends at (the scheduler's own bookkeeping)
+    chunk_ends: dict[str, int] = field(default_factory=dict)
     # request id -> indices of its images to run through the vision tower this step
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     # encoder outputs nobody needs any more (content hashes)

@@ -6,12 +6,14 @@ import gc
 import itertools
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from transformers import GenerationConfig
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler import Scheduler
+from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.errors import PromptTooLongError
@@ -23,6 +25,7 @@ from vlmserve.models.registry import resolve_model_class
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
@@ -89,6 +92,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.async_scheduling = sc.async_scheduling
+        # steps launched and not read back yet (at most one with async scheduling)
+        self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._last_log = time.monotonic()
@@ -144,17 +150,31 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # ---- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Returns an output for every request that got new tokens."""
+        """One engine step: schedule and launch it, then read back and report tokens. With
+        async scheduling the tokens read back are the previous step's: they were sampled
+        while the host scheduled and launched this one, so the device never waits for the
+        host. Returns an output for every request that got new tokens."""
         so = self.scheduler.schedule()
-        sampled = self.executor.execute_model(so)
-        updated = self.scheduler.update_from_output(so, sampled)
+        self._in_flight.append((so, self.executor.execute_model(so)))
         self.num_steps += 1
-        self.num_generated_tokens += len(sampled)
+        keep = 1 if self.async_scheduling and not so.is_empty else 0
+        outputs = []
+        while len(self._in_flight) > keep:
+            done, result = self._in_flight.popleft()
+            outputs.extend(self._process_step(done, result.get()))
+        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
+            self._log_stats()
+        return outputs
+
+    def _process_step(self, so: SchedulerOutput, sampled: dict[str, int]
+                      ) -> list[RequestOutput]:
+        updated = self.scheduler.update_from_output(so, sampled)
+        self.num_generated_tokens += len(updated)
         outputs = []
         for req in updated:
             if self.output_processor.update(req):
@@ -164,8 +184,6 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(req))
             if req.status.finished:
                 self.output_processor.drop(req.request_id)
-        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
-            self._log_stats()
         return outputs
 
     def _log_stats(self) -> None:

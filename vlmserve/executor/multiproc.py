@@ -18,6 +18,7 @@ from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import init_tensor_parallel
 from vlmserve.distributed.tensor_parallel import check_divisible
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
+from vlmserve.worker.model_runner import StepResult
 
 
 def _free_port() -> int:
@@ -33,8 +34,12 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
     tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device))
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
+    previous = None
     while (so := tp.broadcast_object()) is not None:
-        executor.execute_model(so)
+        result = executor.execute_model(so)
+        if previous is not None:  # read back one step late, like rank 0 with async scheduling
+            previous.get()
+        previous = result
     dist.destroy_process_group()
 
 
@@ -62,7 +67,7 @@ class MultiprocExecutor:
             setattr(self, name, getattr(self.local, name))
         self._closed = False
 
-    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
+    def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.tp.broadcast_object(so)
         return self.local.execute_model(so)
 

@@ -14,7 +14,7 @@ from vlmserve.layers.attention import get_paged_attention_backend, paged_attenti
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import load_model
-from vlmserve.worker.model_runner import ModelRunner
+from vlmserve.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class UniprocExecutor:
             return max(min(int(budget // block_bytes), most), 1)
         return min(sc.max_num_seqs * -(-max_model_len // cc.block_size), 8192)
 
-    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
+    def execute_model(self, so: SchedulerOutput) -> StepResult:
         return self.runner.execute_model(so)
 
     def shutdown(self) -> None:

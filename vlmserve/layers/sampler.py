@@ -11,9 +11,10 @@ def sample(
     logits: torch.Tensor,  # [N, vocab] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row. Greedy rows take the argmax; the others sample from the filtered,
-    temperature-scaled distribution with their own generator (None: the global RNG)."""
+) -> torch.Tensor:
+    """One token per row: int64 [N] on the logits' device, without a host sync. Greedy rows
+    take the argmax; the others sample from the filtered, temperature-scaled distribution
+    with their own generator (None: the global RNG)."""
     out = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     for i in sampled_rows:
@@ -31,4 +32,4 @@ def sample(
             row[order[drop]] = float("-inf")
         probs = row.softmax(-1)
         out[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
-    return out.tolist()
+    return out

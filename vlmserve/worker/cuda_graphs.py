@@ -28,25 +28,31 @@ class DecodeGraphs:
     """Captured decode steps (embedding, decoder, lm_head) over persistent device inputs.
 
     Inputs travel in two host-to-device copies per step from pinned staging buffers: an int64
-    block [ids | positions | slots] and an int32 block [seq_lens | block table rows]. Block
+    block [ids | positions | slots | sampled rows] and an int32 block [seq_lens | block table
+    rows]. A request whose input token was sampled by the previous step and not read back yet
+    (async scheduling) names its row of the runner's `sampled` buffer instead of an id; the
+    graph picks it up on the device. Block
     table rows are rewritten on the host only when a row changes owner or its request gains
     blocks, so a step's host work is a few numpy stores per request.
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], max_batch: int, max_blocks: int,
-                 block_size: int, scratch_block: int, device: torch.device) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], sampled: torch.Tensor,
+                 max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
+                 device: torch.device) -> None:
         self.model = model
+        self.sampled = sampled
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         n = self.n = self.sizes[-1]
-        self.host64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self.host64 = torch.zeros(4, n, dtype=torch.int64).pin_memory()
         self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32
                                  ).pin_memory()
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.np_table = self.np32[n:].reshape(n, max_blocks)
         self.np64[2] = scratch_block * block_size  # padding rows write to the scratch block
+        self.np64[3] = -1
         self.np32[:n] = 1
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
@@ -82,8 +88,11 @@ class DecodeGraphs:
         if self.model.uses_mrope:  # decode tokens have three equal positions
             positions = positions.expand(3, bs)
 
+        src = self.dev64[3, :bs]
+
         def fn():
-            embeds = self.model.embed_tokens(self.dev64[0, :bs])
+            ids = torch.where(src >= 0, self.sampled[src.clamp(min=0)], self.dev64[0, :bs])
+            embeds = self.model.embed_tokens(ids)
             hidden = self.model(embeds, positions, kv_caches, meta)
             return self.model.compute_logits(hidden)
 
@@ -101,7 +110,10 @@ class DecodeGraphs:
         np64, np32, table = self.np64, self.np32, self.np_table
         for i, st in enumerate(states):
             p = st.num_computed_tokens
-            np64[0, i] = st.token_ids[p]
+            if p < len(st.token_ids):
+                np64[0, i], np64[3, i] = st.token_ids[p], -1
+            else:  # sampled by the previous step, still in flight
+                np64[3, i] = st.sample_row
             np64[1, i] = p + st.mrope_delta
             np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
             np32[i] = p + 1
@@ -113,7 +125,7 @@ class DecodeGraphs:
             if self.row_owner[i] is not None:
                 table[i, :self.row_blocks[i]] = self.scratch_block
                 self.row_owner[i], self.row_blocks[i] = None, 0
-            np64[:, i] = (0, 0, self.scratch_block * bsz)
+            np64[:, i] = (0, 0, self.scratch_block * bsz, -1)
             np32[i] = 1
         self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
         n32 = self.n + bs * mb

@@ -2,6 +2,11 @@
 
 The runner keeps a copy of each running request's state (tokens, images, blocks); the
 scheduler sends full data for new requests and deltas afterwards.
+
+`execute_model` returns as soon as the step is queued on the device: its sampled tokens
+stay in a device buffer (`sampled`) and are copied to the host asynchronously, and
+`StepResult.get()` waits for them. A step scheduled before the previous step's tokens were
+read back (async scheduling) takes those tokens straight from `sampled` on the device.
 """
 
 from __future__ import annotations
@@ -20,9 +25,35 @@ from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
 @dataclass
 class CachedRequestState(NewRequestData):
-    """The worker's copy of a running request; `token_ids` grows as tokens are sampled."""
+    """The worker's copy of a running request; `token_ids` grows as sampled tokens are read
+    back. `in_flight` tokens are sampled but not read back yet; the newest sampled token is
+    row `sample_row` of the runner's `sampled` buffer."""
 
     generator: torch.Generator | None = None
+    in_flight: int = 0
+    sample_row: int = -1
+
+
+class StepResult:
+    """The tokens one step sampled: `get()` waits for them once, appends them to the request
+    states still alive, and returns {request id: token}."""
+
+    def __init__(self, runner: ModelRunner | None = None, states=(), host=None,
+                 event=None) -> None:
+        self._runner, self._states, self._host, self._event = runner, list(states), host, event
+        self._tokens: dict[str, int] | None = None if self._states else {}
+
+    def get(self) -> dict[str, int]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._host.tolist()
+            for st, tok in zip(self._states, tokens):
+                st.in_flight -= 1
+                if self._runner.requests.get(st.request_id) is st:
+                    st.token_ids.append(tok)
+            self._tokens = {st.request_id: tok for st, tok in zip(self._states, tokens)}
+        return self._tokens
 
 
 class ModelRunner:
@@ -43,13 +74,22 @@ class ModelRunner:
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens)
         self.encoder = EncoderRunner(model, device, self.store)
+        # the last step's sampled tokens on the device, and two host buffers for reading
+        # them back (one per step in flight)
+        rows = max(max_num_batched_tokens, 1)
+        self.sampled = torch.zeros(rows, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+                             for _ in range(2)]
+        self._num_results = 0
         self.requests: dict[str, CachedRequestState] = {}
         self._paused_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         if cuda_graph_max_batch > 0:
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(model, self.kv_caches, cuda_graph_max_batch,
+                self.graphs = DecodeGraphs(model, self.kv_caches, self.sampled,
+                                           cuda_graph_max_batch,
                                            -(-max_model_len // block_size), block_size,
                                            num_blocks, device)
 
@@ -80,9 +120,9 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> dict[str, int]:
-        """Run the step; returns the token sampled for each request whose chunk reached the
-        end of its known tokens."""
+    def execute_model(self, so: SchedulerOutput) -> StepResult:
+        """Queue the step; its result holds the token sampled for each request whose chunk
+        reached the end of its tokens."""
         self._update_states(so)
         self.store.begin_step()
         self.encoder.run([self.requests[rid].images[i]
@@ -93,9 +133,9 @@ class ModelRunner:
         finally:
             self.store.end_step()
 
-    def _run_lm(self, so: SchedulerOutput) -> dict[str, int]:
+    def _run_lm(self, so: SchedulerOutput) -> StepResult:
         if so.is_empty:
-            return {}
+            return StepResult()
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         query_lens = list(so.num_scheduled_tokens.values())
         if (self.graphs is not None and len(states) <= self.graphs.max_batch()
@@ -107,13 +147,23 @@ class ModelRunner:
         else:
             hidden, to_sample = self._forward_eager(states, query_lens)
             if not to_sample:
-                return {}
+                return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         tokens = sample(logits, [st.sampling_params for st in to_sample],
                         [st.generator for st in to_sample])
-        for st, tok in zip(to_sample, tokens):
-            st.token_ids.append(tok)
-        return {st.request_id: tok for st, tok in zip(to_sample, tokens)}
+        n = len(to_sample)
+        self.sampled[:n].copy_(tokens)
+        host = self._host_tokens[self._num_results % 2][:n]
+        self._num_results += 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for i, st in enumerate(to_sample):
+            st.in_flight += 1
+            st.sample_row = i
+        return StepResult(self, to_sample, host, event)
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
@@ -126,11 +176,17 @@ class ModelRunner:
         spans: list[tuple[str, int, int]] = []
         sample_index: list[int] = []
         to_sample = []
+        from_sampled: list[tuple[int, int]] = []  # (flat index, row of `sampled`)
         base = 0
         for st, n in zip(states, query_lens):
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
-            assert end <= len(st.token_ids)
+            known = len(st.token_ids)
+            assert end <= known + st.in_flight
             token_ids.extend(st.token_ids[start:end])
+            if end > known:  # a decode of the token the previous step sampled
+                assert st.in_flight and start == known
+                from_sampled.append((base, st.sample_row))
+                token_ids.append(0)
             if self.model.uses_mrope and start < st.num_prompt_tokens:
                 prompt_spans.append(
                     (base, st.mrope_positions[:, start:min(end, st.num_prompt_tokens)]))
@@ -143,11 +199,14 @@ class ModelRunner:
                     spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
                     dest_rows.extend(range(base + lo - start, base + hi - start))
             base += n
-            if end == len(st.token_ids):
+            if end == known + st.in_flight:
                 sample_index.append(base - 1)
                 to_sample.append(st)
 
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if from_sampled:
+            flat, rows = torch.tensor(from_sampled, dtype=torch.int64).t()
+            ids[flat.to(self.device)] = self.sampled[rows.to(self.device)]
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         rows = self.store.gather(spans)  # [len(dest_rows), hidden]
         if rows is not None:
