@@ -6,7 +6,7 @@
 #   quick   : fused ops, CUDA graphs and vision kernel tests only
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
 #   vision  : the same with the Triton varlen kernel in the vision tower
-#   final   : CUDA graph tests, 2B and 7B decode, W1 ours only (one short call)
+#   final   : CUDA graph tests, 2B and 7B decode (one short call)
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
@@ -43,15 +43,12 @@ vision)
     --decode-batches 1 --vision-attention-backend triton --profile \
     --out "$OUT/speed_2b_vtriton.json" ;;
 final)
-  step graphs 70 python -m pytest -q -p no:cacheprovider -o addopts="" \
+  step graphs 60 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_cuda_graphs.py
-  step speed_2b_decode 80 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64 \
-    --decode-only --profile --out "$OUT/speed_2b_decode.json"
-  step w1_ours 80 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
-    --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
-    --max-num-seqs 256 --out "$OUT/w1_ours.json"
-  step speed_7b 90 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
-    --decode-only --profile --out "$OUT/speed_7b.json" ;;
+  step speed_2b_decode 70 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64 \
+    --decode-only --out "$OUT/speed_2b_decode.json"
+  step speed_7b 80 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
+    --decode-only --out "$OUT/speed_7b.json" ;;
 speed7b)
   step speed_7b 200 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --profile --out "$OUT/speed_7b.json" ;;
