@@ -94,6 +94,7 @@ class LLM:
                         bar.update(1)
         except BaseException:
             engine.abort_request(list(pending))
+            engine.drain()
             raise
         finally:
             bar.close()

@@ -163,12 +163,21 @@ class LLMEngine:
         self._in_flight.append((so, self.executor.execute_model(so)))
         self.num_steps += 1
         keep = 1 if self.async_scheduling and not so.is_empty else 0
+        outputs = self._read_back(keep)
+        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
+            self._log_stats()
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Read back every step still in flight (after aborts, nothing else is running)."""
+        return self._read_back(0)
+
+    def _read_back(self, keep: int) -> list[RequestOutput]:
+        """Process launched steps, oldest first, until `keep` are left in flight."""
         outputs = []
         while len(self._in_flight) > keep:
             done, result = self._in_flight.popleft()
             outputs.extend(self._process_step(done, result.get()))
-        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
-            self._log_stats()
         return outputs
 
     def _process_step(self, so: SchedulerOutput, sampled: dict[str, int]
