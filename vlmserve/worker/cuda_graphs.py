@@ -24,6 +24,50 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s <= max_batch] or [1]
 
 
+class _Staging:
+    """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows]
+    and int32 [seq_lens | block table rows], with the owner of each table row."""
+
+    def __init__(self, n: int, max_blocks: int, block_size: int, scratch_block: int) -> None:
+        pin = torch.cuda.is_available()
+        self.n, self.block_size, self.scratch_block = n, block_size, scratch_block
+        self.host64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32,
+                                 pin_memory=pin)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.table = self.np32[n:].reshape(n, max_blocks)
+        self.np64[2] = scratch_block * block_size  # padding rows write to the scratch block
+        self.np64[3] = -1
+        self.np32[:n] = 1
+        self.row_owner: list[object] = [None] * n  # request state whose blocks fill the row
+        self.row_blocks = [0] * n  # how many of its blocks are written
+
+    def fill(self, states, bs: int) -> None:
+        """Rows 0..len(states)-1 for the decode states, padding rows up to `bs`."""
+        bsz, scratch = self.block_size, self.scratch_block
+        np64, np32, table = self.np64, self.np32, self.table
+        owner, blocks = self.row_owner, self.row_blocks
+        for i, st in enumerate(states):
+            p = st.num_computed_tokens
+            if p < len(st.token_ids):
+                np64[0, i], np64[3, i] = st.token_ids[p], -1
+            else:  # sampled by the previous step, still in flight
+                np64[3, i] = st.sample_row
+            np64[1, i] = p + st.mrope_delta
+            np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
+            np32[i] = p + 1
+            have = blocks[i] if owner[i] is st else 0
+            if have < len(st.block_ids):
+                table[i, have:len(st.block_ids)] = st.block_ids[have:]
+                owner[i], blocks[i] = st, len(st.block_ids)
+        for i in range(len(states), bs):  # padding: harmless tokens writing to the scratch block
+            if owner[i] is not None:
+                table[i, :blocks[i]] = scratch
+                owner[i], blocks[i] = None, 0
+            np64[:, i] = (0, 0, scratch * bsz, -1)
+            np32[i] = 1
+
+
 class DecodeGraphs:
     """Captured decode steps (embedding, decoder, lm_head) over persistent device inputs.
 
@@ -31,9 +75,10 @@ class DecodeGraphs:
     block [ids | positions | slots | sampled rows] and an int32 block [seq_lens | block table
     rows]. A request whose input token was sampled by the previous step and not read back yet
     (async scheduling) names its row of the runner's `sampled` buffer instead of an id; the
-    graph picks it up on the device. Block
-    table rows are rewritten on the host only when a row changes owner or its request gains
-    blocks, so a step's host work is a few numpy stores per request.
+    graph picks it up on the device. Block table rows are rewritten on the host only when a
+    row changes owner or its request gains blocks, so a step's host work is a few numpy stores
+    per request. Two staging sets alternate: with async scheduling the host fills step N+1's
+    while step N's copy may still be queued (step N-1, which used the other set, is done).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], sampled: torch.Tensor,
@@ -46,19 +91,11 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         n = self.n = self.sizes[-1]
-        self.host64 = torch.zeros(4, n, dtype=torch.int64).pin_memory()
-        self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32
-                                 ).pin_memory()
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.np_table = self.np32[n:].reshape(n, max_blocks)
-        self.np64[2] = scratch_block * block_size  # padding rows write to the scratch block
-        self.np64[3] = -1
-        self.np32[:n] = 1
-        self.dev64 = self.host64.to(device)
-        self.dev32 = self.host32.to(device)
+        self.staging = [_Staging(n, max_blocks, block_size, scratch_block) for _ in range(2)]
+        self.num_runs = 0
+        self.dev64 = self.staging[0].host64.to(device)
+        self.dev32 = self.staging[0].host32.to(device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.row_owner: list[object] = [None] * n  # request state whose blocks fill the row
-        self.row_blocks = [0] * n  # how many of its blocks are written
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
@@ -106,30 +143,12 @@ class DecodeGraphs:
         [B, vocab] (a graph output view, valid until the next replay)."""
         B = len(states)
         bs = next(s for s in self.sizes if s >= B)
-        bsz, mb = self.block_size, self.max_blocks
-        np64, np32, table = self.np64, self.np32, self.np_table
-        for i, st in enumerate(states):
-            p = st.num_computed_tokens
-            if p < len(st.token_ids):
-                np64[0, i], np64[3, i] = st.token_ids[p], -1
-            else:  # sampled by the previous step, still in flight
-                np64[3, i] = st.sample_row
-            np64[1, i] = p + st.mrope_delta
-            np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
-            np32[i] = p + 1
-            have = self.row_blocks[i] if self.row_owner[i] is st else 0
-            if have < len(st.block_ids):
-                table[i, have:len(st.block_ids)] = st.block_ids[have:]
-                self.row_owner[i], self.row_blocks[i] = st, len(st.block_ids)
-        for i in range(B, bs):  # padding rows: harmless tokens writing to the scratch block
-            if self.row_owner[i] is not None:
-                table[i, :self.row_blocks[i]] = self.scratch_block
-                self.row_owner[i], self.row_blocks[i] = None, 0
-            np64[:, i] = (0, 0, self.scratch_block * bsz, -1)
-            np32[i] = 1
-        self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
-        n32 = self.n + bs * mb
-        self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
+        stage = self.staging[self.num_runs % 2]
+        self.num_runs += 1
+        stage.fill(states, bs)
+        self.dev64[:, :bs].copy_(stage.host64[:, :bs], non_blocking=True)
+        n32 = self.n + bs * self.max_blocks
+        self.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:B]
