@@ -100,39 +100,51 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin, HEADS: tl.constexpr, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr):
+    """Rotate-half in place on `num_heads` heads at `base` ([HEADS, HALF_PAD] tile); returns
+    the rotated halves (in the tensor's dtype) and the tile mask."""
+    h = tl.arange(0, HEADS)
+    d = tl.arange(0, HALF_PAD)
+    ok = (h[:, None] < num_heads) & (d[None, :] < HALF)
+    ptr = base + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    dtype = base.dtype.element_ty
+    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
+    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+    tl.store(ptr, y1, mask=ok)
+    tl.store(ptr + HALF, y2, mask=ok)
+    return y1, y2, ok
+
+
+@triton.jit
 def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                          plane, num_q_heads, num_kv_heads, WRITE_CACHE: tl.constexpr,
-                         HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One program per (token, head) over q heads then k heads: rotate-half in place; a k
-    program also writes its rotated key and the matching value to the token's cache slot."""
+                         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                         HALF_PAD: tl.constexpr):
+    """One program per token, all its q and k heads: rotate-half in place; with WRITE_CACHE
+    the rotated keys and the values also go to the token's cache slot."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    is_q = h < num_q_heads
-    kh = h - num_q_heads
-    if is_q:
-        base = q_ptr + t * stride_qt + h * stride_qh
-    else:
-        base = k_ptr + t * stride_kt + kh * stride_kh
     d = tl.arange(0, HALF_PAD)
-    ok = d < HALF
-    dtype = q_ptr.dtype.element_ty
-    x1 = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + d, mask=ok, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + t * stride_c + d, mask=ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_c + d, mask=ok, other=0.0).to(tl.float32)
-    y1 = (x1 * cos - x2 * sin).to(dtype)
-    y2 = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(base + d, y1, mask=ok)
-    tl.store(base + HALF + d, y2, mask=ok)
-    if WRITE_CACHE and not is_q:  # cache [2, slots, kv_heads, 2 * HALF]; plane = K's size
-        dst = cache_ptr + (tl.load(slot_ptr + t) * num_kv_heads + kh) * (2 * HALF)
-        tl.store(dst + d, y1.to(cache_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF + d, y2.to(cache_ptr.dtype.element_ty), mask=ok)
-        src = v_ptr + t * stride_vt + kh * stride_vh
+    cos = tl.load(cos_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, Q_HEADS, HALF,
+                  HALF_PAD)
+    k1, k2, ok = _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin,
+                               KV_HEADS, HALF, HALF_PAD)
+    if WRITE_CACHE:  # cache [2, slots, kv_heads, 2 * HALF]; plane = K's size
+        h = tl.arange(0, KV_HEADS)
+        dst = (cache_ptr + (tl.load(slot_ptr + t) * num_kv_heads + h[:, None]) * (2 * HALF)
+               + d[None, :])
+        ty = cache_ptr.dtype.element_ty
+        tl.store(dst, k1.to(ty), mask=ok)
+        tl.store(dst + HALF, k2.to(ty), mask=ok)
+        src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         for part in tl.static_range(2):
-            val = tl.load(src + part * HALF + d, mask=ok, other=0.0)
-            tl.store(dst + plane + part * HALF + d, val.to(cache_ptr.dtype.element_ty), mask=ok)
+            val = tl.load(src + part * HALF, mask=ok, other=0.0)
+            tl.store(dst + plane + part * HALF, val.to(ty), mask=ok)
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -166,12 +178,15 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
         return
     cache = v is not None
     half = D // 2
-    _rotary_cache_kernel[(T, H + k.shape[1])](
+    half_pad = triton.next_power_of_2(half)
+    q_heads = triton.next_power_of_2(H)
+    _rotary_cache_kernel[(T,)](
         q, k, v if cache else k, cos, sin, kv_cache if cache else q,
         slots if cache else cos, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0) if cache else 0, v.stride(1) if cache else 0, cos.stride(0),
-        kv_cache[0].numel() if cache else 0, H, k.shape[1],
-        WRITE_CACHE=cache, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1)
+        kv_cache[0].numel() if cache else 0, H, k.shape[1], WRITE_CACHE=cache,
+        Q_HEADS=q_heads, KV_HEADS=triton.next_power_of_2(k.shape[1]), HALF=half,
+        HALF_PAD=half_pad, num_warps=min(max(q_heads * half_pad // 256, 1), 8))
 
 
 __all__ = ["add_rms_norm", "quick_gelu", "rms_norm", "rotary_qk", "rotary_qk_cache",
