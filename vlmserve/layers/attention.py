@@ -148,18 +148,22 @@ def paged_attention_reference(
     return out
 
 
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels can run here: a CUDA device and an importable triton."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def get_paged_attention_backend(name: str, device: torch.device):
     """`torch` (reference, any device), `triton` (CUDA), or `auto`: triton on CUDA when
     importable."""
     if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import triton  # noqa: F401
-
-                name = "triton"
-            except ImportError:
-                pass
+        name = "triton" if triton_available(device) else "torch"
     if name == "torch":
         return paged_attention_reference
     if name == "triton":

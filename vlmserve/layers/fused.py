@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlmserve.layers.attention import write_kv
+from vlmserve.layers.attention import triton_available, write_kv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,14 +101,7 @@ class FusedOps:
     def for_device(cls, kind: str, device: torch.device) -> FusedOps:
         """`auto`: Triton kernels on CUDA when triton imports, eager elsewhere."""
         if kind == "auto":
-            kind = "eager"
-            if device.type == "cuda":
-                try:
-                    import triton  # noqa: F401
-
-                    kind = "triton"
-                except ImportError:
-                    pass
+            kind = "triton" if triton_available(device) else "eager"
         if kind == "triton" and device.type != "cuda":
             raise ValueError("the triton fused ops need a CUDA device")
         return cls(kind)
