@@ -13,6 +13,7 @@ import json
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.attention_kernels import measure_roofline
@@ -261,15 +262,19 @@ def main(args: argparse.Namespace | None = None) -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
 
-    for b in [int(x) for x in args.decode_batches.split(",")]:
-        report("decode", decode_step(llm, 512, ceilings, batch=b, profile=args.profile))
+    sizes = [int(x) for x in args.image_sizes.split(",")]
+    cases = [("decode", lambda b=b: decode_step(llm, 512, ceilings, batch=b,
+                                                 profile=args.profile))
+             for b in [int(x) for x in args.decode_batches.split(",")]]
     if not args.decode_only:
-        report("vision_16x896", vision_batch(llm, ceilings, profile=args.profile))
-        report("prefill_8192", prefill_chunk(llm, ceilings, min(8192,
-                                                                args.max_num_batched_tokens)))
-        report("prefill_vision", prefill_vision(
-            llm, ceilings, args.num_requests, [int(x) for x in args.image_sizes.split(",")]))
-
+        cases += [
+            ("vision_16x896", lambda: vision_batch(llm, ceilings, profile=args.profile)),
+            ("prefill_8192", lambda: prefill_chunk(llm, ceilings,
+                                                   min(8192, args.max_num_batched_tokens))),
+            ("prefill_vision", lambda: prefill_vision(llm, ceilings, args.num_requests, sizes)),
+        ]
+    for key, run in tqdm(cases, desc="Cases", unit="case"):
+        report(key, run())
 
 if __name__ == "__main__":
     main()
