@@ -18,8 +18,9 @@ def test_rows_ids_or_in_flight_rows_positions_slots_and_padding():
     a = state([5, 6, 7, 8, 9], computed=4, blocks=[3, 11], delta=-2)  # token known: id 9
     b = state([1, 2, 3], computed=3, blocks=[7], in_flight=1, row=2)  # token in flight
     stage.fill([a, b], bs=4)
-    assert stage.np64[:, :4].tolist() == [
-        [9, stage.np64[0, 1], 0, 0],  # ids (b's is unused)
+    assert stage.np64[0, 0] == 9  # a's id (b's slot of the id row is not read)
+    assert stage.np64[0, 2:4].tolist() == [0, 0]
+    assert stage.np64[1:, :4].tolist() == [
         [4 - 2, 3, 0, 0],  # positions (+ mRoPE delta)
         [11 * BS + 0, 7 * BS + 3, SCRATCH * BS, SCRATCH * BS],  # KV slots
         [-1, 2, -1, -1],  # rows of the sampled buffer

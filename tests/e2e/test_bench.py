@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vlmserve.entrypoints.cli import main
 
 
@@ -28,3 +30,17 @@ def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):
     assert data["summary"]["greedy_outputs_identical"]
     assert not off["offload"] and on["offload"]
     assert on["prefetch_hit_rows"] > 0 and on["embedding_host_mib_at_end"] > 0
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])  # tied, untied
+def test_kernels_bench_counts_the_weights_a_decode_step_reads(vlmserve_cache, model):
+    """The decode floor and prefill FLOPs count layers + lm_head, never the embedding table
+    (read one row per token) unless it is lm_head itself."""
+    from vlmserve import LLM
+    from vlmserve.benchmarks.kernels import lm_weights
+
+    m = LLM(model, dtype="float32", device="cpu").engine.executor.runner.model
+    lm = m.language_model
+    body = sum(p.numel() for layer in lm.layers for p in layer.parameters())
+    assert lm_weights(m) == (body + lm.norm.weight.numel(), m.lm_head.weight.numel())
+    assert m.tie_word_embeddings == (model == "tiny-qwen2-vl")

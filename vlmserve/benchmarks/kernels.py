@@ -20,8 +20,15 @@ from vlmserve.benchmarks.attention_kernels import measure_roofline
 from vlmserve.benchmarks.datasets import random_mm
 
 
-def _lm_params(model) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("visual."))
+def lm_weights(model) -> tuple[int, int]:
+    """(parameters of the language model's layers and final norm, parameters of lm_head).
+    The token embedding is neither: a step reads one row of it per token, unless it is tied
+    to lm_head (then it counts once, as lm_head)."""
+    named = dict(model.named_parameters())  # a tied weight appears once
+    total = sum(p.numel() for n, p in named.items() if not n.startswith("visual."))
+    head = model.lm_head.weight.numel()
+    embed = model.language_model.embed_tokens.weight.numel()
+    return total - embed - (0 if model.tie_word_embeddings else head), head
 
 
 def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128,
@@ -50,7 +57,7 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
     runner = llm.engine.executor.runner
     model = runner.model
     itemsize = llm.engine.executor.dtype.itemsize
-    weight_bytes = _lm_params(model) * itemsize
+    weight_bytes = sum(lm_weights(model)) * itemsize  # every layer, and lm_head
     cache = runner.kv_caches[0]
     kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
     kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
@@ -128,10 +135,12 @@ def _vision_flops(vcfg, grid) -> float:
 
 
 def _prompt_flops(model, cfg, processed) -> float:
-    """LM FLOPs of a prompt (linears + causal attention) plus its images' vision FLOPs."""
+    """LM FLOPs of a prompt (layers' linears and causal attention for every token, lm_head for
+    the last one, which alone is sampled) plus its images' vision FLOPs."""
     tcfg = getattr(cfg, "text_config", cfg)
     n = len(processed.prompt_token_ids)
-    lm = 2 * _lm_params(model) * n + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size
+    body, head = lm_weights(model)
+    lm = 2 * body * n + 2 * head + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size
     return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
 
 

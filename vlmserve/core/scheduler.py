@@ -119,7 +119,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed_tokens
-            if req.num_placeholders and self._length_done(req):
+            if req.num_placeholders and self._length_done(
+                    req, len(req.output_token_ids) + req.num_placeholders):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             if start >= req.images_end and start + 1 == req.num_tokens:
@@ -330,9 +331,8 @@ class Scheduler:
             if img.offset + img.length <= done and img.mm_hash not in needed:
                 self.encoder_cache.release(img.mm_hash, req.request_id)
 
-    def _length_done(self, req: Request) -> bool:
-        """The request reaches max_tokens or max_model_len once its tokens in flight land."""
-        n_out = len(req.output_token_ids) + req.num_placeholders
+    def _length_done(self, req: Request, n_out: int) -> bool:
+        """`n_out` output tokens reach max_tokens or max_model_len."""
         return (n_out >= req.sampling_params.max_tokens
                 or req.num_prompt_tokens + n_out >= self.max_model_len)
 
@@ -342,8 +342,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
+        if self._length_done(req, len(req.output_token_ids)):
             return RequestStatus.FINISHED_LENGTH
         return None
 

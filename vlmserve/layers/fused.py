@@ -82,13 +82,12 @@ class FusedOps:
         if kind not in FUSED_OPS_KINDS[1:]:
             raise ValueError(
                 f"unknown fused ops {kind!r}; choose from {', '.join(FUSED_OPS_KINDS)}")
-        self.kind = kind
         if kind == "triton":
             from vlmserve.layers import triton_ops as impl
         else:
             impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
-               "rotary_qk": rotary_qk, "rotary_qk_cache": rotary_qk_cache,
+               "rotary_qk_cache": rotary_qk_cache,
                "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu}
         for name, fn in fns.items():
             if impl is not None:
