@@ -49,6 +49,25 @@ def test_silu_mul(dtype, inter, tokens):
     torch.testing.assert_close(triton_ops.silu_mul(x), fused.silu_mul(x), **TOL[dtype])
 
 
+# (out, in, bias): 2B qkv / o / gate_up / down, a 7B width (GEMV K tile 2048), odd sizes
+LINEAR_SHAPES = ([(2048, 1536, True), (1536, 1536, False), (17920, 1536, False),
+                  (1536, 8960, False), (4608, 3584, True), (100, 37, True)] if ON_GPU
+                 else [(48, 96, True), (37, 600, False), (5, 3000, True)])
+
+
+@DTYPES
+@pytest.mark.parametrize("out_f,in_f,bias", LINEAR_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_linear(dtype, out_f, in_f, bias, tokens):
+    """One token takes the GEMV, more fall back to F.linear; both match F.linear."""
+    x = _randn(tokens, in_f, dtype=dtype, seed=1)
+    w = _randn(out_f, in_f, dtype=dtype, seed=2) * in_f**-0.5
+    b = _randn(out_f, dtype=dtype, seed=3) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(triton_ops.linear(x, w, b).float(), ref, **TOL[dtype])
+    torch.testing.assert_close(triton_ops.linear(x[0], w, b).float(), ref[0], **TOL[dtype])
+
+
 @DTYPES
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (16, 16, 80), (4, 1, 64)])
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -6,10 +6,10 @@ every rank computes the same logits and samples the same tokens."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.distributed.parallel_state import TensorParallel
+from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import MergedLinear
 
 
@@ -20,9 +20,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.tp = tp
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(self.ops.linear(x, self.weight))
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:

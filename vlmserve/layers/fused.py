@@ -6,7 +6,8 @@ rotary, SiLU-and-mul), about 40 per layer in eager PyTorch. `FusedOps("triton")`
 one hand-written Triton kernel per piece (`layers/triton_ops.py`, the default on CUDA);
 `FusedOps("compile")` wraps these same functions in `torch.compile` instead. The CUDA graphs
 of decode capture either. The eager versions compute exactly what transformers computes
-(float32 norm, cast, then weight).
+(float32 norm, cast, then weight). `linear` is here too: on CUDA a one-token projection runs
+a Triton GEMV, which streams the weight faster than the library GEMM at that shape.
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ class FusedOps:
             impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
                "rotary_qk_cache": rotary_qk_cache,
-               "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu}
+               "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu,
+               "linear": F.linear}
         for name, fn in fns.items():
             if impl is not None:
                 fn = getattr(impl, name)
-            elif kind == "compile":
+            elif kind == "compile" and fn is not F.linear:
                 fn = torch.compile(fn, dynamic=True, fullgraph=True)
             setattr(self, name, fn)
 

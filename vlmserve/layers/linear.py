@@ -1,10 +1,24 @@
-"""Linear layers whose weight is several checkpoint tensors stacked along the output dim."""
+"""Linear layers of the language model: computed through the model's fused ops (a GEMV for
+one token on CUDA), optionally several checkpoint tensors stacked along the output dim."""
 
 import torch
 from torch import nn
 
+from vlmserve.layers.fused import EAGER_OPS
 
-class MergedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose product is `self.ops.linear` (set with the model's fused ops)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = EAGER_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections (q/k/v, gate/up). `load_shard(i, w)` copies the
     checkpoint's i-th projection into its rows."""
 

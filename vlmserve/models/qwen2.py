@@ -7,7 +7,7 @@ from torch import nn
 
 from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference
 from vlmserve.layers.fused import EAGER_OPS
-from vlmserve.layers.linear import MergedLinear
+from vlmserve.layers.linear import Linear, MergedLinear
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
 
@@ -18,7 +18,7 @@ class Qwen2Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.qkv_proj = MergedLinear(
             hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=True)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
@@ -37,7 +37,7 @@ class Qwen2MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

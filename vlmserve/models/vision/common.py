@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -204,23 +205,26 @@ def grid_list(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
 
 
-def merge_order_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
-    """Host ``[num_patches, 2]`` (row, col) of every patch, in spatial-merge block order."""
-    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)  # [I, 3]
-    if (grid[:, 1:] % merge).any():
-        raise ValueError(f"grid h and w must be multiples of spatial_merge_size={merge}: {grids}")
-    frame = grid[:, 1] * grid[:, 2]  # [I]
-    counts = grid[:, 0] * frame  # [I]
-    img = torch.repeat_interleave(torch.arange(len(grids)), counts)  # [N]
-    starts = F.pad(counts.cumsum(0)[:-1], (1, 0))  # [I]
-    within = (torch.arange(int(counts.sum())) - starts[img]) % frame[
-        img
-    ]  # [N] index inside the frame
-    blocks_w = grid[img, 2] // merge  # [N]
+@lru_cache(maxsize=256)
+def _grid_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
+    """Host ``[t*h*w, 2]`` (row, col) of one grid's patches in spatial-merge block order."""
+    if h % merge or w % merge:
+        raise ValueError(
+            f"grid h and w must be multiples of spatial_merge_size={merge}: {(t, h, w)}")
+    within = torch.arange(h * w)  # index inside the frame
     block, in_block = within // merge**2, within % merge**2
+    blocks_w = w // merge
     row = (block // blocks_w) * merge + in_block // merge
     col = (block % blocks_w) * merge + in_block % merge
-    return torch.stack([row, col], dim=-1)  # [N, 2]
+    return torch.stack([row, col], dim=-1).repeat(t, 1)
+
+
+def merge_order_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """Host ``[num_patches, 2]`` (row, col) of every patch, in spatial-merge block order
+    (computed once per grid shape: a step's images mostly share a few)."""
+    if not grids:
+        return torch.zeros(0, 2, dtype=torch.long)
+    return torch.cat([_grid_positions(t, h, w, merge) for t, h, w in grids])
 
 
 def frame_seqlens(grids: list[tuple[int, int, int]]) -> torch.Tensor:
