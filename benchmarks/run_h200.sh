@@ -43,7 +43,7 @@ vision)
     --decode-batches 1 --vision-attention-backend triton --profile \
     --out "$OUT/speed_2b_vtriton.json" ;;
 final)
-  step graphs 55 python -m pytest -q -p no:cacheprovider -o addopts="" \
+  step graphs 150 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_cuda_graphs.py
   step speed_2b_decode 60 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64 \
     --decode-only --out "$OUT/speed_2b_decode.json"

@@ -39,6 +39,13 @@ def test_norms(dtype, hidden, tokens):
     exact = ON_GPU or dtype == torch.float32
     torch.testing.assert_close(total, ref_total, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    b = 0.1 * _randn(hidden, dtype=dtype, seed=4)
+    torch.testing.assert_close(triton_ops.layer_norm(x, w, b, 1e-6),
+                               fused.layer_norm(x, w, b, 1e-6), **TOL[dtype])
+    out, total = triton_ops.add_layer_norm(x, r, w, b, 1e-6)
+    ref_out, ref_total = fused.add_layer_norm(x, r, w, b, 1e-6)
+    torch.testing.assert_close(total, ref_total, **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
 
 
 @DTYPES

@@ -1,5 +1,6 @@
 """The model against the hardware (CUDA): engine decode step time vs the memory-bandwidth floor
-(weight + KV bytes over the measured copy bandwidth), prefill chunk, vision-tower batch and the
+(weight + KV bytes over the measured copy bandwidth), one-token projections (our GEMV vs
+cuBLAS, weights cold), prefill chunk, vision-tower batch and the
 W1 prefill + vision workload vs the measured bf16 matrix rate.
 
     vlmserve bench kernels --model qwen2-vl-2b-random [--profile]
@@ -75,6 +76,52 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
     if host_profile:
         row["host_profile"] = host_profile
     return row
+
+
+def _graph_us(calls, reps: int = 20) -> float:
+    """Microseconds per call of `calls` captured in one CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return 1e3 * _time_cuda(graph.replay, iters=reps) / len(calls)
+
+
+def projections(llm, ceilings: dict) -> list[dict]:
+    """Each one-token projection shape of the language model, weights cold as in a decode
+    step (one copy per layer, replayed in a CUDA graph, more bytes than the L2 holds): our
+    GEMV (`ops.linear`, Triton) against cuBLAS (`F.linear`), microseconds and TB/s."""
+    import torch.nn.functional as F
+
+    from vlmserve.layers import triton_ops
+    from vlmserve.layers.linear import Linear
+
+    model = llm.engine.executor.runner.model
+    shapes = {}
+    for name, mod in model.language_model.named_modules():
+        if isinstance(mod, Linear):
+            shapes.setdefault((*mod.weight.shape, mod.bias is not None), name.split(".")[-1])
+    rows = []
+    for (n, k, has_bias), name in shapes.items():
+        dt, dev = model.lm_head.weight.dtype, model.lm_head.weight.device
+        copies = max(8, int(200e6 // (n * k * dt.itemsize)))  # > the 50 MB L2, 4x over
+        ws = [torch.randn(n, k, dtype=dt, device=dev) * k**-0.5 for _ in range(copies)]
+        b = torch.randn(n, dtype=dt, device=dev) if has_bias else None
+        x = torch.randn(1, k, dtype=dt, device=dev)
+        row = {"name": name, "out": n, "in": k, "copies": copies}
+        for impl, fn in (("cublas", F.linear), ("gemv", triton_ops.linear)):
+            us = _graph_us([lambda w=w, fn=fn: fn(x, w, b) for w in ws])
+            row[f"{impl}_us"] = us
+            row[f"{impl}_tbps"] = n * k * dt.itemsize / us / 1e6
+        rows.append(row)
+        del ws
+    return rows
 
 
 def _host_profile(engine, steps: int, top: int = 30) -> list[str]:
@@ -166,7 +213,11 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
                      prompt_len=50, output_len=1, seed=3)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)
+    # steady state: the same workload once untimed, other image content, so that per-shape
+    # library work (cuDNN attention plans, Triton specializations) is done before timing
+    warm = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
+                     prompt_len=50, output_len=1, seed=2)
+    llm.generate([r.prompt for r in warm], params, use_tqdm=False)
     model, cfg = llm.engine.executor.runner.model, llm.engine.hf_config
     t0 = time.perf_counter()
     processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
@@ -272,7 +323,8 @@ def main(args: argparse.Namespace | None = None) -> None:
                 json.dump(results, f, indent=2)
 
     sizes = [int(x) for x in args.image_sizes.split(",")]
-    cases = [("decode", lambda b=b: decode_step(llm, 512, ceilings, batch=b,
+    cases = [("projections", lambda: projections(llm, ceilings))]
+    cases += [("decode", lambda b=b: decode_step(llm, 512, ceilings, batch=b,
                                                  profile=args.profile))
              for b in [int(x) for x in args.decode_batches.split(",")]]
     if not args.decode_only:

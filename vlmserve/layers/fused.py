@@ -31,6 +31,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(s, weight, eps), s
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+               ) -> torch.Tensor:
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual)."""
+    s = x + residual
+    return layer_norm(s, weight, bias, eps), s
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -87,7 +99,8 @@ class FusedOps:
             from vlmserve.layers import triton_ops as impl
         else:
             impl = None
-        fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
+        fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "layer_norm": layer_norm,
+               "add_layer_norm": add_layer_norm, "silu_mul": silu_mul,
                "rotary_qk_cache": rotary_qk_cache,
                "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu,
                "linear": F.linear}

@@ -2,7 +2,7 @@
 
 Same contracts as the eager functions in `layers/fused.py` (which they replace through
 `FusedOps("triton")`): RMSNorm computed in float32, cast to the activation dtype, then scaled
-by the weight; the residual sum stored in the activation dtype; SiLU(gate) cast before the
+by the weight; LayerNorm in float32 throughout; the residual sum stored in the activation dtype; SiLU(gate) cast before the
 product with `up`; rotary applied in place to the q and k views of the fused QKV output.
 Rows are addressed through their strides, so views need no copies.
 """
@@ -16,8 +16,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
-                     stride_s, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
+                 stride_s, n_cols, eps, HAS_RESIDUAL: tl.constexpr, LAYER: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """RMSNorm (float32, cast, then weight) or LayerNorm (float32 throughout, as torch's),
+    of x or of x + residual (the sum also stored)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -27,17 +30,22 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r
                                         other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
     xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    y = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+    if LAYER:
+        xc = tl.where(ok, xf - tl.sum(xf, axis=0) / n_cols, 0.0)
+        inv = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+        y = xc * inv * w + tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        y = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
 
 
-def _norm(x, residual, weight, eps):
+def _norm(x, residual, weight, bias, eps):
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
@@ -45,20 +53,31 @@ def _norm(x, residual, weight, eps):
     r2 = _rows(residual) if residual is not None else x2
     if n_rows:
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_kernel[(n_rows,)](
-            x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
-            total.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        _norm_kernel[(n_rows,)](
+            x2, r2, weight, weight if bias is None else bias, out, total, x2.stride(0),
+            r2.stride(0), out.stride(0), total.stride(0), n_cols, eps,
+            HAS_RESIDUAL=residual is not None, LAYER=bias is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8))
     return out.view(x.shape), total.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm(x, None, weight, eps)[0]
+    return _norm(x, None, weight, None, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _norm(x, residual, weight, eps)
+    return _norm(x, residual, weight, None, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+               ) -> torch.Tensor:
+    return _norm(x, None, weight, bias, eps)[0]
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm(x, residual, weight, bias, eps)
 
 
 @triton.jit
@@ -237,5 +256,5 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
         HALF_PAD=half_pad, num_warps=min(max(q_heads * half_pad // 256, 1), 8))
 
 
-__all__ = ["add_rms_norm", "quick_gelu", "rms_norm", "rotary_qk", "rotary_qk_cache",
-           "rotary_qk_float32", "silu_mul"]
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",
+           "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]

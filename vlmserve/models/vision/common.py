@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.layers.fused import EAGER_OPS, quick_gelu
-from vlmserve.layers.norm import RMSNorm
+from vlmserve.layers.norm import LayerNorm, RMSNorm
 from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan, varlen_attention
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -155,7 +155,11 @@ class GatedVisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
+
+    Each residual add is folded into the norm after it: a block takes the previous block's
+    MLP output (``delta``) with the stream before it and returns its own pair; the tower adds
+    the last pair."""
 
     def __init__(
         self, dim: int, num_heads: int, mlp: nn.Module, norm: Callable[[int], nn.Module]
@@ -167,10 +171,13 @@ class VisionBlock(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], seg: AttnSegments
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rotary, seg)
-        return x + self.mlp(self.norm2(x))
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], seg: AttnSegments,
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream before it)``."""
+        h, x = (self.norm1(x), x) if delta is None else self.norm1(delta, x)
+        h, x = self.norm2(self.attn(h, rotary, seg), x)
+        return self.mlp(h), x
 
 
 class PatchMerger(nn.Module):
@@ -192,7 +199,7 @@ class PatchMerger(nn.Module):
 
 def layer_norm(dim: int) -> nn.Module:
     """LayerNorm with the Qwen vision eps."""
-    return nn.LayerNorm(dim, eps=1e-6)
+    return LayerNorm(dim, eps=1e-6)
 
 
 def rms_norm(dim: int) -> nn.Module:

@@ -120,7 +120,9 @@ class Qwen2_5_VisionTransformer(VisionTowerBase):
             0, patch_order
         )  # [N, C*T*P*P]
         x = self.patch_embed(x)  # [N, hidden], windowed order
+        delta = None
         for i, block in enumerate(self.blocks):
-            x = block(x, rotary, full_seg if i in self.fullatt_block_indexes else window_seg)
-        merged = self.merger(x)  # [N / merge^2, out_hidden], windowed order
+            seg = full_seg if i in self.fullatt_block_indexes else window_seg
+            delta, x = block(x, rotary, seg, delta)
+        merged = self.merger(x + delta)  # [N / merge^2, out_hidden], windowed order
         return torch.empty_like(merged).index_copy_(0, unit_order, merged)  # original order

@@ -68,6 +68,7 @@ class Qwen2VisionTransformer(VisionTowerBase):
         rotary = self.rotary(pos)  # 2 x [N, head_dim]
 
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))  # [N, embed]
+        delta = None
         for block in self.blocks:
-            x = block(x, rotary, seg)
-        return self.merger(x)  # [N / merge^2, out_hidden]
+            delta, x = block(x, rotary, seg, delta)
+        return self.merger(x + delta)  # [N / merge^2, out_hidden]
