@@ -116,7 +116,7 @@ def projections(llm, ceilings: dict) -> list[dict]:
         x = torch.randn(1, k, dtype=dt, device=dev)
         row = {"name": name, "out": n, "in": k, "copies": copies}
         for impl, fn in (("cublas", F.linear), ("gemv", triton_ops.linear)):
-            us = _graph_us([lambda w=w, fn=fn: fn(x, w, b) for w in ws])
+            us = _graph_us([lambda w=w, fn=fn, x=x, b=b: fn(x, w, b) for w in ws])
             row[f"{impl}_us"] = us
             row[f"{impl}_tbps"] = n * k * dt.itemsize / us / 1e6
         rows.append(row)
