@@ -240,7 +240,7 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
             "end_to_end_fraction_of_matmul_rate": flops / e2e_s / peak}
 
 
-def prefill_chunk(llm, ceilings: dict, tokens: int = 8192) -> dict:
+def prefill_chunk(llm, ceilings: dict, tokens: int = 8192, profile: bool = False) -> dict:
     """One text prompt of `tokens` tokens prefilled in one chunk (max_tokens=1)."""
     from vlmserve import SamplingParams
 
@@ -253,8 +253,12 @@ def prefill_chunk(llm, ceilings: dict, tokens: int = 8192) -> dict:
     req = engine.process_request({"prompt_token_ids": ids}, params)
     flops = _prompt_flops(engine.executor.runner.model, engine.hf_config, req)
     t = min(times)
-    return {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
-            "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
+    row = {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
+           "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
+    if profile:
+        row["kernels"] = _kernel_table(lambda: _run_processed(
+            llm, [engine.process_request({"prompt_token_ids": ids}, params)]))
+    return row
 
 
 def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
@@ -331,7 +335,8 @@ def main(args: argparse.Namespace | None = None) -> None:
         cases += [
             ("vision_16x896", lambda: vision_batch(llm, ceilings, profile=args.profile)),
             ("prefill_8192", lambda: prefill_chunk(llm, ceilings,
-                                                   min(8192, args.max_num_batched_tokens))),
+                                                   min(8192, args.max_num_batched_tokens),
+                                                   profile=args.profile)),
             ("prefill_vision", lambda: prefill_vision(llm, ceilings, args.num_requests, sizes)),
         ]
     for key, run in tqdm(cases, desc="Cases", unit="case"):
