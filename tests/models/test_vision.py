@@ -175,3 +175,38 @@ def test_empty_batch() -> None:
     _, ours = _pair("qwen2_5_vl")
     out = ours(torch.zeros(0, PATCH_DIM), torch.zeros(0, 3, dtype=torch.long))
     assert out.shape == (0, 64)
+
+
+@torch.no_grad()
+def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
+    """The runner encodes a step's distinct images in one forward, largest first with the
+    grid on the host; every image's stored rows equal that image encoded alone."""
+    from vlmserve.multimodal.inputs import ImageInput
+    from vlmserve.worker.encoder_runner import EncoderRunner
+    from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
+
+    _, ours = _pair("qwen2_vl")
+    seen = []
+
+    class Model:
+        def encode_images(self, pixels, grid):
+            seen.append(grid)
+            return ours(pixels, grid)
+
+    grids = {"a": [1, 4, 4], "b": [1, 8, 6], "c": [1, 16, 16], "d": [1, 6, 8]}
+    images = []
+    for i, (h, g) in enumerate(grids.items()):
+        pixels, grid = _inputs([g], seed=10 + i)
+        images.append(ImageInput(h, 0, int(grid.prod()) // 4, pixels, tuple(g)))
+    store = MMEmbeddingStore(torch.device("cpu"), 64, torch.float32)
+    runner = EncoderRunner(Model(), torch.device("cpu"), store)
+    runner.run(images + images[:1])  # an image due twice in one step is encoded once
+    assert runner.num_batches == 1 and runner.num_images == 4
+    (grid,) = seen
+    assert grid.device.type == "cpu"
+    assert grid.tolist() == [[1, 16, 16], [1, 8, 6], [1, 6, 8], [1, 4, 4]]
+    for img in images:
+        alone = ours(img.pixel_values, torch.tensor([img.grid_thw]))
+        _assert_close(store.gather([(img.mm_hash, 0, img.length)]), alone)
+    runner.run(images)  # all stored: nothing to encode
+    assert runner.num_batches == 1
