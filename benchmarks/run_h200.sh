@@ -7,6 +7,7 @@
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   final   : CUDA graph tests, 2B and 7B decode (one short call)
+#   all     : quick, then speed, 7B decode, W1 throughput, in one call (~8 minutes)
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
@@ -15,7 +16,7 @@
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name"
@@ -49,6 +50,11 @@ final)
     --decode-only --out "$OUT/speed_2b_decode.json"
   step speed_7b 80 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --out "$OUT/speed_7b.json" ;;
+all)
+  TAIL=3 bash "$0" quick speed
+  step speed_7b 100 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
+    --decode-only --out "$OUT/speed_7b.json"
+  TAIL=4 bash "$0" w1 ;;
 speed7b)
   step speed_7b 200 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --profile --out "$OUT/speed_7b.json" ;;
