@@ -33,9 +33,9 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and _pdl_device(t.device.index or 0)
 
 
-def pdl_args(t: torch.Tensor, gemv: bool = False) -> dict:
+def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a kernel with a `PDL` constexpr."""
-    pdl = pdl_enabled(t) and not (gemv and os.environ.get("VLMSERVE_PDL_GEMV", "1") == "0")
+    pdl = pdl_enabled(t)
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
@@ -167,7 +167,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else weight, y, N, weight.stride(0), K=K,
         HAS_BIAS=bias is not None, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk), num_warps=warps,
-        **pdl_args(x, gemv=True))
+        **pdl_args(x))
     return y
 
 
