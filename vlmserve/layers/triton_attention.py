@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from vlmserve.layers.attention import AttentionMetadata
-from vlmserve.layers.triton_ops import pdl_args, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # each flash-decoding split covers at least this many keys
@@ -134,10 +133,7 @@ def _paged_attn_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     SEARCH_ITERS: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
-    pdl_wait(PDL)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req, tile = _find_seq(
@@ -215,10 +211,8 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, num_tokens, num_heads, num_splits, stride_ot, stride_oh,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, PDL: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    pdl_start(PDL)
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -398,13 +392,12 @@ def paged_attention_triton(
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=D, D_PAD=d_pad, SEARCH_ITERS=search_iters, SPLIT_KV=splits > 1,
         DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
-        **pdl_args(q),
     )
     if splits > 1:
         _merge_splits_kernel[(T, H)](
             part_acc, part_ml, out, T, H, splits, out.stride(0), out.stride(1),
             SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=D,
-            D_PAD=d_pad, num_warps=4 if d_pad * splits >= 2048 else 2, **pdl_args(q),
+            D_PAD=d_pad, num_warps=4 if d_pad * splits >= 2048 else 2,
         )
     return out
 

@@ -10,67 +10,28 @@ copies. The one-token GEMV and programmatic dependent launch are documented wher
 
 from __future__ import annotations
 
-import os
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
-@cache
-def _pdl_device(index: int) -> bool:
-    return (torch.cuda.get_device_capability(index)[0] >= 9
-            and os.environ.get("VLMSERVE_PDL", "1") != "0")
-
-
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch for kernels on `t`'s device (Hopper and later; set
-    VLMSERVE_PDL=0 to turn it off): each decode-path kernel lets the next one launch at
-    once; the next waits (`pdl_wait`) before it reads what earlier kernels wrote, so only
-    launch latency and its weight loads overlap the kernel before it."""
-    return t.is_cuda and _pdl_device(t.device.index or 0)
-
-
-def pdl_args(t: torch.Tensor) -> dict:
-    """Launch arguments of a kernel with a `PDL` constexpr."""
-    pdl = pdl_enabled(t)
-    return {"PDL": pdl, "launch_pdl": pdl}
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """At a kernel's start: allow the next kernel to launch (it waits before reading)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Before the first read of data an earlier kernel wrote (and before any write)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
 @triton.jit
 def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
                  stride_s, n_cols, eps, HAS_RESIDUAL: tl.constexpr, LAYER: tl.constexpr,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK: tl.constexpr):
     """RMSNorm (float32, cast, then weight) or LayerNorm (float32 throughout, as torch's),
     of x or of x + residual (the sum also stored)."""
-    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok,
                                         other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
     xf = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if LAYER:
         xc = tl.where(ok, xf - tl.sum(xf, axis=0) / n_cols, 0.0)
         inv = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
@@ -97,7 +58,7 @@ def _norm(x, residual, weight, bias, eps):
             x2, r2, weight, weight if bias is None else bias, out, total, x2.stride(0),
             r2.stride(0), out.stride(0), total.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, LAYER=bias is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8), **pdl_args(x))
+            num_warps=min(max(block // 256, 1), 8))
     return out.view(x.shape), total.view(x.shape)
 
 
@@ -123,10 +84,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_w, K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 NUM_K: tl.constexpr, PDL: tl.constexpr):
+                 NUM_K: tl.constexpr):
     """y[n] = sum_k w[n, k] x[k] (+ b[n]) for BN rows; the K loop is unrolled so that every
-    load of the row is in flight at once (the first weight tile before the PDL wait)."""
-    pdl_start(PDL)
+    load of the row is in flight at once."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -135,8 +95,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_w, K: tl.constexpr,
         ks = i * BK + tl.arange(0, BK)
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if i == 0:
-            pdl_wait(PDL)
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
@@ -166,16 +124,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bn, bk, warps = _gemv_config(K)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else weight, y, N, weight.stride(0), K=K,
-        HAS_BIAS=bias is not None, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk), num_warps=warps,
-        **pdl_args(x))
+        HAS_BIAS=bias is not None, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk), num_warps=warps)
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    pdl_start(PDL)
-    pdl_wait(PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -192,8 +146,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(n), 1024)
     if n_rows:
         _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
-            **pdl_args(x2))
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -238,11 +191,9 @@ def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                          plane, num_q_heads, num_kv_heads, WRITE_CACHE: tl.constexpr,
                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, PDL: tl.constexpr):
+                         HALF_PAD: tl.constexpr):
     """One program per token, all its q and k heads: rotate-half in place; with WRITE_CACHE
     the rotated keys and the values also go to the token's cache slot."""
-    pdl_start(PDL)
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
@@ -303,9 +254,8 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
         v.stride(0) if cache else 0, v.stride(1) if cache else 0, cos.stride(0),
         kv_cache[0].numel() if cache else 0, H, k.shape[1], WRITE_CACHE=cache,
         Q_HEADS=q_heads, KV_HEADS=triton.next_power_of_2(k.shape[1]), HALF=half,
-        HALF_PAD=half_pad, num_warps=min(max(q_heads * half_pad // 256, 1), 8),
-        **pdl_args(q))
+        HALF_PAD=half_pad, num_warps=min(max(q_heads * half_pad // 256, 1), 8))
 
 
-__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "pdl_enabled", "quick_gelu",
-           "rms_norm", "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",
+           "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]
