@@ -5,7 +5,7 @@ Same contracts as the eager functions in `layers/fused.py` (which they replace t
 by the weight; LayerNorm in float32 throughout; the residual sum stored in the activation
 dtype; SiLU(gate) cast before the product with `up`; rotary applied in place to the q and k
 views of the fused QKV output. Rows are addressed through their strides, so views need no
-copies. The one-token GEMV and programmatic dependent launch are documented where defined.
+copies. The one-token GEMV is documented where it is defined.
 """
 
 from __future__ import annotations
