@@ -107,9 +107,9 @@ def projections(llm, ceilings: dict) -> list[dict]:
     for name, mod in model.language_model.named_modules():
         if isinstance(mod, Linear):
             shapes.setdefault((*mod.weight.shape, mod.bias is not None), name.split(".")[-1])
+    dt, dev = model.lm_head.weight.dtype, model.lm_head.weight.device
     rows = []
     for (n, k, has_bias), name in shapes.items():
-        dt, dev = model.lm_head.weight.dtype, model.lm_head.weight.device
         copies = max(8, int(200e6 // (n * k * dt.itemsize)))  # > the 50 MB L2, 4x over
         ws = [torch.randn(n, k, dtype=dt, device=dev) * k**-0.5 for _ in range(copies)]
         b = torch.randn(n, dtype=dt, device=dev) if has_bias else None
@@ -270,7 +270,7 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
     images = engine.input_processor.process(req.prompt).images
     runner = engine.executor.runner
     pixels = torch.cat([img.pixel_values for img in images]).to(runner.device)
-    grid = torch.tensor([img.grid_thw for img in images], device=runner.device)
+    grid = torch.tensor([img.grid_thw for img in images])  # on the host, as the engine passes it
     def encode():
         with torch.inference_mode():
             runner.model.encode_images(pixels, grid)
