@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -45,16 +44,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        # preprocessing (image decoding and processing, tokenization) runs on a thread pool
-        # and overlaps the engine steps; requests join the engine in input order
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(self.engine.process_request, p, sp)
-                       for p, sp in zip(prompts, params)]
-            try:
-                return self._run(futures, use_tqdm)
-            finally:
-                for f in futures:
-                    f.cancel()
+        return self._run(deque(zip(prompts, params)), use_tqdm)
 
     def chat(
         self,
@@ -73,25 +63,54 @@ class LLM:
         text = self.engine.input_processor.model_processor.apply_chat_template(hf_messages)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
-    def _run(self, futures: list[Future], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, todo: deque[tuple[PromptInput, SamplingParams]], use_tqdm: bool
+             ) -> list[RequestOutput]:
+        """Preprocess and admit the prompts in input order, keeping the scheduler fed, and
+        step until every request finishes.
+
+        Preprocessing (tokens, image decoding and processing, hashes) runs on this thread,
+        mostly while the device works on a step (`LLMEngine.step(while_waiting=...)`), and
+        synchronously only when less than one step's worth of prompt tokens is queued. On a
+        pool of threads it would overlap too, but then the step loop, which gives up the GIL
+        at every kernel launch, queues behind them for it: W1 took 24% longer end to end
+        than with its prompts preprocessed beforehand (docs/benchmarks.md).
+        """
         engine = self.engine
+        step_tokens = engine.scheduler.max_num_batched_tokens
         ids: list[str] = []
         pending: set[str] = set()
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(futures), desc="Requests", disable=not use_tqdm, unit="req")
+        failed: list[Exception] = []
+
+        def admit_next() -> bool:
+            """Preprocess and queue the next prompt, unless two steps' worth are queued."""
+            if not todo or engine.scheduler.num_waiting_tokens() >= 2 * step_tokens:
+                return False
+            rid = engine.add_processed_request(engine.process_request(*todo.popleft()))
+            ids.append(rid)
+            pending.add(rid)
+            return True
+
+        def admit_while_waiting() -> bool:
+            try:
+                return admit_next()
+            except Exception as e:  # raised after the step, which must finish its read-back
+                failed.append(e)
+                todo.clear()
+                return False
+
+        bar = tqdm(total=len(todo), desc="Requests", disable=not use_tqdm, unit="req")
         try:
-            while len(ids) < len(futures) or pending:
-                # admit what is preprocessed; wait for the next request only when idle
-                while len(ids) < len(futures) and (futures[len(ids)].done()
-                                                   or not engine.has_unfinished_requests()):
-                    rid = engine.add_processed_request(futures[len(ids)].result())
-                    ids.append(rid)
-                    pending.add(rid)
-                for out in engine.step():
+            while todo or pending:
+                while todo and engine.scheduler.num_waiting_tokens() < step_tokens:
+                    admit_next()
+                for out in engine.step(admit_while_waiting):
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
+                if failed:
+                    raise failed[0]
         except BaseException:
             engine.abort_request(list(pending))
             engine.drain()

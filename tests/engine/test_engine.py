@@ -235,3 +235,48 @@ def test_async_scheduling_changes_no_output(vlmserve_cache):
         assert s["num_generated_tokens"] == sum(len(r[0]) for r in results[mode])
     assert results[True] == results[False]
     assert results[True][0][2] == "stop" and results[True][1][2] == "stop"
+
+
+def test_generate_preprocesses_while_the_device_is_busy(llm, monkeypatch):
+    """`LLM.generate` preprocesses prompts on the engine thread while a step runs on the
+    device (simulated: each step reports busy twice before done), with the same outputs; a
+    bad prompt found there raises after the step, leaving the engine clean."""
+    from vlmserve.worker.model_runner import StepResult
+
+    prompts = mixed_prompts(llm)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+
+    def busy_twice(self):
+        self.polls = getattr(self, "polls", 0) + 1
+        return self.polls > 2
+
+    engine = llm.engine
+    in_step, where = [False], []
+    step, process = engine.step, engine.process_request
+
+    def traced_step(*args):
+        in_step[0] = True
+        try:
+            return step(*args)
+        finally:
+            in_step[0] = False
+
+    def traced_process(*args):
+        where.append(in_step[0])
+        return process(*args)
+
+    monkeypatch.setattr(StepResult, "ready", busy_twice)
+    monkeypatch.setattr(engine, "step", traced_step)
+    monkeypatch.setattr(engine, "process_request", traced_process)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert len(where) == len(prompts) and 0 < sum(where) < len(prompts)
+
+    bad = {"prompt": prompts[1]["prompt"], "multi_modal_data": {"image": b"garbage"}}
+    where.clear()
+    with pytest.raises(InvalidImageError, match="image 0"):
+        llm.generate(prompts[:4] + [bad] + prompts[4:], greedy(), use_tqdm=False)
+    assert where[-1], "the bad prompt should have been reached during a step"
+    assert not engine.has_unfinished_requests()
+    s = engine.get_stats()
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

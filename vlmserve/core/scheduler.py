@@ -107,6 +107,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to prefill."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
     # ---- scheduling ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

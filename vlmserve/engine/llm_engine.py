@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from transformers import GenerationConfig
@@ -154,16 +155,21 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, while_waiting: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """One engine step: schedule and launch it, then read back and report tokens. With
         async scheduling the tokens read back are the previous step's: they were sampled
         while the host scheduled and launched this one, so the device never waits for the
-        host. Returns an output for every request that got new tokens."""
+        host. Returns an output for every request that got new tokens.
+
+        `while_waiting()` does one piece of host work (preprocessing a prompt) each time it
+        is called while the device is still busy with the step being read back; it returns
+        False when it has nothing more to do. Host work done here, on the engine thread, does
+        not contend with the step loop for the GIL as work on other threads would."""
         so = self.scheduler.schedule()
         self._in_flight.append((so, self.executor.execute_model(so)))
         self.num_steps += 1
         keep = 1 if self.async_scheduling and not so.is_empty else 0
-        outputs = self._read_back(keep)
+        outputs = self._read_back(keep, while_waiting)
         if time.monotonic() - self._last_log > LOG_INTERVAL_S:
             self._log_stats()
         return outputs
@@ -172,11 +178,14 @@ class LLMEngine:
         """Read back every step still in flight (after aborts, nothing else is running)."""
         return self._read_back(0)
 
-    def _read_back(self, keep: int) -> list[RequestOutput]:
+    def _read_back(self, keep: int, while_waiting: Callable[[], bool] | None = None
+                   ) -> list[RequestOutput]:
         """Process launched steps, oldest first, until `keep` are left in flight."""
         outputs = []
         while len(self._in_flight) > keep:
             done, result = self._in_flight.popleft()
+            while while_waiting is not None and not result.ready() and while_waiting():
+                pass
             outputs.extend(self._process_step(done, result.get()))
         return outputs
 

@@ -43,6 +43,10 @@ class StepResult:
         self._runner, self._states, self._host, self._event = runner, list(states), host, event
         self._tokens: dict[str, int] | None = None if self._states else {}
 
+    def ready(self) -> bool:
+        """Whether the device has finished the step (`get` would not wait)."""
+        return self._event is None or self._event.query()
+
     def get(self) -> dict[str, int]:
         if self._tokens is None:
             if self._event is not None:
@@ -146,8 +150,8 @@ class ModelRunner:
             to_sample = states
         else:
             hidden, to_sample = self._forward_eager(states, query_lens)
-            if not to_sample:
-                return StepResult()
+            if not to_sample:  # prefill chunks only: nothing to read, but `ready` tells
+                return StepResult(event=self._record_event())  # when they are done
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         tokens = sample(logits, [st.sampling_params for st in to_sample],
                         [st.generator for st in to_sample])
@@ -156,14 +160,17 @@ class ModelRunner:
         host = self._host_tokens[self._num_results % 2][:n]
         self._num_results += 1
         host.copy_(tokens, non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
         for i, st in enumerate(to_sample):
             st.in_flight += 1
             st.sample_row = i
-        return StepResult(self, to_sample, host, event)
+        return StepResult(self, to_sample, host, self._record_event())
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
