@@ -12,6 +12,8 @@ a Triton GEMV, which streams the weight faster than the library GEMM at that sha
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +60,19 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D] -> rotated q, k."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def compose_rms_norm_linear(ops, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None, gated_silu: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_linear` from the separate ops of `ops` (a `FusedOps` or a module of them)."""
+    if residual is None:
+        h, s = ops.rms_norm(x, norm_weight, eps), x
+    else:
+        h, s = ops.add_rms_norm(x, residual, norm_weight, eps)
+    y = ops.linear(h, weight, bias)
+    return (ops.silu_mul(y) if gated_silu else y), s
 
 
 FUSED_OPS_KINDS = ("auto", "eager", "triton", "compile")
@@ -110,6 +125,11 @@ class FusedOps:
             elif kind == "compile" and fn is not F.linear:
                 fn = torch.compile(fn, dynamic=True, fullgraph=True)
             setattr(self, name, fn)
+        # the decoder's norm -> projection (-> SiLU-and-mul) pattern, with the residual add:
+        # (linear(rms_norm(x + residual)), x + residual); one GEMV launch with the Triton ops
+        # for a single token
+        self.rms_norm_linear = (impl.rms_norm_linear if impl is not None
+                                else functools.partial(compose_rms_norm_linear, self))
 
     @classmethod
     def for_device(cls, kind: str, device: torch.device) -> FusedOps:

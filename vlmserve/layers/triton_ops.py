@@ -10,10 +10,14 @@ copies. The one-token GEMV is documented where it is defined.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from vlmserve.layers.fused import compose_rms_norm_linear
 
 
 @triton.jit
@@ -82,25 +86,65 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_w, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 NUM_K: tl.constexpr):
+def _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES: tl.constexpr):
+    """A K tile of the GEMV input in float32: x, or x + residual rounded to x's dtype."""
+    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + ks, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, eps,
+                 K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, NUM_K: tl.constexpr):
     """y[n] = sum_k w[n, k] x[k] (+ b[n]) for BN rows; the K loop is unrolled so that every
-    load of the row is in flight at once."""
+    load of the row is in flight at once.
+
+    NORM: the input is rms_norm(x (+ residual)) with weight nw, computed by every program
+    from the raw vector (a few KiB, from cache after an SM's first program); program 0
+    stores the sum x + residual to s (HAS_RES needs NORM). GATED: rows n and N + n are gate
+    and up, y[n] = silu(gate) * up. Roundings are those of the separate kernels: sum,
+    normalized input, projection and SiLU each rounded to the activation dtype."""
+    dt = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_ok = rows < N
+    if NORM:
+        sq = tl.zeros([BK], tl.float32)
+        for i in tl.static_range(0, NUM_K):
+            ks = i * BK + tl.arange(0, BK)
+            k_ok = ks < K
+            s = _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES)
+            sq += s * s
+            if HAS_RES:
+                tl.store(s_ptr + ks, s.to(dt), mask=k_ok & (tl.program_id(0) == 0))
+        inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BN, BK], tl.float32)
+    acc_up = tl.zeros([BN, BK], tl.float32)
     for i in tl.static_range(0, NUM_K):
         ks = i * BK + tl.arange(0, BK)
         k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES)
+        if NORM:
+            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((x * inv).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        w_ok = r_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            w = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0)
+            acc_up += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=r_ok)
+    if GATED:
+        gate = y.to(dt).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    tl.store(y_ptr + rows, y.to(dt), mask=r_ok)
 
 
 # Rows of the output per program, K tile, warps; measured on the H200 with weights cold (28
@@ -113,19 +157,45 @@ def _gemv_config(K: int) -> tuple[int, int, int]:
 _GEMV_MAX_OUT = 65536  # wider outputs (lm_head) stay on cuBLAS, which streams them at ~4 TB/s
 
 
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One token, contiguous rows, an output narrow enough for the GEMV."""
+    return (x.numel() == x.shape[-1] and weight.shape[0] <= _GEMV_MAX_OUT
+            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
+def _gemv(x, weight, bias, n_out, residual=None, norm_weight=None, eps=0.0, gated=False):
+    K = weight.shape[1]
+    y = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    bn, bk, warps = _gemv_config(K)
+    _gemv_kernel[(triton.cdiv(n_out, bn),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None
+        else weight, weight, bias if bias is not None else weight, y, total, n_out,
+        weight.stride(0), eps, K=K, NORM=norm_weight is not None, HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, GATED=gated, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk),
+        num_warps=warps)
+    return y, total
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """`F.linear`, through the GEMV above for a single token (a decode step at batch 1)."""
-    if x.numel() != x.shape[-1] or weight.shape[0] > _GEMV_MAX_OUT or x.stride(-1) != 1 \
-            or weight.stride(-1) != 1:
+    if not _gemv_fits(x, weight):
         return F.linear(x, weight, bias)
-    N, K = weight.shape
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    bn, bk, warps = _gemv_config(K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](
-        x, weight, bias if bias is not None else weight, y, N, weight.stride(0), K=K,
-        HAS_BIAS=bias is not None, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk), num_warps=warps)
-    return y
+    return _gemv(x, weight, bias, weight.shape[0])[0]
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    gated_silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused.rms_norm_linear`: for a single token one GEMV launch with the residual add and
+    the norm in front and SiLU-and-mul behind; otherwise the separate kernels."""
+    if not _gemv_fits(x, weight) or (residual is not None and residual.stride(-1) != 1) \
+            or (gated_silu and bias is not None):
+        return compose_rms_norm_linear(sys.modules[__name__], x, residual, norm_weight, eps,
+                                       weight, bias, gated_silu)
+    n_out = weight.shape[0] // 2 if gated_silu else weight.shape[0]
+    return _gemv(x, weight, bias, n_out, residual, norm_weight, eps, gated_silu)
 
 
 @triton.jit
@@ -258,4 +328,4 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
 
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",
-           "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]
+           "rms_norm_linear", "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]

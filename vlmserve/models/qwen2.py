@@ -23,14 +23,19 @@ class Qwen2Attention(nn.Module):
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, residual, norm: RMSNorm, cos, sin, kv_cache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, residual stream): `norm` (with the residual add) and the QKV
+        projection are one op."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        qkv, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                 self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split(self.qkv_proj.out_sizes, dim=-1)
         q = self.ops.rotary_qk_cache(
             q.view(T, self.heads, self.head_dim), k.view(T, self.kv_heads, self.head_dim),
             v.view(T, self.kv_heads, self.head_dim), cos, sin, kv_cache, meta.slot_mapping)
         o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(o.reshape(T, -1)), residual
 
 
 class Qwen2MLP(nn.Module):
@@ -40,8 +45,12 @@ class Qwen2MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.ops = EAGER_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): `norm` (with the residual add), the gate/up
+        projection and SiLU-and-mul are one op."""
+        act, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                 self.gate_up_proj.weight, gated_silu=True)
+        return self.down_proj(act), residual
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -56,14 +65,9 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Residual stream: returns (this layer's output, the sum before it); the next norm
-        adds them (one fused kernel when compiled)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        adds them (None: x is the first layer's input)."""
+        x, residual = self.self_attn(x, residual, self.input_layernorm, cos, sin, kv_cache, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 def rope_settings(cfg) -> tuple[float, list[int] | None]:
