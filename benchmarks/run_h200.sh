@@ -7,6 +7,7 @@
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   final   : CUDA graph tests, 2B and 7B decode (one short call)
+#   decode  : 2B decode at batch 1, 64, 256 and 7B at batch 1 (no tests)
 #   all     : quick, then speed, 7B decode, W1 throughput, in one call (~8 minutes)
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
@@ -47,6 +48,11 @@ final)
   step graphs 150 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_cuda_graphs.py
   step speed_2b_decode 60 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64 \
+    --decode-only --out "$OUT/speed_2b_decode.json"
+  step speed_7b 80 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
+    --decode-only --out "$OUT/speed_7b.json" ;;
+decode)
+  step speed_2b_decode 90 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64,256 \
     --decode-only --out "$OUT/speed_2b_decode.json"
   step speed_7b 80 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --out "$OUT/speed_7b.json" ;;

@@ -23,6 +23,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class _StepTimes:
+    """Wall time of each engine step call by kind: decode-only (every request one token) or
+    with prefill. With async scheduling a call's time is that of the step before it on the
+    device, or of the host work when that is longer."""
+
+    def __init__(self, engine) -> None:
+        self.rows: dict[str, list[float]] = {"decode_only": [0, 0.0, 0], "prefill": [0, 0.0, 0]}
+        schedule, step = engine.scheduler.schedule, engine.step
+        self._kind = "prefill"
+
+        def traced_schedule():
+            so = schedule()
+            self._kind = ("decode_only" if so.total_num_scheduled_tokens
+                          == len(so.num_scheduled_tokens) else "prefill")
+            self._batch = len(so.num_scheduled_tokens)
+            return so
+
+        def traced_step(*args):
+            t0 = time.perf_counter()
+            try:
+                return step(*args)
+            finally:
+                row = self.rows[self._kind]
+                row[0] += 1
+                row[1] += time.perf_counter() - t0
+                row[2] += self._batch
+
+        engine.scheduler.schedule, engine.step = traced_schedule, traced_step
+
+    def summary(self, elapsed: float) -> dict:
+        """Per kind, and the time outside step calls (preprocessing while nothing waits)."""
+        out: dict = {k: {"steps": n, "seconds": t, "mean_ms": 1e3 * t / max(n, 1),
+                         "mean_requests": b / max(n, 1)} for k, (n, t, b) in self.rows.items()}
+        out["outside_steps_s"] = elapsed - sum(t for _, t, _ in self.rows.values())
+        return out
+
+
 def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
     from vlmserve import LLM, SamplingParams
 
@@ -32,6 +69,7 @@ def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
     warm = reqs[: min(4, len(reqs))]
     llm.generate([r.prompt for r in warm], params[: len(warm)], use_tqdm=False)
     _sync()
+    steps = _StepTimes(llm.engine)
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=True)
     _sync()
@@ -40,6 +78,7 @@ def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
     result = _summary("vlmserve", reqs, [len(o.prompt_token_ids) for o in outs],
                       [len(o.outputs[0].token_ids) for o in outs], elapsed)
     result["engine_steps"] = stats["num_steps"]
+    result["step_times"] = steps.summary(elapsed)
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del llm, outs

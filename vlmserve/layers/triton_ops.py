@@ -103,46 +103,49 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, 
     """y[n] = sum_k w[n, k] x[k] (+ b[n]) for BN rows; the K loop is unrolled so that every
     load of the row is in flight at once.
 
-    NORM: the input is rms_norm(x (+ residual)) with weight nw, computed by every program
-    from the raw vector (a few KiB, from cache after an SM's first program); program 0
-    stores the sum x + residual to s (HAS_RES needs NORM). GATED: rows n and N + n are gate
-    and up, y[n] = silu(gate) * up. Roundings are those of the separate kernels: sum,
-    normalized input, projection and SiLU each rounded to the activation dtype."""
+    NORM: the input is rms_norm(x (+ residual)) with weight nw. The sum of squares is
+    gathered in the same pass as the product, whose scale 1/rms is applied at the end, so
+    the weight loads never wait on the norm; program 0 stores the sum x + residual (rounded
+    to the activation dtype, as the input is) to s. HAS_RES needs NORM. GATED: rows n and
+    N + n are gate and up, y[n] = silu(gate) * up, each rounded as the separate kernels do."""
     dt = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_ok = rows < N
-    if NORM:
-        sq = tl.zeros([BK], tl.float32)
-        for i in tl.static_range(0, NUM_K):
-            ks = i * BK + tl.arange(0, BK)
-            k_ok = ks < K
-            s = _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES)
-            sq += s * s
-            if HAS_RES:
-                tl.store(s_ptr + ks, s.to(dt), mask=k_ok & (tl.program_id(0) == 0))
-        inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BN, BK], tl.float32)
     acc_up = tl.zeros([BN, BK], tl.float32)
+    sq = tl.zeros([BK], tl.float32)
     for i in tl.static_range(0, NUM_K):
         ks = i * BK + tl.arange(0, BK)
         k_ok = ks < K
-        x = _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES)
-        if NORM:
-            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x * inv).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
         w_ok = r_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+        if GATED:
+            w_up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0)
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                 ).to(dt)
+            tl.store(s_ptr + ks, x, mask=k_ok & (tl.program_id(0) == 0))
+        x = x.to(tl.float32)
+        if NORM:
+            sq += x * x
+            x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
         if GATED:
-            w = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0)
-            acc_up += w.to(tl.float32) * x[None, :]
+            acc_up += w_up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        y = y * inv
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
     if GATED:
         gate = y.to(dt).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * inv
+        up = up.to(dt).to(tl.float32)
         y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
     tl.store(y_ptr + rows, y.to(dt), mask=r_ok)
 
