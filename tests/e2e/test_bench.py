@@ -18,6 +18,9 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     assert ours["backend"] == "vlmserve" and hf["backend"] == "hf"
     assert ours["total_output_tokens"] == hf["total_output_tokens"] == 24
     assert ours["speedup_vs_hf_output_tokens"] > 0
+    steps = ours["step_times"]  # the timed pass only (the full warm-up ran as many before)
+    assert steps["prefill"]["steps"] >= 1 and steps["decode_only"]["steps"] >= 3
+    assert steps["prefill"]["steps"] + steps["decode_only"]["steps"] < ours["engine_steps"]
 
 
 def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):

@@ -60,18 +60,21 @@ class _StepTimes:
         return out
 
 
-def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
+def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwargs: dict
+                 ) -> dict:
     from vlmserve import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-              for r in reqs]
-    warm = reqs[: min(4, len(reqs))]
-    llm.generate([r.prompt for r in warm], params[: len(warm)], use_tqdm=False)
+
+    def params(rs):
+        return [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                for r in rs]
+
+    llm.generate([r.prompt for r in warm], params(warm), use_tqdm=False)
     _sync()
     steps = _StepTimes(llm.engine)
     t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=True)
+    outs = llm.generate([r.prompt for r in reqs], params(reqs), use_tqdm=True)
     _sync()
     elapsed = time.perf_counter() - t0
     stats = llm.engine.get_stats()
@@ -88,10 +91,19 @@ def run_vlmserve(reqs: list[BenchRequest], engine_kwargs: dict) -> dict:
     return result
 
 
-def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: torch.dtype,
-           processor) -> dict:
+def _hf_batches(reqs: list[BenchRequest], batch_size: int) -> list[list[BenchRequest]]:
+    """Static batches grouped by image sizes and lengths, so that a batch needs no padding."""
+    groups = defaultdict(list)
+    for r in reqs:
+        groups[(tuple(r.image_sizes), len(r.prompt["prompt_token_ids"]), r.output_len)].append(r)
+    return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
+           batch_size: int, dtype: torch.dtype, processor) -> dict:
     """Static batches of `batch_size`, grouped by image sizes so that a batch needs no
-    padding; preprocessing (our processor, the same HF image processor) is timed too."""
+    padding; preprocessing (our processor, the same HF image processor) is timed too.
+    Warm-up: the first batch of each shape group of `warm`."""
     import transformers
     from transformers import AutoConfig, GenerationConfig
 
@@ -101,10 +113,7 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: to
                                                             else "cpu").eval()
     device = next(model.parameters()).device
     model.generation_config.eos_token_id = None  # fixed output lengths, like ignore_eos
-    groups = defaultdict(list)
-    for r in reqs:
-        groups[(tuple(r.image_sizes), len(r.prompt["prompt_token_ids"]), r.output_len)].append(r)
-    batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    batches = _hf_batches(reqs, batch_size)
 
     def gen(batch):
         procs = [processor.process(None, r.prompt["prompt_token_ids"],
@@ -125,7 +134,12 @@ def run_hf(reqs: list[BenchRequest], model_path: str, batch_size: int, dtype: to
                                  mm_token_type_ids=mm, generation_config=gcfg)
         return ids.shape[1], out.shape[1] - ids.shape[1]
 
-    gen(batches[0][:2])  # warm-up
+    seen = set()
+    for batch in _hf_batches(warm, batch_size):  # a group's batches follow each other
+        key = (tuple(batch[0].image_sizes), len(batch[0].prompt["prompt_token_ids"]))
+        if key not in seen:
+            seen.add(key)
+            gen(batch)
     _sync()
     t0 = time.perf_counter()
     prompt_lens, out_lens = [], []
@@ -159,6 +173,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-len", type=int, default=50)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", choices=["full", "short"], default="full",
+                    help="untimed warm-up before each backend's run. full (random-mm): as "
+                         "many requests of the same kind with other images, so that per-shape "
+                         "kernel plans are built; transformers runs one batch of each shape "
+                         "group of them. short, or a JSONL dataset: the first 4 requests (2 "
+                         "for transformers)")
     ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
@@ -188,6 +208,13 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
                          prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
     else:
         reqs = jsonl(args.dataset, args.output_len)
+    warm = reqs[:4]  # a JSONL file's own images would then be in the encoder cache
+    if args.warmup == "full" and args.dataset == "random-mm":
+        warm = random_mm(processor.tokenizer, num_requests=args.num_requests,
+                         image_sizes=[int(s) for s in args.image_sizes.split(",")],
+                         images_per_request=args.images_per_request,
+                         prompt_len=args.prompt_len, output_len=args.output_len,
+                         seed=args.seed + 1)
     results = []
 
     def report(row: dict) -> None:  # printed and saved as each backend finishes
@@ -201,7 +228,7 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
 
     if args.backend in ("vlmserve", "both"):
-        report(run_vlmserve(reqs, dict(
+        report(run_vlmserve(reqs, warm, dict(
             model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -209,7 +236,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
-        report(run_hf(reqs, path, args.hf_batch_size, dtype, processor))
+        report(run_hf(reqs, warm if args.warmup == "full" else warm[:2], path,
+                      args.hf_batch_size, dtype, processor))
     return results
 
 
