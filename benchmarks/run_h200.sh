@@ -35,7 +35,7 @@ checks)
   VLMSERVE_TEST_DEVICE=cuda step cuda_parity 110 python -m pytest -q -p no:cacheprovider \
     -o addopts="" tests/engine/test_parity.py ;;
 quick)
-  step gpu_quick 100 python -m pytest -q -p no:cacheprovider -o addopts="" \
+  step gpu_quick 150 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py ;;
 speed)
   step speed_2b 280 $B.kernels --model qwen2-vl-2b-random --num-requests 512 \

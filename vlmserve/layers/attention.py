@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmserve.device import to_device
-
 
 @dataclass
 class AttentionGroup:
@@ -81,10 +79,10 @@ def build_attention_metadata(
     pos = torch.arange(int(starts[-1])) - starts[req] + (s - q)[req]  # absolute positions
     slots = table[req, pos // block_size] * block_size + pos % block_size
     return AttentionMetadata(
-        slot_mapping=to_device(slots, device),
-        query_start_loc=to_device(starts.to(torch.int32), device),
-        seq_lens=to_device(s.to(torch.int32), device),
-        block_tables=to_device(table, device),
+        slot_mapping=slots.to(device, non_blocking=True),
+        query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
+        seq_lens=s.to(torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
@@ -108,10 +106,10 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size):
         mask[b, 0, :q, :s] = torch.arange(s)[None, :] <= qpos
         mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
     return AttentionGroup(
-        token_index=to_device(torch.tensor(token_index, dtype=torch.int64), device),
-        pad_index=to_device(torch.tensor(pad_index, dtype=torch.int64), device),
+        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
+        pad_index=torch.tensor(pad_index, dtype=torch.int64, device=device),
         block_tables=table[members, :nblocks],
-        mask=to_device(mask, device),
+        mask=mask.to(device),
         batch=len(members),
         max_q=max_q,
     )

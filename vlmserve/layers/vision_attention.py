@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmserve.device import to_device
-
 # Segments join the current bucket when no longer than this (launch overhead dominates) ...
 _SMALL_SEGMENT = 256
 # ... or when at least this fraction of the bucket's longest segment (bounds padding waste).
@@ -99,10 +97,10 @@ def build_varlen_plan(
             _Bucket(
                 len(group),
                 max_len,
-                gather=to_device(gather, device),
-                key_mask=None if uniform else to_device(real[:, None, None, :], device),
-                valid=None if uniform else to_device(real.flatten().nonzero().squeeze(1), device),
-                tokens=to_device(gather[real], device),
+                gather=gather.to(device),
+                key_mask=None if uniform else real[:, None, None, :].to(device),
+                valid=None if uniform else real.flatten().nonzero().squeeze(1).to(device),
+                tokens=gather[real].to(device),
             )
         )
     return VarlenPlan(bounds[-1], max(lengths, default=0), buckets)

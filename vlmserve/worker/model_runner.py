@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
-from vlmserve.device import to_device
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
 from vlmserve.layers.sampler import sample
 from vlmserve.worker.cuda_graphs import DecodeGraphs
@@ -211,25 +210,25 @@ class ModelRunner:
                 sample_index.append(base - 1)
                 to_sample.append(st)
 
-        ids = to_device(torch.tensor(token_ids, dtype=torch.int64), self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if from_sampled:
             flat, rows = torch.tensor(from_sampled, dtype=torch.int64).t()
-            ids[to_device(flat, self.device)] = self.sampled[to_device(rows, self.device)]
+            ids[flat.to(self.device)] = self.sampled[rows.to(self.device)]
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         rows = self.store.gather(spans)  # [len(dest_rows), hidden]
         if rows is not None:
-            dest = to_device(torch.tensor(dest_rows, dtype=torch.int64), self.device)
+            dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             embeds.index_copy_(0, dest, rows.to(embeds.dtype))
         pos = torch.tensor(text_pos, dtype=torch.int64)
         if self.model.uses_mrope:  # three equal rows, prompt spans overwritten with theirs
             pos = pos.expand(3, -1).clone()
             for offset, rows in prompt_spans:
                 pos[:, offset:offset + rows.shape[1]] = rows
-        pos = to_device(pos, self.device)
+        pos = pos.to(self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
         hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
         if not sample_index:
             return None, []
-        index = to_device(torch.tensor(sample_index, dtype=torch.int64), self.device)
+        index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
         return hidden.index_select(0, index), to_sample

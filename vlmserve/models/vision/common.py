@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmserve.device import to_device
 from vlmserve.layers.fused import EAGER_OPS, quick_gelu
 from vlmserve.layers.norm import LayerNorm, RMSNorm
 from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan, varlen_attention
@@ -96,7 +95,7 @@ class AttnSegments:
         """From host ``seqlens [num_seqs]``."""
         cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)  # [num_seqs + 1]
         plan = build_varlen_plan(cu, device=device)
-        return cls(to_device(cu, device), plan.max_seqlen, plan)
+        return cls(cu.to(device), plan.max_seqlen, plan)
 
 
 class VisionAttention(nn.Module):

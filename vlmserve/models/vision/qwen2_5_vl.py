@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmserve.device import to_device
 from vlmserve.models.vision.common import (
     AttnSegments,
     GatedVisionMLP,
@@ -114,9 +113,8 @@ class Qwen2_5_VisionTransformer(VisionTowerBase):
         patch_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
         full_seg = AttnSegments.build(frame_seqlens(grids), device)  # windows never cross frames
         window_seg = AttnSegments.build(window_seqlens, device)
-        # 2 x [N, head_dim], windowed order
-        rotary = self.rotary(to_device(pos[patch_order], device))
-        patch_order, unit_order = to_device(patch_order, device), to_device(unit_order, device)
+        rotary = self.rotary(pos[patch_order].to(device))  # 2 x [N, head_dim], windowed order
+        patch_order, unit_order = patch_order.to(device), unit_order.to(device)
 
         x = pixel_values.to(device=device, dtype=self.dtype).index_select(
             0, patch_order

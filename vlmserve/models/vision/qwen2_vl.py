@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmserve.device import to_device
 from vlmserve.models.vision.common import (
     AttnSegments,
     PatchEmbed,
@@ -60,7 +59,7 @@ class Qwen2VisionTransformer(VisionTowerBase):
         """
         device = self.device
         grids = grid_list(grid_thw)
-        pos = to_device(merge_order_positions(grids, self.spatial_merge_size), device)  # [N, 2]
+        pos = merge_order_positions(grids, self.spatial_merge_size).to(device)  # [N, 2]
         if pos.shape[0] != pixel_values.shape[0]:
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} rows, grid_thw implies {pos.shape[0]}"
