@@ -13,7 +13,7 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     out = tmp_path / "tp.json"
     main(["bench", "throughput", "--model", "tiny-qwen2-vl", "--num-requests", "6",
           "--image-sizes", "56,84", "--prompt-len", "8", "--output-len", "4",
-          "--backend", "both", "--hf-batch-size", "4", "--out", str(out)])
+          "--backend", "both", "--hf-batch-size", "4", "--repeats", "2", "--out", str(out)])
     ours, hf = json.loads(out.read_text())["results"]
     assert ours["backend"] == "vlmserve" and hf["backend"] == "hf"
     assert ours["total_output_tokens"] == hf["total_output_tokens"] == 24
@@ -21,6 +21,8 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     steps = ours["step_times"]  # the timed pass only (the full warm-up ran as many before)
     assert steps["prefill"]["steps"] >= 1 and steps["decode_only"]["steps"] >= 3
     assert steps["prefill"]["steps"] + steps["decode_only"]["steps"] < ours["engine_steps"]
+    assert len(ours["passes_elapsed_s"]) == 2 and ours["passes_elapsed_s"][0] == ours["elapsed_s"]
+    assert ours["median_output_tokens_per_s"] > 0
 
 
 def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from collections import defaultdict
 
@@ -60,8 +61,11 @@ class _StepTimes:
         return out
 
 
-def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwargs: dict
-                 ) -> dict:
+def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwargs: dict,
+                 more_passes: list[list[BenchRequest]] = ()) -> dict:
+    """The timed pass over `reqs` after a warm-up pass; then, timed too, each of
+    `more_passes` (requests like `reqs` with other images), for the spread of a warm
+    process."""
     from vlmserve import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
@@ -82,6 +86,17 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
                       [len(o.outputs[0].token_ids) for o in outs], elapsed)
     result["engine_steps"] = stats["num_steps"]
     result["step_times"] = steps.summary(elapsed)
+    passes = [elapsed]
+    for more in more_passes:
+        _sync()
+        t0 = time.perf_counter()
+        llm.generate([r.prompt for r in more], params(more), use_tqdm=False)
+        _sync()
+        passes.append(time.perf_counter() - t0)
+    if more_passes:
+        result["passes_elapsed_s"] = passes
+        result["median_output_tokens_per_s"] = (result["total_output_tokens"]
+                                                / statistics.median(passes))
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del llm, outs
@@ -181,6 +196,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "for transformers)")
     ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve")
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes of ours (random-mm; each with new images); the first "
+                         "is compared with transformers, all are reported with their median")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -201,20 +219,22 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     path = str(resolve_model(args.model))
     hf_config = load_hf_config(path)
     processor = resolve_model_class(hf_config).input_processor_cls(path, hf_config)
-    if args.dataset == "random-mm":
-        reqs = random_mm(processor.tokenizer, num_requests=args.num_requests,
+    if args.repeats < 1 or (args.repeats > 1 and args.dataset != "random-mm"):
+        raise SystemExit("--repeats must be >= 1, and above 1 only with random-mm (new images "
+                         "per pass, so that the encoder cache serves none of them)")
+
+    def like_reqs(seed: int) -> list[BenchRequest]:
+        return random_mm(processor.tokenizer, num_requests=args.num_requests,
                          image_sizes=[int(s) for s in args.image_sizes.split(",")],
                          images_per_request=args.images_per_request,
-                         prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
-    else:
-        reqs = jsonl(args.dataset, args.output_len)
+                         prompt_len=args.prompt_len, output_len=args.output_len, seed=seed)
+
+    synthetic = args.dataset == "random-mm"
+    reqs = like_reqs(args.seed) if synthetic else jsonl(args.dataset, args.output_len)
     warm = reqs[:4]  # a JSONL file's own images would then be in the encoder cache
-    if args.warmup == "full" and args.dataset == "random-mm":
-        warm = random_mm(processor.tokenizer, num_requests=args.num_requests,
-                         image_sizes=[int(s) for s in args.image_sizes.split(",")],
-                         images_per_request=args.images_per_request,
-                         prompt_len=args.prompt_len, output_len=args.output_len,
-                         seed=args.seed + 1)
+    if args.warmup == "full" and synthetic:
+        warm = like_reqs(args.seed + 1)
+    more = [like_reqs(args.seed + 2 + i) for i in range(args.repeats - 1)]
     results = []
 
     def report(row: dict) -> None:  # printed and saved as each backend finishes
@@ -232,7 +252,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend)))
+            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend),
+            more))
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
