@@ -162,6 +162,19 @@ def test_varlen_attention(lengths: list[int]) -> None:
     )
 
 
+def test_equal_length_runs_launch_in_power_of_two_batches() -> None:
+    """13 adjacent equal segments: zero-copy batches of 8, 4 and 1 (bounded SDPA shapes)."""
+    lengths = [300] * 13 + [100] * 3  # both above the small-segment merge
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    plan = build_varlen_plan(cu)
+    assert [(b.num_seqs, b.max_len, b.start) for b in plan.buckets] == [
+        (8, 300, 0), (4, 300, 2400), (1, 300, 3600), (2, 100, 3900), (1, 100, 4100)]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lengths), 2, 8, generator=gen) for _ in range(3))
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, plan=plan),
+                               _loop_attention(q, k, v, cu), rtol=1e-5, atol=1e-5)
+
+
 def test_load_weights_rejects_unknown_and_misshaped() -> None:
     _, ours = _pair("qwen2_vl")
     with pytest.raises(KeyError):

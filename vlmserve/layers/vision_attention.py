@@ -8,8 +8,14 @@ implementation in plain PyTorch (CPU and CUDA); a fused varlen kernel can replac
 Strategy: segments are grouped into buckets of similar length. A bucket whose segments are
 adjacent and of equal length is a zero-copy view ``[num_seqs, len, heads, dim]``; otherwise its
 tokens are gathered into a padded batch ``[num_seqs, max_len, heads, dim]`` with a key-padding
-mask. Each bucket is one ``scaled_dot_product_attention`` launch, so hundreds of windows cost a
-handful of launches, while one huge image never pads many small ones up to its length.
+mask. A bucket is one ``scaled_dot_product_attention`` launch per power of two in its segment
+count (13 images -> batches of 8, 4 and 1), so hundreds of windows cost a handful of launches,
+while one huge image never pads many small ones up to its length.
+
+Why powers of two: on CUDA, SDPA runs cuDNN's attention, which builds a graph for every new
+shape (batch size included), at tens to hundreds of milliseconds each. With the batch sizes
+bounded, a server meets each (batch, length) shape of its image sizes within its first steps,
+not again for every new count of equal images in a step.
 """
 
 from __future__ import annotations
@@ -64,6 +70,36 @@ def _group_segments(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+def _pow2_parts(n: int) -> list[int]:
+    """``n`` as a sum of distinct powers of two, largest first (13 -> [8, 4, 1])."""
+    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+
+
+def _bucket(group: list[int], starts: list[int], lengths: list[int],
+            device: torch.device) -> _Bucket:
+    """One launch for the segments `group`: a view if they are adjacent and equally long,
+    else a padded gather."""
+    lens = [lengths[i] for i in group]
+    max_len = max(lens)
+    if all(n == max_len for n in lens) and all(
+            starts[a] + max_len == starts[b] for a, b in zip(group[:-1], group[1:])):
+        return _Bucket(len(group), max_len, start=starts[group[0]])
+    seg_start = torch.tensor([starts[i] for i in group], dtype=torch.long)  # [g]
+    seg_len = torch.tensor(lens, dtype=torch.long)  # [g]
+    pos = torch.arange(max_len, dtype=torch.long)  # [L]
+    real = pos[None, :] < seg_len[:, None]  # [g, L]
+    gather = torch.where(real, seg_start[:, None] + pos[None, :], 0)  # [g, L]
+    uniform = bool(real.all())
+    return _Bucket(
+        len(group),
+        max_len,
+        gather=gather.to(device),
+        key_mask=None if uniform else real[:, None, None, :].to(device),
+        valid=None if uniform else real.flatten().nonzero().squeeze(1).to(device),
+        tokens=gather[real].to(device),
+    )
+
+
 def build_varlen_plan(
     cu_seqlens: torch.Tensor, device: torch.device | str | None = None
 ) -> VarlenPlan:
@@ -78,31 +114,10 @@ def build_varlen_plan(
     keep = [i for i, n in enumerate(lengths) if n > 0]
     starts, lengths = [starts[i] for i in keep], [lengths[i] for i in keep]
     buckets: list[_Bucket] = []
-    for group in _group_segments(lengths):
-        lens = [lengths[i] for i in group]
-        max_len = max(lens)
-        contiguous = all(n == max_len for n in lens) and all(
-            starts[a] + max_len == starts[b] for a, b in zip(group[:-1], group[1:])
-        )
-        if contiguous:
-            buckets.append(_Bucket(len(group), max_len, start=starts[group[0]]))
-            continue
-        seg_start = torch.tensor([starts[i] for i in group], dtype=torch.long)  # [g]
-        seg_len = torch.tensor(lens, dtype=torch.long)  # [g]
-        pos = torch.arange(max_len, dtype=torch.long)  # [L]
-        real = pos[None, :] < seg_len[:, None]  # [g, L]
-        gather = torch.where(real, seg_start[:, None] + pos[None, :], 0)  # [g, L]
-        uniform = bool(real.all())
-        buckets.append(
-            _Bucket(
-                len(group),
-                max_len,
-                gather=gather.to(device),
-                key_mask=None if uniform else real[:, None, None, :].to(device),
-                valid=None if uniform else real.flatten().nonzero().squeeze(1).to(device),
-                tokens=gather[real].to(device),
-            )
-        )
+    for whole in _group_segments(lengths):
+        for n in _pow2_parts(len(whole)):
+            group, whole = whole[:n], whole[n:]
+            buckets.append(_bucket(group, starts, lengths, device))
     return VarlenPlan(bounds[-1], max(lengths, default=0), buckets)
 
 
