@@ -70,26 +70,22 @@ class LLM:
 
         Preprocessing (tokens, image decoding and processing, hashes) runs on this thread,
         mostly while the device works on a step (`LLMEngine.step(while_waiting=...)`), and
-        synchronously only when less than one step's worth of prompt tokens is queued. It
-        runs ahead up to a batch of requests (`max_num_seqs`), so that the long steps of one
-        wave's prefill preprocess the next wave, rather than the short decode steps after it.
-        On a pool of threads it would overlap too, but then the step loop, which gives up the
-        GIL at every kernel launch, queues behind them for it (docs/benchmarks.md: W1 8.9-9.0 s
-        this way, 9.6 s on four threads, 9.0-9.8 s queueing only two steps of tokens ahead).
+        synchronously only when less than one step's worth of prompt tokens is queued; how
+        far ahead is `Scheduler.needs_requests` / `has_room_ahead`. On a pool of threads it
+        would overlap too, but then the step loop, which gives up the GIL at every kernel
+        launch, queues behind them for it (docs/benchmarks.md: W1 8.9-9.0 s this way, 9.6 s on
+        four threads, 9.0-9.8 s queueing only two steps of tokens ahead).
         """
         engine = self.engine
         sched = engine.scheduler
-        step_tokens, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
         ids: list[str] = []
         pending: set[str] = set()
         results: dict[str, RequestOutput] = {}
         failed: list[Exception] = []
 
         def admit_next() -> bool:
-            """Preprocess and queue the next prompt, unless a batch of requests and two
-            steps' worth of tokens are queued already."""
-            if not todo or (len(sched.waiting) >= max_seqs
-                            and sched.num_waiting_tokens() >= 2 * step_tokens):
+            """Preprocess and queue the next prompt, if any and if there is room ahead."""
+            if not todo or not sched.has_room_ahead():
                 return False
             rid = engine.add_processed_request(engine.process_request(*todo.popleft()))
             ids.append(rid)
@@ -107,7 +103,7 @@ class LLM:
         bar = tqdm(total=len(todo), desc="Requests", disable=not use_tqdm, unit="req")
         try:
             while todo or pending:
-                while todo and sched.num_waiting_tokens() < step_tokens:
+                while todo and sched.needs_requests():
                     admit_next()
                 for out in engine.step(admit_while_waiting):
                     if out.finished and out.request_id in pending:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from PIL import Image
@@ -76,3 +78,31 @@ class HFOracle:
         assert len(tokens) == max_new_tokens, "transformers stopped early"
         self._cache[key] = tokens
         return tokens
+
+
+def busy_twice(step_result) -> bool:
+    """A `StepResult.ready` stand-in: every step reports the device busy twice, then done."""
+    step_result.polls = getattr(step_result, "polls", 0) + 1
+    return step_result.polls > 2
+
+
+def trace_preprocessing(engine, set_attr=setattr) -> list[tuple[bool, threading.Thread]]:
+    """Wrap the engine's `step` and `process_request` (through `set_attr`, e.g. pytest's
+    `monkeypatch.setattr` to undo it); every preprocessing appends (inside a step?, thread)."""
+    step, process = engine.step, engine.process_request
+    in_step, where = [False], []
+
+    def traced_step(*args):
+        in_step[0] = True
+        try:
+            return step(*args)
+        finally:
+            in_step[0] = False
+
+    def traced_process(*args):
+        where.append((in_step[0], threading.current_thread()))
+        return process(*args)
+
+    set_attr(engine, "step", traced_step)
+    set_attr(engine, "process_request", traced_process)
+    return where

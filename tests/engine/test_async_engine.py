@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import make_image
+from tests.engine.helpers import busy_twice, make_image, trace_preprocessing
 from vlmserve import SamplingParams
 from vlmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestTiming
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
@@ -84,6 +84,43 @@ def test_admission_errors_are_raised_before_streaming(engine) -> None:
     assert wait_idle(engine)["num_streams"] == 0
 
 
+def test_requests_are_preprocessed_on_the_engine_thread_while_it_steps(vlmserve_cache: Path,
+                                                                       monkeypatch) -> None:
+    """Requests arriving while the device runs a step (simulated: each step reports busy
+    twice) are preprocessed there, on the engine thread, with the same outputs; bad input among
+    them fails its caller only."""
+    from vlmserve.worker.model_runner import StepResult
+
+    ps = prompts(6)
+    bad = {"prompt": ps[1]["prompt"], "multi_modal_data": {"image": b"junk"}}
+
+    async def run(eng, p):
+        return [o async for o in eng.generate(p, greedy(8))][-1].outputs[0].token_ids
+
+    async def all_at_once(eng):
+        return await asyncio.gather(*(run(eng, p) for p in ps[:3] + [bad] + ps[3:]),
+                                    return_exceptions=True)
+
+    ref = AsyncLLMEngine.from_kwargs(**OPTS)
+    try:
+        expected = [asyncio.run(run(ref, p)) for p in ps]
+    finally:
+        ref.shutdown()
+
+    monkeypatch.setattr(StepResult, "ready", busy_twice)
+    # a small step: only the first requests are admitted before it, the rest during steps
+    eng = AsyncLLMEngine.from_kwargs(**{**OPTS, "max_num_batched_tokens": 16})
+    try:
+        where = asyncio.run(eng.call(trace_preprocessing))
+        results = asyncio.run(all_at_once(eng))
+    finally:
+        eng.shutdown()
+    assert isinstance(results[3], InvalidImageError)
+    assert results[:3] + results[4:] == expected
+    assert len(where) == 7 and all(thread is eng._thread for _, thread in where)
+    assert any(in_step for in_step, _ in where), "some requests should arrive during a step"
+
+
 @pytest.mark.parametrize("how", ["cancel", "break", "aclose"])
 def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
     finished: list[RequestTiming] = []
@@ -144,7 +181,7 @@ def test_timing(engine) -> None:
 def test_step_failure_and_shutdown_end_every_stream(vlmserve_cache: Path) -> None:
     eng = AsyncLLMEngine.from_kwargs(**OPTS)
 
-    def boom():
+    def boom(*args):
         raise RuntimeError("kaput")
 
     async def main() -> None:

@@ -7,7 +7,13 @@ import io
 
 import pytest
 
-from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from tests.engine.helpers import (
+    busy_twice,
+    chat_prompt,
+    make_image,
+    mixed_prompts,
+    trace_preprocessing,
+)
 from vlmserve import LLM, SamplingParams
 from vlmserve.errors import (
     InvalidImageError,
@@ -246,37 +252,19 @@ def test_generate_preprocesses_while_the_device_is_busy(llm, monkeypatch):
     prompts = mixed_prompts(llm)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
 
-    def busy_twice(self):
-        self.polls = getattr(self, "polls", 0) + 1
-        return self.polls > 2
-
     engine = llm.engine
-    in_step, where = [False], []
-    step, process = engine.step, engine.process_request
-
-    def traced_step(*args):
-        in_step[0] = True
-        try:
-            return step(*args)
-        finally:
-            in_step[0] = False
-
-    def traced_process(*args):
-        where.append(in_step[0])
-        return process(*args)
-
     monkeypatch.setattr(StepResult, "ready", busy_twice)
-    monkeypatch.setattr(engine, "step", traced_step)
-    monkeypatch.setattr(engine, "process_request", traced_process)
+    traced = trace_preprocessing(engine, monkeypatch.setattr)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert len(where) == len(prompts) and 0 < sum(where) < len(prompts)
+    inside = [in_step for in_step, _ in traced]
+    assert len(inside) == len(prompts) and 0 < sum(inside) < len(prompts)
 
     bad = {"prompt": prompts[1]["prompt"], "multi_modal_data": {"image": b"garbage"}}
-    where.clear()
+    traced.clear()
     with pytest.raises(InvalidImageError, match="image 0"):
         llm.generate(prompts[:4] + [bad] + prompts[4:], greedy(), use_tqdm=False)
-    assert where[-1], "the bad prompt should have been reached during a step"
+    assert traced[-1][0], "the bad prompt should have been reached during a step"
     assert not engine.has_unfinished_requests()
     s = engine.get_stats()
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

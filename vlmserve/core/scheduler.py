@@ -111,6 +111,20 @@ class Scheduler:
         """Tokens the waiting requests still have to prefill."""
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
+    # How far a front end preprocesses ahead: synchronously while less than a step's tokens
+    # wait; while the device is busy, up to a batch of requests and two steps of tokens, so
+    # that the long prefill steps of one wave preprocess the next (docs/benchmarks.md, W1).
+
+    def needs_requests(self) -> bool:
+        """Less than one step's worth of prompt tokens waits: admit more before a step."""
+        return self.num_waiting_tokens() < self.max_num_batched_tokens
+
+    def has_room_ahead(self) -> bool:
+        """Queueing one more request ahead is useful (fewer than `max_num_seqs` requests or
+        two steps' worth of prompt tokens wait)."""
+        return (len(self.waiting) < self.max_num_seqs
+                or self.num_waiting_tokens() < 2 * self.max_num_batched_tokens)
+
     # ---- scheduling ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -1,10 +1,14 @@
 """An asyncio front for `LLMEngine`: one background thread owns the engine and runs its step loop.
 
 The engine is not thread-safe, so every call into it (construction, admission, abort, `step`,
-stats, chat templates) happens on that one thread. Callers hand it work through a
-`queue.SimpleQueue` (thread-safe, and safe from `__del__`); the thread loops `step()` while any
-request is unfinished and blocks on the queue when idle. Each request's outputs go to an
-`asyncio.Queue` on the caller's event loop through `loop.call_soon_threadsafe`.
+stats, chat templates) happens on that one thread. Preprocessing (image decoding and
+processing, tokens) runs there too, mostly while the device works on a step
+(`LLMEngine.step(while_waiting=...)`): on other threads it would contend with the step loop for
+the GIL, which cost the offline path a fifth of its time (docs/benchmarks.md, W1). Callers
+hand it work through a `queue.SimpleQueue` (thread-safe, and safe from `__del__`); the thread
+loops `step()` while any request is unfinished and blocks on the queue when idle. Each
+request's outputs go to an `asyncio.Queue` on the caller's event loop through
+`loop.call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -131,8 +135,7 @@ class AsyncLLMEngine:
         self._finish_callbacks: list[Callable[[RequestTiming], None]] = []
         self._error: BaseException | None = None
         self._engine: LLMEngine | None = None  # stepped only by the engine thread
-        self._preprocess = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="vlmserve-preprocess")
+        self._adds: deque[tuple] = deque()  # "add" messages not yet preprocessed (engine thread)
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,),
                                         name="vlmserve-engine", daemon=True)
@@ -164,11 +167,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = RequestStream(self, rid, loop, RequestTiming(time.monotonic()))
-        # preprocessing (images, tokens) runs on a pool, so the engine thread keeps stepping
-        req = await loop.run_in_executor(self._preprocess, self._engine.process_request,
-                                         prompt, params, rid)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(("add", stream, req, fut))
+        self._submit(("add", stream, prompt, params, fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -209,7 +209,6 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._inbox.put(("stop",))
             self._thread.join(timeout)
-        self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     def _check_alive(self) -> None:
         if not self.is_running:
@@ -235,7 +234,7 @@ class AsyncLLMEngine:
         flush = False  # an abort left state for the worker to drop: step once more
         try:
             while True:
-                busy = engine.has_unfinished_requests() or flush
+                busy = engine.has_unfinished_requests() or flush or bool(self._adds)
                 items = [] if busy else [self._inbox.get()]
                 while True:
                     try:
@@ -248,9 +247,11 @@ class AsyncLLMEngine:
                             self._inbox.put(rest)
                         raise EngineDeadError("the engine was shut down")
                     flush |= self._handle(engine, item)
+                while self._adds and engine.scheduler.needs_requests():
+                    self._admit_next(engine)
                 if engine.has_unfinished_requests() or flush:
                     flush = False
-                    outputs = engine.step()
+                    outputs = engine.step(self._admit_ahead)
                     self._deliver(outputs, time.monotonic())
                 self._refresh_stats()
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine stopped
@@ -269,18 +270,7 @@ class AsyncLLMEngine:
         """Act on one inbox message; True if the worker has state to drop."""
         kind = item[0]
         if kind == "add":
-            _, stream, req, fut = item
-            if not fut.set_running_or_notify_cancel():  # the caller gave up before admission
-                return False
-            try:
-                engine.add_processed_request(req)
-            except BaseException as e:  # noqa: BLE001 - reported to the caller
-                fut.set_exception(e)
-                return False
-            req = engine.scheduler.requests[stream.request_id]
-            stream.timing.num_prompt_tokens = req.num_prompt_tokens
-            self._streams[stream.request_id] = stream
-            fut.set_result(None)
+            self._adds.append(item)  # preprocessed and admitted in arrival order
         elif kind == "abort":
             rid = item[1]
             stream = self._streams.pop(rid, None)
@@ -298,6 +288,33 @@ class AsyncLLMEngine:
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 fut.set_exception(e)
         return False
+
+    def _admit_next(self, engine: LLMEngine) -> bool:
+        """Preprocess and admit the oldest pending request; False if there is none. Bad
+        input (or a request id in use) fails the caller's future, not the engine."""
+        if not self._adds:
+            return False
+        _, stream, prompt, params, fut = self._adds.popleft()
+        if not fut.set_running_or_notify_cancel():  # the caller gave up before admission
+            return True
+        try:
+            if stream.request_id in engine.scheduler.requests:
+                raise ValueError(f"request id {stream.request_id!r} is already in use")
+            engine.add_processed_request(
+                engine.process_request(prompt, params, stream.request_id))
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            fut.set_exception(e)
+            return True
+        req = engine.scheduler.requests[stream.request_id]
+        stream.timing.num_prompt_tokens = req.num_prompt_tokens
+        self._streams[stream.request_id] = stream
+        fut.set_result(None)
+        return True
+
+    def _admit_ahead(self) -> bool:
+        """While the device runs a step: one more pending request, if there is room ahead."""
+        assert self._engine is not None
+        return self._engine.scheduler.has_room_ahead() and self._admit_next(self._engine)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -327,6 +344,10 @@ class AsyncLLMEngine:
                 logger.exception("finish callback failed")
 
     def _fail_pending(self, err: BaseException) -> None:
+        while self._adds:
+            fut = self._adds.popleft()[-1]
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
         while True:
             try:
                 item = self._inbox.get_nowait()
