@@ -344,8 +344,11 @@ class AsyncLLMEngine:
                 logger.exception("finish callback failed")
 
     def _fail_pending(self, err: BaseException) -> None:
-        while self._adds:
-            fut = self._adds.popleft()[-1]
+        while True:  # also from a caller's thread once the engine thread is gone
+            try:
+                fut = self._adds.popleft()[-1]
+            except IndexError:
+                break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
         while True:
