@@ -3,7 +3,8 @@
 # device call when they fit its 10-minute limit. Usage (device tool, repo root):
 #   bash benchmarks/run_h200.sh SECTION [SECTION...]
 #   checks  : GPU tests (Triton kernels and fused ops, CUDA graphs, offload streams), CUDA parity
-#   quick   : fused ops, CUDA graphs and vision kernel tests only
+#   quick   : fused ops, CUDA graphs and vision kernel tests, and the image processing parity
+#             with HF (torchvision backend there)
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   final   : CUDA graph tests, 2B and 7B decode (one short call)
@@ -36,7 +37,8 @@ checks)
     -o addopts="" tests/engine/test_parity.py ;;
 quick)
   step gpu_quick 150 python -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py ;;
+    tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py \
+    tests/models/test_processing.py ;;
 speed)
   step speed_2b 280 $B.kernels --model qwen2-vl-2b-random --num-requests 512 \
     --decode-batches 1,64 --profile --out "$OUT/speed_2b.json" ;;

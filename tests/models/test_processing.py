@@ -155,6 +155,8 @@ def test_image_hashes(processor: Qwen2VLInputProcessor, tiny_qwen25_vl_path: Pat
     assert hash_image(a) != hash_image(a, extra="other settings")
     assert hash_image(a) != hash_image(a.convert("L").convert("RGB"))
     assert hash_image(Image.new("RGB", (2, 3))) != hash_image(Image.new("RGB", (3, 2)))
+    assert hash_image(np.asarray(a)) == hash_image(a)  # the array path hashes the same bytes
+    assert hash_image(np.asarray(a)[:, ::-1]) == hash_image(a.transpose(Image.FLIP_LEFT_RIGHT))
 
     prompt = processor.apply_chat_template(chat(3))
     out = processor.process(prompt, None, [a, b, a_copy])

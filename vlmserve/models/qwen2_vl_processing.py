@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -129,7 +130,10 @@ class Qwen2VLInputProcessor:
                 prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
             )
 
-        pixel_values, grids = self._run_image_processor(images)
+        # one copy of each image's pixels serves the hash and the image processor (which
+        # would otherwise convert the PIL image itself, and the hash read it a second time)
+        arrays = [np.asarray(img if img.mode == "RGB" else img.convert("RGB")) for img in images]
+        pixel_values, grids = self._run_image_processor(arrays)
         out_ids: list[int] = []
         placed: list[tuple[int, tuple[int, int, int]]] = []
         cursor = 0
@@ -148,14 +152,14 @@ class Qwen2VLInputProcessor:
         sizes = [t * h * w for t, h, w in grids]
         image_inputs = [
             ImageInput(
-                mm_hash=hash_image(image, self._hash_extra),
+                mm_hash=hash_image(array, self._hash_extra),
                 offset=offset,
                 length=self.num_image_tokens(grid),
                 pixel_values=pv,
                 grid_thw=grid,
             )
-            for image, (offset, grid), pv in zip(
-                images, placed, torch.split(pixel_values, sizes), strict=True
+            for array, (offset, grid), pv in zip(
+                arrays, placed, torch.split(pixel_values, sizes), strict=True
             )
         ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
@@ -164,7 +168,7 @@ class Qwen2VLInputProcessor:
         )
 
     def _run_image_processor(
-        self, images: Sequence[Image.Image]
+        self, images: Sequence[np.ndarray]
     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         try:
             out = self.image_processor(images=list(images), return_tensors="pt")
