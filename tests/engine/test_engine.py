@@ -268,3 +268,30 @@ def test_generate_preprocesses_while_the_device_is_busy(llm, monkeypatch):
     assert not engine.has_unfinished_requests()
     s = engine.get_stats()
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_device_timeline_counts_busy_and_idle_time(monkeypatch):
+    """Steps' device time from their start/end events: busy inside steps, idle between one
+    step's end and the next one's start; a step still running is counted later."""
+    from vlmserve.worker.model_runner import DeviceTimeline
+
+    class FakeEvent:  # a timing event the "device" reached at `t_ms`, or not yet (None)
+        def __init__(self, t_ms):
+            self.t = t_ms
+
+        def query(self):
+            return self.t is not None
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    times = iter([0.0, 5.0, 5.0, 9.0, 12.0, None])  # start/end of three steps
+    monkeypatch.setattr(DeviceTimeline, "mark", staticmethod(lambda: FakeEvent(next(times))))
+    timeline = DeviceTimeline()
+    for _ in range(3):
+        timeline.add(timeline.mark())
+    # steps 1 and 2 back to back (5 + 4 ms busy); step 3 started 3 ms after step 2 ended
+    assert (timeline.busy_s, timeline.idle_s) == pytest.approx((0.009, 0.0))  # 3 not done
+    timeline._pending[0][1].t = 20.0
+    timeline.collect()
+    assert (timeline.busy_s, timeline.idle_s) == pytest.approx((0.017, 0.003))

@@ -29,6 +29,8 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
         results[name] = [o.outputs[0].token_ids for o in outs]
         if name == "graphs":
             assert llm.engine.executor.runner.num_graph_steps > 0
+            s = llm.engine.get_stats()  # the device timeline counted every step
+            assert s["device_busy_s"] > 0 and s["device_idle_s"] >= 0
         if name == "eager":
             assert llm.engine.executor.runner.graphs is None
     assert results["graphs"] == results["sync"] == results["eager"] == results["torch"] \

@@ -219,6 +219,9 @@ class LLMEngine:
         s = self.scheduler.stats()
         runner = self.executor.runner
         store = runner.store
+        timeline = runner.timeline
+        if timeline is not None:
+            timeline.collect()
         return {
             **s.__dict__,
             "num_kv_blocks": self.scheduler.kv.num_blocks,
@@ -231,6 +234,9 @@ class LLMEngine:
             "prefetch_miss_rows": store.stats.prefetch_miss_rows,
             "prefetch_waits": store.stats.prefetch_waits,
             "encoder_batches": runner.encoder.num_batches,
+            # device seconds in steps / between them (CUDA; None elsewhere)
+            "device_busy_s": timeline.busy_s if timeline is not None else None,
+            "device_idle_s": timeline.idle_s if timeline is not None else None,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),

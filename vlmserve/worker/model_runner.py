@@ -11,6 +11,7 @@ read back (async scheduling) takes those tokens straight from `sampled` on the d
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,39 @@ class StepResult:
         return self._tokens
 
 
+class DeviceTimeline:
+    """Device time of the steps, from timing events around each on the compute stream: busy
+    (from a step's first operation to its last) and idle (from the end of one step to the
+    start of the next: the device waited for the host, or had nothing to do). CUDA only;
+    seconds, counted once a step has run on the device."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._last_end: torch.cuda.Event | None = None
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start: torch.cuda.Event) -> None:
+        """The step that began at `start` has been queued up to here."""
+        self._pending.append((start, self.mark()))
+        self.collect()
+
+    def collect(self) -> None:
+        """Count the steps the device has finished."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.busy_s += start.elapsed_time(end) / 1e3
+            if self._last_end is not None:
+                self.idle_s += max(self._last_end.elapsed_time(start), 0.0) / 1e3
+            self._last_end = end
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
@@ -90,6 +124,7 @@ class ModelRunner:
         self._paused_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
+        self.timeline = DeviceTimeline() if device.type == "cuda" else None
         if cuda_graph_max_batch > 0:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(model, self.kv_caches, self.sampled,
@@ -127,6 +162,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         """Queue the step; its result holds the token sampled for each request whose chunk
         reached the end of its tokens."""
+        start = self.timeline.mark() if self.timeline is not None else None
         self._update_states(so)
         self.store.begin_step()
         self.encoder.run([self.requests[rid].images[i]
@@ -136,6 +172,8 @@ class ModelRunner:
             return self._run_lm(so)
         finally:
             self.store.end_step()
+            if start is not None:
+                self.timeline.add(start)
 
     def _run_lm(self, so: SchedulerOutput) -> StepResult:
         if so.is_empty:
