@@ -9,7 +9,7 @@
 #   vision  : the same with the Triton varlen kernel in the vision tower
 #   final   : CUDA graph tests, 2B and 7B decode (one short call)
 #   decode  : 2B decode at batch 1, 64, 256 and 7B at batch 1 (no tests)
-#   all     : quick, then speed, 7B decode, W1 throughput, in one call (~8 minutes)
+#   all     : quick, speed, decode, W1 throughput, in one call (~8 minutes)
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
@@ -59,9 +59,7 @@ decode)
   step speed_7b 80 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
     --decode-only --out "$OUT/speed_7b.json" ;;
 all)
-  TAIL=3 bash "$0" quick speed
-  step speed_7b 100 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
-    --decode-only --out "$OUT/speed_7b.json"
+  TAIL=3 bash "$0" quick speed decode
   TAIL=4 bash "$0" w1 ;;
 speed7b)
   step speed_7b 200 $B.kernels --model qwen2.5-vl-7b-random --decode-batches 1 \
