@@ -231,3 +231,21 @@ def test_lagged_updates_give_the_same_tokens_and_free_everything(kv_blocks):
         if kv_blocks == 12:
             assert sched.num_preemptions > 0
     assert results[0] == results[1]
+
+
+def test_how_far_front_ends_preprocess_ahead():
+    """Admit synchronously while less than a step's tokens wait; queue ahead until both a
+    batch of requests (max_num_seqs) and two steps' worth of tokens wait."""
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=32)
+    assert sched.needs_requests() and sched.has_room_ahead()
+    sched.add_request(make_request("a", 20))
+    assert sched.num_waiting_tokens() == 20 and sched.needs_requests()
+    sched.add_request(make_request("b", 20))
+    assert not sched.needs_requests() and sched.has_room_ahead()  # 40 tokens, 2 requests
+    sched.add_request(make_request("c", 20))
+    assert sched.has_room_ahead()  # 3 requests, but 60 < 64 tokens
+    sched.add_request(make_request("d", 8))
+    assert not sched.has_room_ahead()  # 4 requests and 68 tokens
+    so = sched.schedule()  # a and b (32 tokens: a whole, 12 of b) leave the queue
+    assert set(so.num_scheduled_tokens) == {"a", "b"}
+    assert sched.num_waiting_tokens() == 28 and sched.needs_requests()
