@@ -130,9 +130,10 @@ class Qwen2VLInputProcessor:
                 prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
             )
 
-        # one copy of each image's pixels serves the hash and the image processor (which
-        # would otherwise convert the PIL image itself, and the hash read it a second time)
-        arrays = [np.asarray(img if img.mode == "RGB" else img.convert("RGB")) for img in images]
+        # one (writable) array of each image's pixels serves the hash and the image processor,
+        # which would otherwise convert the PIL image again
+        arrays = [np.array(img if img.mode == "RGB" else img.convert("RGB")) for img in images]
+        hashes = [hash_image(a, self._hash_extra) for a in arrays]
         pixel_values, grids = self._run_image_processor(arrays)
         out_ids: list[int] = []
         placed: list[tuple[int, tuple[int, int, int]]] = []
@@ -152,14 +153,14 @@ class Qwen2VLInputProcessor:
         sizes = [t * h * w for t, h, w in grids]
         image_inputs = [
             ImageInput(
-                mm_hash=hash_image(array, self._hash_extra),
+                mm_hash=mm_hash,
                 offset=offset,
                 length=self.num_image_tokens(grid),
                 pixel_values=pv,
                 grid_thw=grid,
             )
-            for array, (offset, grid), pv in zip(
-                arrays, placed, torch.split(pixel_values, sizes), strict=True
+            for mm_hash, (offset, grid), pv in zip(
+                hashes, placed, torch.split(pixel_values, sizes), strict=True
             )
         ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
