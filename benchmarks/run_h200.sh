@@ -67,7 +67,7 @@ speed7b)
 w1)
   step w1 490 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
-    --hf-batch-size 64 --max-num-seqs 256 --repeats 3 --out "$OUT/w1.json" ;;
+    --hf-batch-size 64 --max-num-seqs 256 --repeats 3 --host-profile --out "$OUT/w1.json" ;;
 w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \

@@ -13,7 +13,8 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     out = tmp_path / "tp.json"
     main(["bench", "throughput", "--model", "tiny-qwen2-vl", "--num-requests", "6",
           "--image-sizes", "56,84", "--prompt-len", "8", "--output-len", "4",
-          "--backend", "both", "--hf-batch-size", "4", "--repeats", "2", "--out", str(out)])
+          "--backend", "both", "--hf-batch-size", "4", "--repeats", "2", "--host-profile",
+          "--out", str(out)])
     ours, hf = json.loads(out.read_text())["results"]
     assert ours["backend"] == "vlmserve" and hf["backend"] == "hf"
     assert ours["total_output_tokens"] == hf["total_output_tokens"] == 24
@@ -23,6 +24,7 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     assert steps["prefill"]["steps"] + steps["decode_only"]["steps"] < ours["engine_steps"]
     assert len(ours["passes_elapsed_s"]) == 2 and ours["passes_elapsed_s"][0] == ours["elapsed_s"]
     assert ours["median_output_tokens_per_s"] > 0
+    assert any("function calls" in line for line in ours["host_profile"])
 
 
 def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):

@@ -53,7 +53,7 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
-    host_profile = _host_profile(engine, steps=32) if profile else None
+    host = host_profile(lambda: [engine.step() for _ in range(32)]) if profile else None
     engine.abort_request(rids)
     runner = llm.engine.executor.runner
     model = runner.model
@@ -73,8 +73,8 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
         row["graph_replay_ms"] = _time_cuda(graph.replay)
         if profile:
             row["graph_kernels"] = _kernel_table(graph.replay)
-    if host_profile:
-        row["host_profile"] = host_profile
+    if host:
+        row["host_profile"] = host
     return row
 
 
@@ -124,16 +124,16 @@ def projections(llm, ceilings: dict) -> list[dict]:
     return rows
 
 
-def _host_profile(engine, steps: int, top: int = 30) -> list[str]:
-    """cProfile of `steps` engine steps: where the host's time per step goes."""
+def host_profile(fn, top: int = 30) -> list[str]:
+    """cProfile of `fn()`: the host functions with the most own time (a blocking device
+    sync shows as a C call with a large own time)."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(steps):
-        engine.step()
+    fn()
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)

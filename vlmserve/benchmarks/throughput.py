@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -62,10 +63,12 @@ class _StepTimes:
 
 
 def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwargs: dict,
-                 more_passes: list[list[BenchRequest]] = ()) -> dict:
+                 more_passes: list[list[BenchRequest]] = (),
+                 profiled: list[BenchRequest] | None = None) -> dict:
     """The timed pass over `reqs` after a warm-up pass; then, timed too, each of
     `more_passes` (requests like `reqs` with other images), for the spread of a warm
-    process."""
+    process; then, untimed, a pass over `profiled` under cProfile (where the host's time
+    goes)."""
     from vlmserve import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
@@ -101,6 +104,11 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
         result["passes_elapsed_s"] = passes
         result["median_output_tokens_per_s"] = (result["total_output_tokens"]
                                                 / statistics.median(passes))
+    if profiled:
+        from vlmserve.benchmarks.kernels import host_profile
+
+        result["host_profile"] = host_profile(functools.partial(
+            llm.generate, [r.prompt for r in profiled], params(profiled), use_tqdm=False))
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del llm, outs
@@ -200,6 +208,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "for transformers)")
     ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve")
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after the timed passes, one more (random-mm, new images) under "
+                         "cProfile; its top functions by own time go to the JSON")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes of ours (random-mm; each with new images); the first "
                          "is compared with transformers, all are reported with their median")
@@ -239,6 +250,9 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     if args.warmup == "full" and synthetic:
         warm = like_reqs(args.seed + 1)
     more = [like_reqs(args.seed + 2 + i) for i in range(args.repeats - 1)]
+    if args.host_profile and not synthetic:
+        raise SystemExit("--host-profile needs random-mm (new images for the profiled pass)")
+    profiled = like_reqs(args.seed + 1000) if args.host_profile else None
     results = []
 
     def report(row: dict) -> None:  # printed and saved as each backend finishes
@@ -257,7 +271,7 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
             fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend),
-            more))
+            more, profiled))
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
