@@ -206,7 +206,8 @@ def _run_processed(llm, reqs) -> float:
 
 def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> dict:
     """W1 requests with one output token: achieved FLOP/s (vision + LM) over the matmul rate,
-    end to end (preprocessing on the engine's thread pool) and engine only."""
+    end to end (`LLM.generate`, preprocessing included) and engine only (preprocessed
+    beforehand), with the device's idle seconds in each."""
     from vlmserve import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -223,7 +224,9 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
     preprocess_s = time.perf_counter() - t0
     flops = sum(_prompt_flops(model, cfg, p) for p in processed)
+    idle0 = llm.engine.get_stats()["device_idle_s"]
     engine_s = _run_processed(llm, processed)
+    idle1 = llm.engine.get_stats()["device_idle_s"]
     # end to end, with new image content so that the encoder cache cannot serve it
     reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
                      prompt_len=50, output_len=1, seed=4)
@@ -232,9 +235,11 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     torch.cuda.synchronize()
     e2e_s = time.perf_counter() - t0
+    idle2 = llm.engine.get_stats()["device_idle_s"]
     peak = ceilings["matmul_bf16_tflops"] * 1e12
     return {"requests": num_requests, "tflop": flops / 1e12,
             "serial_preprocess_s": preprocess_s, "engine_s": engine_s, "end_to_end_s": e2e_s,
+            "engine_device_idle_s": idle1 - idle0, "end_to_end_device_idle_s": idle2 - idle1,
             "engine_tflops": flops / engine_s / 1e12,
             "engine_fraction_of_matmul_rate": flops / engine_s / peak,
             "end_to_end_fraction_of_matmul_rate": flops / e2e_s / peak}
