@@ -295,3 +295,7 @@ def test_device_timeline_counts_busy_and_idle_time(monkeypatch):
     timeline._pending[0][1].t = 20.0
     timeline.collect()
     assert (timeline.busy_s, timeline.idle_s) == pytest.approx((0.017, 0.003))
+    times = iter([30.0, 31.0])  # a step long after: no idle counted across a restart
+    timeline.restart_idle()
+    timeline.add(timeline.mark())
+    assert (timeline.busy_s, timeline.idle_s) == pytest.approx((0.018, 0.003))

@@ -224,6 +224,7 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
     preprocess_s = time.perf_counter() - t0
     flops = sum(_prompt_flops(model, cfg, p) for p in processed)
+    llm.engine.executor.runner.timeline.restart_idle()  # not the preprocessing just done
     idle0 = llm.engine.get_stats()["device_idle_s"]
     engine_s = _run_processed(llm, processed)
     idle1 = llm.engine.get_stats()["device_idle_s"]

@@ -84,6 +84,13 @@ class DeviceTimeline:
         self._pending.append((start, self.mark()))
         self.collect()
 
+    def restart_idle(self) -> None:
+        """Do not count the gap before the next step as idle (the caller was busy elsewhere,
+        e.g. preparing a benchmark); steps still running are counted as usual."""
+        self.collect()
+        if not self._pending:
+            self._last_end = None
+
     def collect(self) -> None:
         """Count the steps the device has finished."""
         while self._pending and self._pending[0][1].query():
