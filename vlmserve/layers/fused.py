@@ -7,7 +7,9 @@ one hand-written Triton kernel per piece (`layers/triton_ops.py`, the default on
 `FusedOps("compile")` wraps these same functions in `torch.compile` instead. The CUDA graphs
 of decode capture either. The eager versions compute exactly what transformers computes
 (float32 norm, cast, then weight). `linear` is here too: on CUDA a one-token projection runs
-a Triton GEMV, which streams the weight faster than the library GEMM at that shape.
+a Triton GEMV, which streams the weight faster than the library GEMM at that shape; and
+`rms_norm_linear`, the decoder's norm -> projection (-> SiLU-and-mul), which for one token
+and a narrow input is that GEMV with the norm and SiLU folded in (three launches fewer).
 """
 
 from __future__ import annotations
