@@ -107,6 +107,43 @@ def test_rms_norm_linear(dtype, out_f, in_f, bias, gated, with_residual, tokens)
         assert s.data_ptr() not in (x.data_ptr(), r.data_ptr()), "inputs are not overwritten"
 
 
+# (hidden, heads, kv_heads, head_dim): 2B attention, a 7B-like width (separate kernels), odd
+QKV_ROPE_SHAPES = ([(1536, 12, 2, 128), (3584, 28, 4, 128), (600, 3, 1, 80)] if ON_GPU
+                   else [(64, 4, 2, 16), (600, 3, 1, 8)])
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim", QKV_ROPE_SHAPES)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_rms_norm_qkv_rope(dtype, hidden, heads, kv_heads, head_dim, with_residual, tokens):
+    """Norm + QKV projection + rotary + paged-KV write: one launch for one token (the
+    separate kernels for more); rotated q, residual sum and the cache match the eager ops."""
+    n_out = (heads + 2 * kv_heads) * head_dim
+    x = _randn(tokens, hidden, dtype=dtype, seed=1)
+    r = _randn(tokens, hidden, dtype=dtype, seed=4) if with_residual else None
+    nw = 1 + 0.1 * _randn(hidden, dtype=dtype, seed=5)
+    w = _randn(n_out, hidden, dtype=dtype, seed=2) * hidden**-0.5
+    b = _randn(n_out, dtype=dtype, seed=3)
+    rope = MRotaryEmbedding(head_dim, 1e6, [head_dim // 8, 3 * head_dim // 16,
+                                            head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+                            ).to(DEVICE)
+    g = torch.Generator().manual_seed(6)
+    cos, sin = rope.cos_sin(torch.randint(0, 5000, (3, tokens), generator=g).to(DEVICE), dtype)
+    slots = torch.randperm(4 * 8, generator=g)[:tokens].to(DEVICE)  # 4 blocks of 8 slots
+    caches = [torch.zeros(2, 4, 8, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+              for _ in range(2)]
+    args = (nw, 1e-6, w, b, heads, kv_heads, cos, sin)
+    q_ref, s_ref = fused.compose_rms_norm_qkv_rope(fused.EAGER_OPS, x, r, *args, caches[0],
+                                                   slots)
+    q, s = triton_ops.rms_norm_qkv_rope(x, r, *args, caches[1], slots)
+    assert q.shape == q_ref.shape == (tokens, heads, head_dim)
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
+    torch.testing.assert_close(s.float(), s_ref.float(), **TOL[dtype])
+    torch.testing.assert_close(caches[1].float(), caches[0].float(), **TOL[dtype])
+    assert caches[1].flatten(1, 2)[:, slots].abs().sum(-1).gt(0).all(), "k and v written"
+
+
 @DTYPES
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (16, 16, 80), (4, 1, 64)])
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -9,7 +9,9 @@ of decode capture either. The eager versions compute exactly what transformers c
 (float32 norm, cast, then weight). `linear` is here too: on CUDA a one-token projection runs
 a Triton GEMV, which streams the weight faster than the library GEMM at that shape; and
 `rms_norm_linear`, the decoder's norm -> projection (-> SiLU-and-mul), which for one token
-and a narrow input is that GEMV with the norm and SiLU folded in (three launches fewer).
+and a narrow input is that GEMV with the norm and SiLU folded in, and `rms_norm_qkv_rope`,
+the same for the QKV projection with rotary and the paged-KV write folded in too (four
+launches fewer per layer).
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def compose_rms_norm_linear(ops, x: torch.Tensor, residual: torch.Tensor | None,
     return (ops.silu_mul(y) if gated_silu else y), s
 
 
+def compose_rms_norm_qkv_rope(ops, x: torch.Tensor, residual: torch.Tensor | None,
+                              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              bias: torch.Tensor | None, heads: int, kv_heads: int,
+                              cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_qkv_rope` from `ops.rms_norm_linear` and `ops.rotary_qk_cache`."""
+    T = x.shape[0]
+    qkv, s = ops.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    d = weight.shape[0] // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = ops.rotary_qk_cache(q.view(T, heads, d), k.view(T, kv_heads, d),
+                            v.view(T, kv_heads, d), cos, sin, kv_cache, slots)
+    return q, s
+
+
 FUSED_OPS_KINDS = ("auto", "eager", "triton", "compile")
 
 
@@ -132,6 +149,10 @@ class FusedOps:
         # for a single token
         self.rms_norm_linear = (impl.rms_norm_linear if impl is not None
                                 else functools.partial(compose_rms_norm_linear, self))
+        # and the attention's front: norm -> QKV projection -> rotary on q and k, k and v to
+        # the paged cache; returns (rotated q [T, heads, D], the residual sum)
+        self.rms_norm_qkv_rope = (impl.rms_norm_qkv_rope if impl is not None
+                                  else functools.partial(compose_rms_norm_qkv_rope, self))
 
     @classmethod
     def for_device(cls, kind: str, device: torch.device) -> FusedOps:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vlmserve.layers.fused import compose_rms_norm_linear
+from vlmserve.layers.fused import compose_rms_norm_linear, compose_rms_norm_qkv_rope
 
 
 @triton.jit
@@ -212,6 +212,95 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
 
 
 @triton.jit
+def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, cos_ptr, sin_ptr,
+                     cache_ptr, slot_ptr, stride_w, eps, plane, num_q_heads, num_kv_heads,
+                     K: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HALF: tl.constexpr, BK: tl.constexpr, NUM_K: tl.constexpr):
+    """One token: rms_norm(x (+ residual)) -> QKV projection (+ bias) -> rotate-half on the
+    q and k heads -> k and v to the token's paged-cache slot. Program p owns rows d and
+    d + HALF of head p // HALF (d = p % HALF), the pair that rotary mixes. The projection is
+    rounded to the activation dtype before the rotation, as when the separate kernels store
+    it; the norm is applied as in `_gemv_kernel` (1/rms after the product)."""
+    dt = y_ptr.dtype.element_ty
+    p = tl.program_id(0)
+    head = p // HALF
+    d = p % HALF
+    row = head * (2 * HALF) + d
+    w_a = w_ptr + row.to(tl.int64) * stride_w
+    w_b = w_a + HALF * stride_w
+    acc_a = tl.zeros([BK], tl.float32)
+    acc_b = tl.zeros([BK], tl.float32)
+    sq = tl.zeros([BK], tl.float32)
+    for i in tl.static_range(0, NUM_K):
+        ks = i * BK + tl.arange(0, BK)
+        k_ok = ks < K
+        wa = tl.load(w_a + ks, mask=k_ok, other=0.0)
+        wb = tl.load(w_b + ks, mask=k_ok, other=0.0)
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                 ).to(dt)
+            tl.store(s_ptr + ks, x, mask=k_ok & (p == 0))
+        x = x.to(tl.float32)
+        sq += x * x
+        x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc_a += wa.to(tl.float32) * x
+        acc_b += wb.to(tl.float32) * x
+    inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    ya = tl.sum(acc_a, axis=0) * inv
+    yb = tl.sum(acc_b, axis=0) * inv
+    if HAS_BIAS:
+        ya += tl.load(b_ptr + row).to(tl.float32)
+        yb += tl.load(b_ptr + row + HALF).to(tl.float32)
+    ya = ya.to(dt).to(tl.float32)
+    yb = yb.to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    sn = tl.load(sin_ptr + d).to(tl.float32)
+    rotate = head < num_q_heads + num_kv_heads  # q and k heads; v heads pass through
+    out_a = tl.where(rotate, ya * c - yb * sn, ya).to(dt)
+    out_b = tl.where(rotate, yb * c + ya * sn, yb).to(dt)
+    tl.store(y_ptr + row, out_a)
+    tl.store(y_ptr + row + HALF, out_b)
+    # cache [2, slots, kv_heads, 2 * HALF]: k heads to plane 0, v heads to plane 1
+    kv = head - num_q_heads
+    to_cache = kv >= 0
+    is_v = kv >= num_kv_heads
+    g = tl.where(is_v, kv - num_kv_heads, kv)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    dst = (cache_ptr + tl.where(is_v, plane, 0) + (slot * num_kv_heads + g) * (2 * HALF) + d)
+    ty = cache_ptr.dtype.element_ty
+    tl.store(dst, out_a.to(ty), mask=to_cache)
+    tl.store(dst + HALF, out_b.to(ty), mask=to_cache)
+
+
+def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      eps: float, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
+                      kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: torch.Tensor, slots: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused.rms_norm_qkv_rope`: for a single token and a narrow input one launch (norm,
+    QKV GEMV, rotary, KV write); otherwise `rms_norm_linear` and the rotary kernel."""
+    n_out, K = weight.shape
+    d = n_out // (heads + 2 * kv_heads)
+    if K > _NORM_GEMV_MAX_IN or not _gemv_fits(x, weight) or x.shape[0] != 1 or d % 2 \
+            or (residual is not None and residual.stride(-1) != 1) \
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not kv_cache.is_contiguous():
+        return compose_rms_norm_qkv_rope(sys.modules[__name__], x, residual, norm_weight, eps,
+                                         weight, bias, heads, kv_heads, cos, sin, kv_cache,
+                                         slots)
+    y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    _, bk, warps = _gemv_config(K)
+    _qkv_rope_kernel[(n_out // 2,)](
+        x, residual if residual is not None else x, norm_weight, weight,
+        bias if bias is not None else weight, y, total, cos, sin, kv_cache, slots,
+        weight.stride(0), eps, kv_cache[0].numel(), heads, kv_heads, K=K,
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=d // 2, BK=bk,
+        NUM_K=triton.cdiv(K, bk), num_warps=warps)
+    return y[:, :heads * d].view(1, heads, d), total
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -341,4 +430,5 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
 
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",
-           "rms_norm_linear", "rotary_qk", "rotary_qk_cache", "rotary_qk_float32", "silu_mul"]
+           "rms_norm_linear", "rms_norm_qkv_rope", "rotary_qk", "rotary_qk_cache",
+           "rotary_qk_float32", "silu_mul"]

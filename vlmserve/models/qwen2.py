@@ -25,15 +25,12 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x, residual, norm: RMSNorm, cos, sin, kv_cache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention output, residual stream): `norm` (with the residual add) and the QKV
-        projection are one op."""
+        """(attention output, residual stream): `norm` (with the residual add), the QKV
+        projection, rotary and the KV-cache write are one op."""
         T = x.shape[0]
-        qkv, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                                 self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split(self.qkv_proj.out_sizes, dim=-1)
-        q = self.ops.rotary_qk_cache(
-            q.view(T, self.heads, self.head_dim), k.view(T, self.kv_heads, self.head_dim),
-            v.view(T, self.kv_heads, self.head_dim), cos, sin, kv_cache, meta.slot_mapping)
+        q, residual = self.ops.rms_norm_qkv_rope(
+            x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+            self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping)
         o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, -1)), residual
 
