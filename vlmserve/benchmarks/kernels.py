@@ -191,6 +191,15 @@ def _prompt_flops(model, cfg, processed) -> float:
     return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
 
 
+def device_idle_during(engine, fn):
+    """(fn(), the device's idle seconds between the steps it ran): the gap before its first
+    step (the caller preparing it) is not counted. CUDA only."""
+    engine.executor.runner.timeline.restart_idle()
+    before = engine.get_stats()["device_idle_s"]
+    result = fn()
+    return result, engine.get_stats()["device_idle_s"] - before
+
+
 def _run_processed(llm, reqs) -> float:
     """Seconds for the engine to finish already-processed requests (no preprocessing)."""
     engine = llm.engine
@@ -224,23 +233,23 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
     preprocess_s = time.perf_counter() - t0
     flops = sum(_prompt_flops(model, cfg, p) for p in processed)
-    llm.engine.executor.runner.timeline.restart_idle()  # not the preprocessing just done
-    idle0 = llm.engine.get_stats()["device_idle_s"]
-    engine_s = _run_processed(llm, processed)
-    idle1 = llm.engine.get_stats()["device_idle_s"]
+    engine_s, engine_idle = device_idle_during(llm.engine, lambda: _run_processed(llm, processed))
     # end to end, with new image content so that the encoder cache cannot serve it
     reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
                      prompt_len=50, output_len=1, seed=4)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    e2e_s = time.perf_counter() - t0
-    idle2 = llm.engine.get_stats()["device_idle_s"]
+
+    def end_to_end() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    e2e_s, e2e_idle = device_idle_during(llm.engine, end_to_end)
     peak = ceilings["matmul_bf16_tflops"] * 1e12
     return {"requests": num_requests, "tflop": flops / 1e12,
             "serial_preprocess_s": preprocess_s, "engine_s": engine_s, "end_to_end_s": e2e_s,
-            "engine_device_idle_s": idle1 - idle0, "end_to_end_device_idle_s": idle2 - idle1,
+            "engine_device_idle_s": engine_idle, "end_to_end_device_idle_s": e2e_idle,
             "engine_tflops": flops / engine_s / 1e12,
             "engine_fraction_of_matmul_rate": flops / engine_s / peak,
             "end_to_end_fraction_of_matmul_rate": flops / e2e_s / peak}

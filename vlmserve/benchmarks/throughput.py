@@ -79,6 +79,8 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
 
     llm.generate([r.prompt for r in warm], params(warm), use_tqdm=False)
     _sync()
+    if llm.engine.executor.runner.timeline is not None:
+        llm.engine.executor.runner.timeline.restart_idle()  # from the pass's first step
     before = llm.engine.get_stats()
     steps = _StepTimes(llm.engine)
     t0 = time.perf_counter()

@@ -86,13 +86,21 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 
 @triton.jit
-def _gemv_input(x_ptr, r_ptr, ks, k_ok, HAS_RES: tl.constexpr):
-    """A K tile of the GEMV input in float32: x, or x + residual rounded to x's dtype."""
+def _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, store_sum, HAS_RES: tl.constexpr,
+                NORM: tl.constexpr):
+    """A K tile of the GEMV input in float32 and its squares (for the norm): x, or x +
+    residual rounded to x's dtype (stored to s where `store_sum`); with NORM, times the norm
+    weight (the 1/rms scale comes after the product)."""
     x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
     if HAS_RES:
-        r = tl.load(r_ptr + ks, mask=k_ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
+        x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+             ).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + ks, x, mask=k_ok & store_sum)
+    x = x.to(tl.float32)
+    sq = x * x
+    if NORM:
+        x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    return x, sq
 
 
 @triton.jit
@@ -108,8 +116,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, 
     the weight loads never wait on the norm; program 0 stores the sum x + residual (rounded
     to the activation dtype, as the input is) to s. HAS_RES needs NORM. Unlike the separate
     kernels, the normed input is not rounded to the activation dtype before the product
-    (bf16: about a unit in the last place; the GPU tests bound it). GATED: rows n and N + n are gate
-    and up, y[n] = silu(gate) * up, each rounded as the separate kernels do."""
+    (bf16: about a unit in the last place; the GPU tests bound it). GATED: rows n and N + n
+    are gate and up, y[n] = silu(gate) * up, each rounded as the separate kernels do."""
     dt = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_ok = rows < N
@@ -124,15 +132,10 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, 
         w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
         if GATED:
             w_up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0)
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                 ).to(dt)
-            tl.store(s_ptr + ks, x, mask=k_ok & (tl.program_id(0) == 0))
-        x = x.to(tl.float32)
+        x, x2 = _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, tl.program_id(0) == 0,
+                            HAS_RES, NORM)
         if NORM:
-            sq += x * x
-            x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            sq += x2
         acc += w.to(tl.float32) * x[None, :]
         if GATED:
             acc_up += w_up.to(tl.float32) * x[None, :]
@@ -236,14 +239,8 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, cos_ptr, 
         k_ok = ks < K
         wa = tl.load(w_a + ks, mask=k_ok, other=0.0)
         wb = tl.load(w_b + ks, mask=k_ok, other=0.0)
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                 ).to(dt)
-            tl.store(s_ptr + ks, x, mask=k_ok & (p == 0))
-        x = x.to(tl.float32)
-        sq += x * x
-        x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x, x2 = _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, p == 0, HAS_RES, True)
+        sq += x2
         acc_a += wa.to(tl.float32) * x
         acc_b += wb.to(tl.float32) * x
     inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)

@@ -37,21 +37,22 @@ class CachedRequestState(NewRequestData):
 
 class StepResult:
     """The tokens one step sampled: `get()` waits for them once, appends them to the request
-    states still alive, and returns {request id: token}."""
+    states still alive, and returns {request id: token}. `event` (CUDA) marks the end of the
+    step on the device."""
 
-    def __init__(self, runner: ModelRunner | None = None, states=(), host=None,
-                 event=None) -> None:
-        self._runner, self._states, self._host, self._event = runner, list(states), host, event
+    def __init__(self, runner: ModelRunner | None = None, states=(), host=None) -> None:
+        self._runner, self._states, self._host = runner, list(states), host
         self._tokens: dict[str, int] | None = None if self._states else {}
+        self.event: torch.cuda.Event | None = None
 
     def ready(self) -> bool:
         """Whether the device has finished the step (`get` would not wait)."""
-        return self._event is None or self._event.query()
+        return self.event is None or self.event.query()
 
     def get(self) -> dict[str, int]:
         if self._tokens is None:
-            if self._event is not None:
-                self._event.synchronize()
+            if self.event is not None:
+                self.event.synchronize()
             tokens = self._host.tolist()
             for st, tok in zip(self._states, tokens):
                 st.in_flight -= 1
@@ -79,10 +80,13 @@ class DeviceTimeline:
         event.record()
         return event
 
-    def add(self, start: torch.cuda.Event) -> None:
-        """The step that began at `start` has been queued up to here."""
-        self._pending.append((start, self.mark()))
+    def add(self, start: torch.cuda.Event) -> torch.cuda.Event:
+        """The step that began at `start` has been queued up to here; returns the event that
+        marks its end."""
+        end = self.mark()
+        self._pending.append((start, end))
         self.collect()
+        return end
 
     def restart_idle(self) -> None:
         """Do not count the gap before the next step as idle (the caller was busy elsewhere,
@@ -176,11 +180,12 @@ class ModelRunner:
                           for rid, idxs in so.scheduled_encoder_inputs.items() for i in idxs])
         self.store.prefetch(so.prefetch)  # overlaps with this step's compute
         try:
-            return self._run_lm(so)
+            result = self._run_lm(so)
         finally:
             self.store.end_step()
-            if start is not None:
-                self.timeline.add(start)
+        if start is not None:  # one event ends the step, for the timeline and the read-back
+            result.event = self.timeline.add(start)
+        return result
 
     def _run_lm(self, so: SchedulerOutput) -> StepResult:
         if so.is_empty:
@@ -195,8 +200,8 @@ class ModelRunner:
             to_sample = states
         else:
             hidden, to_sample = self._forward_eager(states, query_lens)
-            if not to_sample:  # prefill chunks only: nothing to read, but `ready` tells
-                return StepResult(event=self._record_event())  # when they are done
+            if not to_sample:  # prefill chunks only: nothing to read back
+                return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         tokens = sample(logits, [st.sampling_params for st in to_sample],
                         [st.generator for st in to_sample])
@@ -208,14 +213,7 @@ class ModelRunner:
         for i, st in enumerate(to_sample):
             st.in_flight += 1
             st.sample_row = i
-        return StepResult(self, to_sample, host, self._record_event())
-
-    def _record_event(self) -> torch.cuda.Event | None:
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        return StepResult(self, to_sample, host)
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
