@@ -15,6 +15,8 @@
 #   w1ours  : W1 with our engine only (no transformers run)
 #   attention: attention kernels vs reference and the hardware
 #   offload : image-embedding offload off/on and on/off
+#   sweep   : decode tile of the Triton paged attention (BLOCK_N x warps x stages x splits)
+#   serve   : `vlmserve serve` + `vlmserve bench serve` (TTFT/TPOT/ITL vs concurrency)
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -81,6 +83,16 @@ offload)
       --max-num-batched-tokens 2048 --output-len 64 --kv-blocks 40000 $order \
       --out "$OUT/offload${order:+_on_first}.json"
   done ;;
+sweep)
+  step sweep 200 python benchmarks/sweep_decode_attention.py --out "$OUT/sweep.json" ;;
+serve)  # needs the server's wheels: .whl/ (see docs/benchmarks.md), carried
+  pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.log" 2>&1
+  python -m vlmserve serve qwen2-vl-2b-random --port 8011 > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 120); do python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2> /dev/null && break; sleep 1; done
+  step serve 240 $B.serve --base-url http://127.0.0.1:8011 --num-requests 256 \
+    --request-rate 32 --concurrency 8,64,256 --out-dir "$OUT/serve"
+  kill $server; wait $server ;;
 *) echo "unknown section $section" ;;
 esac
 done

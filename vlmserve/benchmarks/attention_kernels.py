@@ -94,7 +94,7 @@ def paged_case(
             len(seq_lens), kv_heads, max(seq_lens), torch.device(device))
     return Case(
         name, "decode" if decode else "prefill",
-        ours=lambda: paged_attention_triton(q, kv, meta, scale),
+        ours=lambda **kw: paged_attention_triton(q, kv, meta, scale, **kw),
         ref=lambda: paged_attention_reference(q, kv, meta, scale),
         bytes=kv_bytes, flops=4.0 * scores * heads * head_dim, info=info,
     )

@@ -181,13 +181,17 @@ def _vision_flops(vcfg, grid) -> float:
     return vcfg.depth * per_layer + patch + merge
 
 
-def _prompt_flops(model, cfg, processed) -> float:
-    """LM FLOPs of a prompt (layers' linears and causal attention for every token, lm_head for
-    the last one, which alone is sampled) plus its images' vision FLOPs."""
+def request_flops(model, cfg, processed, output_len: int = 1) -> float:
+    """FLOPs of a request: its images' vision tower; the LM's layer linears and causal
+    attention for every prompt token and lm_head for the first sampled token; then one decode
+    pass (linears, lm_head, attention to its context) for each further output token."""
     tcfg = getattr(cfg, "text_config", cfg)
     n = len(processed.prompt_token_ids)
     body, head = lm_weights(model)
-    lm = 2 * body * n + 2 * head + 2 * tcfg.num_hidden_layers * n * n * tcfg.hidden_size
+    per_key = 2 * tcfg.num_hidden_layers * tcfg.hidden_size  # QK^T and PV, per layer
+    lm = 2 * body * n + 2 * head + per_key * n * n
+    extra = max(output_len - 1, 0)  # decoded tokens at contexts n + 1 .. n + extra
+    lm += extra * (2 * body + 2 * head) + 2 * per_key * (extra * n + extra * (extra + 1) // 2)
     return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
 
 
@@ -232,7 +236,7 @@ def prefill_vision(llm, ceilings: dict, num_requests: int, sizes: list[int]) -> 
     t0 = time.perf_counter()
     processed = [llm.engine.process_request(r.prompt, params) for r in reqs]
     preprocess_s = time.perf_counter() - t0
-    flops = sum(_prompt_flops(model, cfg, p) for p in processed)
+    flops = sum(request_flops(model, cfg, p) for p in processed)
     engine_s, engine_idle = device_idle_during(llm.engine, lambda: _run_processed(llm, processed))
     # end to end, with new image content so that the encoder cache cannot serve it
     reqs = random_mm(tok, num_requests=num_requests, image_sizes=sizes, images_per_request=1,
@@ -266,7 +270,7 @@ def prefill_chunk(llm, ceilings: dict, tokens: int = 8192, profile: bool = False
     times = [_run_processed(llm, [engine.process_request({"prompt_token_ids": ids}, params)])
              for _ in range(3)]
     req = engine.process_request({"prompt_token_ids": ids}, params)
-    flops = _prompt_flops(engine.executor.runner.model, engine.hf_config, req)
+    flops = request_flops(engine.executor.runner.model, engine.hf_config, req)
     t = min(times)
     row = {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
            "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}

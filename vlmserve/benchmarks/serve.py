@@ -143,6 +143,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-words", type=int, default=30)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-requests", type=int, default=16,
+                    help="untimed requests (other images) sent before the timed runs")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput: TPOT bound")
     ap.add_argument("--out-dir", default=None, help="JSON results and PNG plots here")
@@ -151,7 +153,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace | None = None) -> list[dict]:
     args = parse_args(args, add_args, __doc__)
     convs = make_messages(args)
-    runs = [asyncio.run(run_once(args, convs, int(c))) for c in args.concurrency.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.warmup_requests:  # untimed: the server's first requests build kernels and plans
+        warm = make_messages(argparse.Namespace(**{**vars(args), "seed": args.seed + 1,
+                                                   "num_requests": args.warmup_requests}))
+        asyncio.run(run_once(args, warm, max(levels)))
+    runs = [asyncio.run(run_once(args, convs, c)) for c in levels]
     for r in runs:
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("s_ms")}))
     if args.out_dir:

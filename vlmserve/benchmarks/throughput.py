@@ -113,11 +113,29 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
             llm.generate, [r.prompt for r in profiled], params(profiled), use_tqdm=False))
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["compute_floor"] = compute_floor(llm, reqs, elapsed, result["total_output_tokens"])
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def compute_floor(llm, reqs: list[BenchRequest], elapsed: float, output_tokens: int) -> dict:
+    """The workload's FLOPs (vision, prefill, every decode pass) over the bf16 matmul rate
+    measured now: a lower bound on the time of any engine on this GPU, and so an upper bound
+    on its output tokens/s."""
+    from vlmserve.benchmarks.attention_kernels import measure_roofline
+    from vlmserve.benchmarks.kernels import request_flops
+
+    engine = llm.engine
+    model = engine.executor.runner.model
+    flops = sum(request_flops(model, engine.hf_config, engine.input_processor.process(r.prompt),
+                              r.output_len) for r in reqs)
+    rate = measure_roofline()["matmul_bf16_tflops"] * 1e12
+    return {"tflop": flops / 1e12, "matmul_bf16_tflops": rate / 1e12,
+            "floor_s": flops / rate, "fraction_of_matmul_rate": flops / elapsed / rate,
+            "ideal_output_tokens_per_s": output_tokens * rate / flops}
 
 
 def _hf_batches(reqs: list[BenchRequest], batch_size: int) -> list[list[BenchRequest]]:
@@ -260,8 +278,11 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     def report(row: dict) -> None:  # printed and saved as each backend finishes
         results.append(row)
         if len(results) == 2:
-            results[0]["speedup_vs_hf_output_tokens"] = (
-                results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"])
+            hf = results[1]["output_tokens_per_s"]
+            results[0]["speedup_vs_hf_output_tokens"] = results[0]["output_tokens_per_s"] / hf
+            if "compute_floor" in results[0]:  # no engine can beat this ratio on this GPU
+                results[0]["compute_floor"]["ideal_speedup_vs_hf"] = (
+                    results[0]["compute_floor"]["ideal_output_tokens_per_s"] / hf)
         print(json.dumps(row))
         if args.out:
             with open(args.out, "w") as f:

@@ -33,6 +33,7 @@ from vlmserve.layers.attention import AttentionMetadata
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # each flash-decoding split covers at least this many keys
 _MAX_SPLITS = 64
+DECODE_TILE = (64, 4, 3)  # bf16/fp16 decode: (BLOCK_N, num_warps, num_stages)
 
 
 @triton.jit
@@ -359,7 +360,7 @@ def paged_attention_triton(
     decode = meta.max_query_len == 1
     if decode:
         block_m = max(16, triton.next_power_of_2(G))
-        block_n, warps, stages = (32 if fp32 else 64), 4, 3
+        block_n, warps, stages = DECODE_TILE
     else:
         # 128-row tiles for long chunks unless that leaves the GPU under two waves of programs.
         big = meta.max_query_len * G > 64 and T * H >= 2 * 128 * _num_sms(q.device)
