@@ -1,8 +1,9 @@
 """Sweep the decode tile of the Triton paged attention (CUDA): BLOCK_N x warps x stages, and
-the flash-decoding split count, at the decode shapes of the 2B and 7B models; kernel time from
-a CUDA graph (as the engine's decode graphs run it), bandwidth against the measured copy rate.
+the flash-decoding split count, at the decode shapes of the 2B and 7B models. Kernel time
+from a CUDA graph (as the engine's decode graphs run it); bandwidth against the measured copy
+rate.
 
-    python benchmarks/sweep_decode_attention.py [--out sweep.json]
+    python benchmarks/sweep_decode_attention.py [--out sweep.jsonl]
 """
 
 import argparse
@@ -26,17 +27,16 @@ SHAPES = [  # name, batch, context, heads, kv_heads
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="append the rows here (JSON lines)")
     args = ap.parse_args()
     roof = measure_roofline()
-    rows = []
     for name, b, ctx, h, hkv in SHAPES:
         case = paged_case(name, [1] * b, [ctx] * b, h, hkv, 128)
         auto, ours = case.info["splits"], case.ours
         best = None
         for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             ta.DECODE_TILE = (bn, warps, stages)
-            for splits in sorted({auto, 1, 2, 4, 8} if b <= 64 else {auto}):
+            for splits in sorted({auto, 1, 4} if b <= 64 else {auto}):
                 variant = dataclasses.replace(case, ours=functools.partial(ours, num_splits=splits))
                 try:
                     err = check_case(variant)
@@ -47,17 +47,14 @@ def main() -> None:
                 row = {"shape": name, "block_n": bn, "warps": warps, "stages": stages,
                        "splits": splits, "auto_splits": auto, "us": us, "rel_err": err,
                        "pct_copy": 100 * case.bytes / (us * 1e-6) / (roof["copy_gbps"] * 1e9)}
-                rows.append(row)
+                if args.out:  # as it goes: a sweep cut short keeps what it measured
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 if best is None or us < best["us"]:
                     best = row
-        shipped = [r for r in rows if r["shape"] == name and r["splits"] == auto
-                   and (r["block_n"], r["warps"], r["stages"]) == (64, 4, 3)]
-        print(json.dumps({"shape": name, "best": best, "shipped": shipped}))
+        print(json.dumps({"shape": name, "best": best}), flush=True)
         del case
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"roofline": roof, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

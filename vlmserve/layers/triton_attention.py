@@ -31,9 +31,9 @@ import triton.language as tl
 from vlmserve.layers.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_TOKENS = 256  # each flash-decoding split covers at least this many keys
+_MIN_SPLIT_TOKENS = 128  # each flash-decoding split covers at least this many keys
 _MAX_SPLITS = 64
-DECODE_TILE = (64, 4, 3)  # bf16/fp16 decode: (BLOCK_N, num_warps, num_stages)
+DECODE_TILE = None  # bf16/fp16 decode (BLOCK_N, num_warps, num_stages): set to force (sweeps)
 
 
 @triton.jit
@@ -318,10 +318,12 @@ def _out_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Flash-decoding splits for a decode-only step: fill ~2 waves of programs on the GPU."""
+    """Flash-decoding splits for a decode-only step: when fewer (request, KV head) programs
+    than half the SMs would run, enough splits for ~2 waves of programs. (From half a wave
+    up, splitting costs more in merging than it gains: measured on an H200 at batch 64.)"""
     programs = batch * kv_heads
     target = 2 * _num_sms(device)
-    if programs >= target:
+    if 4 * programs >= target:
         return 1
     splits = min(triton.cdiv(target, programs), max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
     return max(1, splits)
@@ -360,7 +362,7 @@ def paged_attention_triton(
     decode = meta.max_query_len == 1
     if decode:
         block_m = max(16, triton.next_power_of_2(G))
-        block_n, warps, stages = DECODE_TILE
+        block_n, warps, stages = DECODE_TILE or (None, None, 2)  # None: set below
     else:
         # 128-row tiles for long chunks unless that leaves the GPU under two waves of programs.
         big = meta.max_query_len * G > 64 and T * H >= 2 * 128 * _num_sms(q.device)
@@ -377,6 +379,9 @@ def paged_attention_triton(
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
         splits = default_num_splits(B, Hkv, meta.max_seq_len, q.device)
+    if block_n is None:  # decode: many programs take narrow tiles on 2 warps, few wide ones
+        many = programs * Hkv * splits >= 2 * _num_sms(q.device)  # (benchmarks/sweep_decode_
+        block_n, warps = (64, 2) if many else (128, 4)  # attention.py, H200)
     if splits > 1:
         part_acc = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, splits, T, H, dtype=torch.float32, device=q.device)
