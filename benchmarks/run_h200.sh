@@ -86,7 +86,7 @@ offload)
 sweep)
   step sweep 280 python benchmarks/sweep_decode_attention.py --out "$OUT/sweep.jsonl" ;;
 serve)  # needs the server's wheels: .whl/ (see docs/benchmarks.md), carried
-  pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.log" 2>&1
+  python -m pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.log" 2>&1
   python -m vlmserve serve qwen2-vl-2b-random --port 8011 > "$OUT/server.log" 2>&1 &
   server=$!
   for _ in $(seq 120); do python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2> /dev/null && break; sleep 1; done
