@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        final_only: dict[int, SamplingParams] = {}  # one copy per distinct params object
+        for p in params:
+            if id(p) not in final_only:
+                final_only[id(p)] = dataclasses.replace(p, output_kind="final_only")
+        params = [final_only[id(p)] for p in params]  # no per-step outputs: only the last
         return self._run(deque(zip(prompts, params)), use_tqdm)
 
     def chat(

@@ -12,6 +12,8 @@ class SamplingParams:
     """How to pick each output token and when to stop.
 
     temperature 0 is greedy; top_k -1 (or 0) and top_p 1 switch those filters off.
+    output_kind: "cumulative" reports the request at every step that gives it tokens (for
+    streaming); "final_only" only when it finishes (what `LLM.generate` asks for).
     """
 
     max_tokens: int = 16
@@ -24,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,8 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.output_kind not in ("cumulative", "final_only"):
+            bad(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -159,7 +159,8 @@ class LLMEngine:
         """One engine step: schedule and launch it, then read back and report tokens. With
         async scheduling the tokens read back are the previous step's: they were sampled
         while the host scheduled and launched this one, so the device never waits for the
-        host. Returns an output for every request that got new tokens.
+        host. Returns an output for every request that finished, and for every other request
+        that got new tokens unless it asked for its final output only.
 
         `while_waiting()` does one piece of host work (preprocessing a prompt) each time it
         is called while the device is still busy with the step being read back; it returns
@@ -199,9 +200,10 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.status.finished:
                 self.output_processor.flush(req)
-            outputs.append(self.output_processor.make_output(req))
-            if req.status.finished:
+                outputs.append(self.output_processor.make_output(req))
                 self.output_processor.drop(req.request_id)
+            elif req.sampling_params.output_kind == "cumulative":
+                outputs.append(self.output_processor.make_output(req))
         return outputs
 
     def _log_stats(self) -> None:
