@@ -35,10 +35,8 @@ def plain_texts(tok, ids, skip):
     return texts
 
 
-@pytest.mark.parametrize("skip", [True, False])
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_text_matches_plain_decoding(tokenizer, skip, seed):
-    # pieces of multi-byte characters, special tokens, ids beyond the vocabulary, plain ids
+def random_ids(tokenizer, seed, n=300):
+    """Pieces of multi-byte characters, special tokens, ids beyond the vocabulary, plain ids."""
     multibyte = tokenizer.encode("héllo wörld ✓ 日本語 😀 🙂", add_special_tokens=False)
     special = sorted(tokenizer.all_special_ids)
     assert special and max(multibyte) < len(tokenizer)
@@ -46,7 +44,13 @@ def test_incremental_text_matches_plain_decoding(tokenizer, skip, seed):
     kinds = [lambda: rng.choice(multibyte), lambda: rng.choice(special),
              lambda: rng.randrange(len(tokenizer), len(tokenizer) + 1000),
              lambda: rng.randrange(len(tokenizer))]
-    ids = [rng.choice(kinds)() for _ in range(300)]
+    return [rng.choice(kinds)() for _ in range(n)]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_text_matches_plain_decoding(tokenizer, skip, seed):
+    ids = random_ids(tokenizer, seed)
     op = OutputProcessor(tokenizer)
     req = Request("r", ProcessedPrompt(None, [1], []),
                   SamplingParams(max_tokens=len(ids), skip_special_tokens=skip))
@@ -59,3 +63,22 @@ def test_incremental_text_matches_plain_decoding(tokenizer, skip, seed):
     op.flush(req)
     texts.append(op.make_output(req).outputs[0].text)
     assert texts == plain_texts(tokenizer, ids, skip)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_final_only_text_is_the_incremental_final_text(tokenizer, skip, seed):
+    """Without stop strings a final-only request is decoded once at the end: same text."""
+    ids = random_ids(tokenizer, seed)
+    op = OutputProcessor(tokenizer)
+    reqs = {kind: Request(kind, ProcessedPrompt(None, [1], []), SamplingParams(
+        max_tokens=len(ids), skip_special_tokens=skip, output_kind=kind))
+        for kind in ("cumulative", "final_only")}
+    for req in reqs.values():
+        op.add(req.request_id)
+        for token in ids:
+            req.output_token_ids.append(token)
+            assert not op.update(req)
+        op.flush(req)
+    texts = {kind: op.make_output(req).outputs[0].text for kind, req in reqs.items()}
+    assert texts["final_only"] == texts["cumulative"] == plain_texts(tokenizer, ids, skip)[-1]

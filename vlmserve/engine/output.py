@@ -78,9 +78,11 @@ class OutputProcessor:
         ids[prefix_offset:read_offset], once that is a complete character. A token the
         tokenizer drops leaves the window's decode as it was, so it cannot advance the text
         and is not decoded at all."""
+        sp = req.sampling_params
+        if self._at_end_only(sp):
+            return False  # `flush` decodes the whole output once
         st = self._states[req.request_id]
         ids = req.output_token_ids
-        sp = req.sampling_params
         skip = sp.skip_special_tokens
         before = len(st.text)
         while st.num_tokens < len(ids):
@@ -112,6 +114,14 @@ class OutputProcessor:
         st.stop_reason = s
         return True
 
+    @staticmethod
+    def _at_end_only(sp) -> bool:
+        """Nothing reads this request's text before it finishes (final output only, no stop
+        strings to look for): one decode of the whole output at the end replaces the
+        incremental one (the text the incremental decode converges to; a few us per request
+        instead of a few us per token)."""
+        return sp.output_kind == "final_only" and not sp.stop
+
     def flush(self, req: Request) -> None:
         """At finish, emit any bytes held back waiting for a complete character."""
         st = self._states[req.request_id]
@@ -119,6 +129,10 @@ class OutputProcessor:
             return
         ids = req.output_token_ids
         skip = req.sampling_params.skip_special_tokens
+        if self._at_end_only(req.sampling_params):
+            st.text = self._decode_uncached(ids, skip)
+            st.num_tokens = st.prefix_offset = st.read_offset = len(ids)
+            return
         prefix = self._decode(ids[st.prefix_offset:st.read_offset], skip)
         full = self._decode(ids[st.prefix_offset:], skip)
         if len(full) > len(prefix):
