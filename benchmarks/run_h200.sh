@@ -85,7 +85,7 @@ offload)
   done ;;
 sweep)
   step sweep 200 python benchmarks/sweep_decode_attention.py --out "$OUT/sweep.jsonl" ;;
-serve)  # needs the server's wheels: .whl/ (see docs/benchmarks.md), carried
+serve)  # needs the server's wheels in .whl/ (benchmarks/server_wheels.sh), carried
   python -m pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.log" 2>&1
   python -m vlmserve serve qwen2-vl-2b-random --port 8011 > "$OUT/server.log" 2>&1 &
   server=$!
