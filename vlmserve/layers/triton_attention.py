@@ -379,9 +379,11 @@ def paged_attention_triton(
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
         splits = default_num_splits(B, Hkv, meta.max_seq_len, q.device)
-    if block_n is None:  # decode: many programs take narrow tiles on 2 warps, few wide ones
-        many = programs * Hkv * splits >= 2 * _num_sms(q.device)  # (benchmarks/sweep_decode_
-        block_n, warps = (64, 2) if many else (128, 4)  # attention.py, H200)
+    if block_n is None:
+        # decode: two waves of programs or more take 64-key tiles on 2 warps, fewer take
+        # 128-key tiles on 4 (an H200 sweep: benchmarks/sweep_decode_attention.py)
+        many = programs * Hkv * splits >= 2 * _num_sms(q.device)
+        block_n, warps = (64, 2) if many else (128, 4)
     if splits > 1:
         part_acc = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, splits, T, H, dtype=torch.float32, device=q.device)
