@@ -1,8 +1,7 @@
 """Sweep the decode tile of the Triton paged attention (CUDA): BLOCK_N x warps x stages, and
 the flash-decoding split count (including the one a decode CUDA graph captures), at the decode
-shapes of the 2B and 7B models. Kernel time
-from a CUDA graph (as the engine's decode graphs run it); bandwidth against the measured copy
-rate.
+shapes of the 2B and 7B models. Kernel time from a CUDA graph (as the engine's decode graphs
+run it); bandwidth against the measured copy rate.
 
     python benchmarks/sweep_decode_attention.py [--out sweep.jsonl]
 """
@@ -23,8 +22,9 @@ SHAPES = [  # name, batch, context, heads, kv_heads
     ("2B b64 ctx512", 64, 512, 12, 2), ("2B b256 ctx512", 256, 512, 12, 2),
     ("2B b256 ctx800", 256, 800, 12, 2), ("7B b1 ctx512", 1, 512, 28, 4),
 ]
-# (BLOCK_N, warps, stages): every tile that was best somewhere in the first, wider sweep
-# (BLOCK_N 32-128, 2-8 warps, 2-4 stages), and the one shipped before it
+# (BLOCK_N, warps, stages): the engine's two decode tiles, their neighbours in warps and
+# stages, and the tile used before them; a first, wider sweep (BLOCK_N 32-128, 2-8 warps,
+# 2-4 stages) found its best tiles among these at the shapes it finished
 TILES = [(64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 2, 2), (128, 4, 2), (128, 4, 3)]
 GRAPH_MAX_LEN = 32768  # a decode graph fixes its split count for the longest context
 

@@ -362,7 +362,7 @@ def paged_attention_triton(
     decode = meta.max_query_len == 1
     if decode:
         block_m = max(16, triton.next_power_of_2(G))
-        block_n, warps, stages = DECODE_TILE or (None, None, 2)  # None: set below
+        block_n, warps, stages = None, None, 3  # 16-bit: set with the split count, below
     else:
         # 128-row tiles for long chunks unless that leaves the GPU under two waves of programs.
         big = meta.max_query_len * G > 64 and T * H >= 2 * 128 * _num_sms(q.device)
@@ -379,11 +379,11 @@ def paged_attention_triton(
         splits = max(1, min(num_splits, _MAX_SPLITS))
     else:
         splits = default_num_splits(B, Hkv, meta.max_seq_len, q.device)
-    if block_n is None:
-        # decode: two waves of programs or more take 64-key tiles on 2 warps, fewer take
-        # 128-key tiles on 4 (an H200 sweep: benchmarks/sweep_decode_attention.py)
+    if decode and not fp32:
+        # two waves of programs or more take 64-key tiles on 2 warps, fewer take 128-key
+        # tiles on 4 (an H200 sweep: benchmarks/sweep_decode_attention.py)
         many = programs * Hkv * splits >= 2 * _num_sms(q.device)
-        block_n, warps = (64, 2) if many else (128, 4)
+        block_n, warps, stages = DECODE_TILE or ((64, 2, 2) if many else (128, 4, 2))
     if splits > 1:
         part_acc = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, splits, T, H, dtype=torch.float32, device=q.device)
