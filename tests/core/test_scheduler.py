@@ -16,7 +16,7 @@ EOS = 7
 def make_request(rid, prompt_len, images=(), max_tokens=4, hashes=None):
     """images: (offset, length) placeholder runs inside the prompt."""
     imgs = [ImageInput(mm_hash=(hashes[i] if hashes else f"{rid}-img{i}"), offset=o, length=n,
-                       pixel_values=torch.empty(0), grid_thw=(1, 2, 2))
+                       pixels=torch.empty(0), grid_thw=(1, 2, 2), transform=None)
             for i, (o, n) in enumerate(images)]
     prompt = ProcessedPrompt(None, [1] * prompt_len, imgs)
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), (EOS,))

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlmserve.multimodal.inputs import pixel_values
+
 
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -59,7 +61,7 @@ class HFOracle:
         ids = torch.tensor([processed.prompt_token_ids])
         kwargs = {}
         if processed.images:
-            kwargs["pixel_values"] = torch.cat([img.pixel_values for img in processed.images])
+            kwargs["pixel_values"] = pixel_values(processed.images)
             kwargs["image_grid_thw"] = torch.tensor([img.grid_thw for img in processed.images])
             # transformers 5.2x computes mRoPE positions only when told which tokens are images
             mm = torch.zeros_like(ids)

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from vlmserve.models import builtin
 from vlmserve.models.builtin import BUILTIN_MODELS, build_config, create_checkpoint, resolve_model
 from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
+from vlmserve.multimodal.inputs import pixel_values
 
 TINY = {
     "tiny-qwen2-vl": ("tiny_qwen2_vl_path", transformers.Qwen2VLForConditionalGeneration, True),
@@ -101,7 +102,7 @@ def test_tiny_greedy_output_varies_and_depends_on_image(tiny: tuple[str, Path]) 
         with torch.no_grad():
             out = model.generate(
                 input_ids=torch.tensor([p.prompt_token_ids]),
-                pixel_values=torch.cat([i.pixel_values for i in p.images]),
+                pixel_values=pixel_values(p.images),
                 image_grid_thw=torch.tensor([i.grid_thw for i in p.images]),
                 max_new_tokens=12,
                 do_sample=False,

@@ -17,6 +17,7 @@ from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.image import load_image
+from vlmserve.multimodal.inputs import pixel_values
 
 SIZES = [(60, 90), (200, 50), (128, 128)]  # three different grids
 
@@ -76,11 +77,11 @@ def test_expansion_matches_hf_image_processor(model_and_processor) -> None:
     grids = [tuple(g) for g in hf["image_grid_thw"].tolist()]
     assert [i.grid_thw for i in out.images] == grids
     assert len(set(grids)) == 3
-    assert torch.equal(torch.cat([i.pixel_values for i in out.images]), hf["pixel_values"])
+    assert torch.equal(pixel_values(out.images), hf["pixel_values"])
     image_token = model.config.image_token_id
     ids = out.prompt_token_ids
     for image, (t, h, w) in zip(out.images, grids, strict=True):
-        assert image.length == t * h * w // 4 == image.pixel_values.shape[0] // 4
+        assert image.length == t * h * w // 4 == pixel_values([image]).shape[0] // 4
         run = ids[image.offset : image.offset + image.length]
         assert run == [image_token] * image.length
         assert (
@@ -93,6 +94,30 @@ def test_expansion_matches_hf_image_processor(model_and_processor) -> None:
     assert [(i.offset, i.length) for i in again.images] == [
         (i.offset, i.length) for i in out.images
     ]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_pixels_match_hf_bit_for_bit(processor: Qwen2VLInputProcessor, device: str) -> None:
+    """Host resize + device rescale/normalize/patchify == the HF processor's pixel_values,
+    exactly: sizes kept as they are, scaled down, scaled up, odd aspect ratios, non-RGB
+    modes; images of one size go through the transform as one batch."""
+    hf = AutoImageProcessor.from_pretrained(processor.model_path)
+    rng = np.random.default_rng(3)
+    images = [random_image(h, w, seed=i) for i, (h, w) in enumerate(
+        [(56, 84), (56, 84), (28, 28), (20, 30), (333, 517), (700, 41), (640, 480)])]
+    images.append(Image.fromarray(rng.integers(0, 256, (70, 90), dtype=np.uint8), mode="L"))
+    images.append(Image.fromarray(rng.integers(0, 256, (60, 60, 4), dtype=np.uint8)))  # RGBA
+    pad, sep = processor.image_token_id, 1
+    out = processor.process(None, [pad, sep] * len(images), images)
+    assert [tuple(i.pixels.shape) for i in out.images][:2] == [(56, 84, 3)] * 2  # not resized
+    ref = hf(images=[im.convert("RGB") for im in images], return_tensors="pt")
+    assert [i.grid_thw for i in out.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    on_device = [i.pixels.to(device) for i in out.images]
+    assert torch.equal(pixel_values(out.images, on_device).cpu(), ref["pixel_values"])
+    half = pixel_values(out.images, on_device, torch.bfloat16).cpu()
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, ref["pixel_values"].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])

@@ -194,7 +194,8 @@ def test_empty_batch() -> None:
 def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
     """The runner encodes a step's distinct images in one forward, largest first with the
     grid on the host; every image's stored rows equal that image encoded alone."""
-    from vlmserve.multimodal.inputs import ImageInput
+    from vlmserve.models.qwen2_vl_processing import Qwen2VLPixels
+    from vlmserve.multimodal.inputs import ImageInput, pixel_values
     from vlmserve.worker.encoder_runner import EncoderRunner
     from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
@@ -206,20 +207,25 @@ def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
             seen.append(grid)
             return ours(pixels, grid)
 
+    transform = Qwen2VLPixels(patch_size=14, temporal_patch_size=2, merge_size=2,
+                              rescale_factor=1 / 255, mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25),
+                              fused=False)
     grids = {"a": [1, 4, 4], "b": [1, 8, 6], "c": [1, 16, 16], "d": [1, 6, 8]}
+    gen = torch.Generator().manual_seed(10)
     images = []
-    for i, (h, g) in enumerate(grids.items()):
-        pixels, grid = _inputs([g], seed=10 + i)
-        images.append(ImageInput(h, 0, int(grid.prod()) // 4, pixels, tuple(g)))
+    for h, g in grids.items():
+        pixels = torch.randint(0, 256, (g[1] * 14, g[2] * 14, 3), generator=gen,
+                               dtype=torch.uint8)
+        images.append(ImageInput(h, 0, g[1] * g[2] // 4, pixels, tuple(g), transform))
     store = MMEmbeddingStore(torch.device("cpu"), 64, torch.float32)
-    runner = EncoderRunner(Model(), torch.device("cpu"), store)
+    runner = EncoderRunner(Model(), torch.device("cpu"), torch.float32, store)
     runner.run(images + images[:1])  # an image due twice in one step is encoded once
     assert runner.num_batches == 1 and runner.num_images == 4
     (grid,) = seen
     assert grid.device.type == "cpu"
-    assert grid.tolist() == [[1, 16, 16], [1, 8, 6], [1, 6, 8], [1, 4, 4]]
+    assert grid.tolist() == [[1, 16, 16], [1, 6, 8], [1, 8, 6], [1, 4, 4]]  # equal sizes together
     for img in images:
-        alone = ours(img.pixel_values, torch.tensor([img.grid_thw]))
+        alone = ours(pixel_values([img]), torch.tensor([img.grid_thw]))
         _assert_close(store.gather([(img.mm_hash, 0, img.length)]), alone)
     runner.run(images)  # all stored: nothing to encode
     assert runner.num_batches == 1

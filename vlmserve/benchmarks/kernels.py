@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.attention_kernels import measure_roofline
 from vlmserve.benchmarks.datasets import random_mm
+from vlmserve.multimodal.inputs import pixel_values
 
 
 def lm_weights(model) -> tuple[int, int]:
@@ -288,7 +289,8 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
                     images_per_request=num_images, prompt_len=10, output_len=1, seed=5)[0]
     images = engine.input_processor.process(req.prompt).images
     runner = engine.executor.runner
-    pixels = torch.cat([img.pixel_values for img in images]).to(runner.device)
+    pixels = pixel_values(images, [img.pixels.to(runner.device) for img in images],
+                          runner.dtype)
     grid = torch.tensor([img.grid_thw for img in images])  # on the host, as the engine passes it
     def encode():
         with torch.inference_mode():

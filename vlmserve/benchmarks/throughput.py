@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
+from vlmserve.multimodal.inputs import pixel_values
 
 
 def _sync() -> None:
@@ -170,7 +171,8 @@ def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
         for row, p in enumerate(procs):
             for img in p.images:
                 mm[row, img.offset:img.offset + img.length] = 1
-        pixels = torch.cat([img.pixel_values for p in procs for img in p.images]).to(device)
+        images = [img for p in procs for img in p.images]
+        pixels = pixel_values(images, [img.pixels.to(device) for img in images])
         grid = torch.tensor([img.grid_thw for p in procs for img in p.images], device=device)
         n = batch[0].output_len
         gcfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,

@@ -75,7 +75,6 @@ class LLMEngine:
                         else UniprocExecutor)
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
-        self.input_processor.set_pixel_dtype(self.executor.dtype)
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,

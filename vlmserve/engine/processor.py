@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
@@ -40,12 +39,6 @@ class InputProcessor:
     def __init__(self, model_processor, vocab_size: int) -> None:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
-        self.pixel_dtype: torch.dtype | None = None
-
-    def set_pixel_dtype(self, dtype: torch.dtype) -> None:
-        """Cast pixel values to the vision tower's dtype here, on the preprocessing threads:
-        the engine step then copies half the bytes of float32 pixels (bfloat16 models)."""
-        self.pixel_dtype = dtype
 
     def process(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -73,7 +66,4 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
-        if self.pixel_dtype is not None:
-            for img in processed.images:
-                img.pixel_values = img.pixel_values.to(self.pixel_dtype)
         return processed

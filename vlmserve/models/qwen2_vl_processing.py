@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +61,64 @@ def compute_mrope_positions(
     return positions, delta
 
 
+@dataclass(frozen=True)
+class Qwen2VLPixels:
+    """The Qwen2-VL image processor's rescale, normalize and patchify, run where the pixels
+    are (the device, at encode time).
+
+    The float32 operations and their order are those of the HF backend the processor uses, so
+    the rows are bit-identical to its ``pixel_values``: the torchvision backend folds the
+    rescale into the mean and std, ``(x - mean / factor) / (std / factor)``; the PIL backend
+    rescales in float64, rounds to float32, then normalizes.
+    """
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    rescale_factor: float | None  # None: no rescale
+    mean: tuple[float, ...] | None  # None: no normalize
+    std: tuple[float, ...] | None
+    fused: bool  # the torchvision backend's order
+
+    def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[B, H, W, 3]`` uint8 -> ``[B * (H/p) * (W/p), 3 * T * p * p]`` rows in ``dtype``."""
+        x = images.permute(0, 3, 1, 2)  # [B, C, H, W]
+        if self.mean is not None:
+            mean, std = self._mean_std(x.device)
+            if self.rescale_factor is None or self.fused:
+                x = x.to(torch.float32)
+            else:
+                x = (x.to(torch.float64) * self.rescale_factor).to(torch.float32)
+            x = (x - mean) / std
+        elif self.rescale_factor is not None:
+            x = (x.to(torch.float64) * self.rescale_factor if not self.fused
+                 else x * self.rescale_factor)
+        x = x.to(torch.float32).to(dtype)
+        b, c, h, w = x.shape
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = h // p, w // p
+        x = x.reshape(b, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+        x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)  # [B, gh/m, gw/m, m, m, C, T, p, p]
+        return x.reshape(b * gh * gw, c * t * p * p)
+
+    @lru_cache(maxsize=8)  # noqa: B019 (few devices, a handful of instances)
+    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = torch.tensor(self.mean, dtype=torch.float32)
+        std = torch.tensor(self.std, dtype=torch.float32)
+        if self.fused and self.rescale_factor is not None:
+            mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
+        return mean.view(-1, 1, 1).to(device), std.view(-1, 1, 1).to(device)
+
+
+def _smart_resize():
+    """HF's ``smart_resize`` of Qwen2-VL, from whichever processor module imports here."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    except ImportError:  # that module needs torchvision
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    return smart_resize
+
+
 class Qwen2VLInputProcessor:
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
@@ -75,7 +135,24 @@ class Qwen2VLInputProcessor:
         self.image_token_id: int = hf_config.image_token_id
         self.video_token_id: int | None = getattr(hf_config, "video_token_id", None)
         self.merge_size: int = hf_config.vision_config.spatial_merge_size
-        assert self.image_processor.merge_size == self.merge_size, "processor/model merge differ"
+        ip = self.image_processor
+        assert ip.merge_size == self.merge_size, "processor/model merge differ"
+        edge = (ip.size.get if isinstance(ip.size, dict)
+                else lambda k: getattr(ip.size, k, None))
+        self.min_pixels: int = edge("shortest_edge") or ip.min_pixels
+        self.max_pixels: int = edge("longest_edge") or ip.max_pixels
+        # the torchvision backend resizes with torchvision and normalizes with rescale folded in
+        self._torch_backend = hasattr(ip, "_fuse_mean_std_and_rescale_factor")
+        self._smart_resize = _smart_resize()
+        self.pixel_transform = Qwen2VLPixels(
+            patch_size=ip.patch_size,
+            temporal_patch_size=ip.temporal_patch_size,
+            merge_size=ip.merge_size,
+            rescale_factor=float(ip.rescale_factor) if ip.do_rescale else None,
+            mean=tuple(map(float, ip.image_mean)) if ip.do_normalize else None,
+            std=tuple(map(float, ip.image_std)) if ip.do_normalize else None,
+            fused=self._torch_backend,
+        )
         settings = {
             k: v
             for k, v in self.image_processor.to_dict().items()
@@ -130,11 +207,12 @@ class Qwen2VLInputProcessor:
                 prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
             )
 
-        # one (writable) array of each image's pixels serves the hash and the image processor,
-        # which would otherwise convert the PIL image again
-        arrays = [np.array(img if img.mode == "RGB" else img.convert("RGB")) for img in images]
+        rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
+        arrays = [np.array(img) for img in rgb]  # writable: torch.from_numpy shares it
         hashes = [hash_image(a, self._hash_extra) for a in arrays]
-        pixel_values, grids = self._run_image_processor(arrays)
+        resized = [self._resize(img, a) for img, a in zip(rgb, arrays, strict=True)]
+        grids = [(1, px.shape[0] // self.patch_size, px.shape[1] // self.patch_size)
+                 for px in resized]
         out_ids: list[int] = []
         placed: list[tuple[int, tuple[int, int, int]]] = []
         cursor = 0
@@ -150,33 +228,54 @@ class Qwen2VLInputProcessor:
             cursor = start + length
         out_ids += ids[cursor:]
 
-        sizes = [t * h * w for t, h, w in grids]
         image_inputs = [
             ImageInput(
                 mm_hash=mm_hash,
                 offset=offset,
                 length=self.num_image_tokens(grid),
-                pixel_values=pv,
+                pixels=px,
                 grid_thw=grid,
+                transform=self.pixel_transform,
             )
-            for mm_hash, (offset, grid), pv in zip(
-                hashes, placed, torch.split(pixel_values, sizes), strict=True
-            )
+            for mm_hash, (offset, grid), px in zip(hashes, placed, resized, strict=True)
         ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
         return ProcessedPrompt(
             prompt, out_ids, images=image_inputs, mrope_positions=positions, mrope_delta=delta
         )
 
-    def _run_image_processor(
-        self, images: Sequence[np.ndarray]
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    @property
+    def patch_size(self) -> int:
+        return self.pixel_transform.patch_size
+
+    def _resize(self, image: Image.Image, array: np.ndarray) -> torch.Tensor:
+        """The image at the size the HF processor gives it, ``[H, W, 3]`` uint8, resized (only
+        when the size changes) by the same library as the HF backend in use."""
+        ip = self.image_processor
+        height, width = array.shape[:2]
+        factor = self.patch_size * self.merge_size
+        if not ip.do_resize:
+            if height % factor or width % factor:
+                raise InvalidImageError(f"image of {width}x{height} pixels: without resizing, "
+                                        f"both sides must be multiples of {factor}")
+            return torch.from_numpy(array)
         try:
-            out = self.image_processor(images=list(images), return_tensors="pt")
+            new_h, new_w = self._smart_resize(height, width, factor=factor,
+                                              min_pixels=self.min_pixels,
+                                              max_pixels=self.max_pixels)
         except ValueError as e:  # e.g. an aspect ratio the resizer refuses
             raise InvalidImageError(f"image processor rejected an image: {e}") from e
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
-        return out["pixel_values"], grids
+        if (new_h, new_w) == (height, width):
+            return torch.from_numpy(array)
+        if not self._torch_backend:
+            return torch.from_numpy(np.array(image.resize((new_w, new_h), resample=ip.resample)))
+        from torchvision.transforms.v2 import functional as tvF
+        from transformers.image_utils import pil_torch_interpolation_mapping
+
+        chw = torch.from_numpy(array).permute(2, 0, 1).contiguous()
+        out = tvF.resize(chw, [new_h, new_w], antialias=True,
+                         interpolation=pil_torch_interpolation_mapping[ip.resample])
+        return out.permute(1, 2, 0).contiguous()
 
 
 def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:

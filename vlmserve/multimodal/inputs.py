@@ -1,23 +1,55 @@
 """Processed multimodal inputs: what admission hands to the scheduler and the worker."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 
+class PixelTransform(Protocol):
+    """The part of an image processor that runs where the pixels are (the device, at encode
+    time): ``[B, H, W, 3]`` uint8 images, all one size, -> the vision tower's input rows."""
+
+    def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
 @dataclass
 class ImageInput:
-    """One image of a prompt, after the HF image processor.
+    """One image of a prompt, after the host part of the image processor (resize).
 
     Its placeholder run is ``prompt_token_ids[offset : offset + length]`` and the vision tower
-    turns ``pixel_values`` into exactly ``length`` embedding rows.
+    turns ``transform(pixels)`` into exactly ``length`` embedding rows. Pixels stay uint8 until
+    the device: a quarter of the bytes of 16-bit patches on the host and in the copy.
     """
 
     mm_hash: str  # content hash of the image plus model/processor settings
     offset: int  # index of the first placeholder token in the prompt
     length: int  # number of placeholder tokens == embedding rows
-    pixel_values: torch.Tensor  # [num_patches, C * temporal_patch * patch * patch]
+    pixels: torch.Tensor  # [H, W, 3] uint8, resized as the model's image processor would
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before spatial merge
+    transform: PixelTransform  # rescale / normalize / patchify of `pixels`
+
+
+def pixel_values(
+    images: Sequence[ImageInput],
+    pixels: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The vision tower's input for ``images`` in order (the HF image processor's
+    ``pixel_values``), computed where ``pixels`` (default: each image's own) are, one batch
+    per run of equal sizes."""
+    pixels = [img.pixels for img in images] if pixels is None else pixels
+    out = []
+    start = 0
+    while start < len(images):
+        end = start + 1
+        while (end < len(images) and pixels[end].shape == pixels[start].shape
+               and images[end].transform == images[start].transform):
+            end += 1
+        out.append(images[start].transform(torch.stack(pixels[start:end]), dtype))
+        start = end
+    return torch.cat(out)
 
 
 @dataclass

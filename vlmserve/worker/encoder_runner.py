@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from vlmserve.multimodal.inputs import ImageInput
+from vlmserve.multimodal.inputs import ImageInput, pixel_values
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
 
 class _PixelStaging:
-    """Two pinned host buffers, used in turn, that carry a step's pixels to the device in one
-    asynchronous copy. A copy from pageable memory would wait for the stream first (stalling
-    the step in flight); a buffer is refilled only after its previous copy has finished."""
+    """Two pinned host buffers, used in turn, that carry a step's uint8 pixels to the device
+    in one asynchronous copy. A copy from pageable memory would wait for the stream first
+    (stalling the step in flight); a buffer is refilled only after its previous copy has
+    finished."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -19,29 +20,32 @@ class _PixelStaging:
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
-    def to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``parts`` (uint8) as views of one device tensor, in order and shape."""
         if self.device.type != "cuda":
-            return torch.cat(parts).to(self.device)
+            return parts
         i, self.turn = self.turn, 1 - self.turn
         if self.copied[i] is not None:
             self.copied[i].synchronize()
-        rows, cols, dtype = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].dtype
+        sizes = [p.numel() for p in parts]
         buf = self.buffers[i]
-        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
-            buf = torch.empty(rows * cols * 5 // 4, dtype=dtype, pin_memory=True)
+        if buf is None or buf.numel() < sum(sizes):
+            buf = torch.empty(sum(sizes) * 5 // 4, dtype=torch.uint8, pin_memory=True)
             self.buffers[i] = buf
-        host = buf[:rows * cols].view(rows, cols)
-        torch.cat(parts, out=host)
-        pixels = host.to(self.device, non_blocking=True)
+        host = buf[:sum(sizes)]
+        torch.cat([p.reshape(-1) for p in parts], out=host)
+        flat = host.to(self.device, non_blocking=True)
         self.copied[i] = torch.cuda.Event()
         self.copied[i].record()
-        return pixels
+        return [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
 
 
 class EncoderRunner:
-    def __init__(self, model, device: torch.device, store: MMEmbeddingStore) -> None:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype,
+                 store: MMEmbeddingStore) -> None:
         self.model = model
         self.device = device
+        self.dtype = dtype  # the vision tower's
         self.store = store
         self.staging = _PixelStaging(device)
         self.num_images = 0
@@ -57,9 +61,10 @@ class EncoderRunner:
         unique = {img.mm_hash: img for img in images if img.mm_hash not in self.store}
         if not unique:
             return
-        images = sorted(unique.values(), key=lambda img: -img.length)
-        pixels = self.staging.to_device([img.pixel_values for img in images])
+        images = sorted(unique.values(), key=lambda img: (-img.length, img.pixels.shape))
+        pixels = self.staging.to_device([img.pixels for img in images])
         grid = torch.tensor([img.grid_thw for img in images], dtype=torch.int64)
+        pixels = pixel_values(images, pixels, self.dtype)  # rescaled, normalized, patches
         rows = self.model.encode_images(pixels, grid)  # [sum(length), hidden]
         assert rows.shape[0] == sum(img.length for img in images), (
             f"vision tower returned {rows.shape[0]} rows for {[i.length for i in images]}")

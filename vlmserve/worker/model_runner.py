@@ -122,7 +122,7 @@ class ModelRunner:
         model.set_attention_backend(get_paged_attention_backend(attention_backend, device))
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens)
-        self.encoder = EncoderRunner(model, device, self.store)
+        self.encoder = EncoderRunner(model, device, dtype, self.store)
         # the last step's sampled tokens on the device, and two host buffers for reading
         # them back (one per step in flight)
         rows = max(max_num_batched_tokens, 1)
