@@ -18,7 +18,6 @@ from tqdm.auto import tqdm
 
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
-from vlmserve.multimodal.inputs import pixel_values
 
 
 def _sync() -> None:
@@ -150,7 +149,8 @@ def _hf_batches(reqs: list[BenchRequest], batch_size: int) -> list[list[BenchReq
 def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
            batch_size: int, dtype: torch.dtype, processor) -> dict:
     """Static batches of `batch_size`, grouped by image sizes so that a batch needs no
-    padding; preprocessing (our processor, the same HF image processor) is timed too.
+    padding; preprocessing (token expansion by our processor, pixels by the HF image
+    processor, as a transformers user gets them) is timed too.
     Warm-up: the first batch of each shape group of `warm`."""
     import transformers
     from transformers import AutoConfig, GenerationConfig
@@ -171,9 +171,11 @@ def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
         for row, p in enumerate(procs):
             for img in p.images:
                 mm[row, img.offset:img.offset + img.length] = 1
-        images = [img for p in procs for img in p.images]
-        pixels = pixel_values(images, [img.pixels.to(device) for img in images])
-        grid = torch.tensor([img.grid_thw for p in procs for img in p.images], device=device)
+        hf_in = processor.image_processor(  # transformers' own preprocessing, timed
+            images=[im for r in batch for im in r.prompt["multi_modal_data"]["image"]],
+            return_tensors="pt")
+        pixels = hf_in["pixel_values"].to(device)
+        grid = hf_in["image_grid_thw"].to(device)
         n = batch[0].output_len
         gcfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)
