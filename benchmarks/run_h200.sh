@@ -79,6 +79,7 @@ w1ours)
 w1ab)
   W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
       --output-len 128 --max-num-seqs 256 --repeats 3"
+  step preprocess 60 python benchmarks/preprocess_time.py --out "$OUT/preprocess.json"
   step w1_new 170 $B.throughput $W1 --backend vlmserve --out "$OUT/w1_new.json"
   (cd .cache/old && step w1_old 170 python -m vlmserve.benchmarks.throughput $W1 \
     --backend vlmserve --out "$OUT/w1_old.json")
