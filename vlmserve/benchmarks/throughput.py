@@ -149,8 +149,8 @@ def _hf_batches(reqs: list[BenchRequest], batch_size: int) -> list[list[BenchReq
 def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
            batch_size: int, dtype: torch.dtype, processor) -> dict:
     """Static batches of `batch_size`, grouped by image sizes so that a batch needs no
-    padding; preprocessing (token expansion by our processor, pixels by the HF image
-    processor, as a transformers user gets them) is timed too.
+    padding; the HF image processor's preprocessing is timed too, as a transformers user
+    pays it (the expanded token ids come from our processor beforehand, untimed).
     Warm-up: the first batch of each shape group of `warm`."""
     import transformers
     from transformers import AutoConfig, GenerationConfig
@@ -163,14 +163,18 @@ def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
     model.generation_config.eos_token_id = None  # fixed output lengths, like ignore_eos
     batches = _hf_batches(reqs, batch_size)
 
-    def gen(batch):
-        procs = [processor.process(None, r.prompt["prompt_token_ids"],
-                                   r.prompt["multi_modal_data"]["image"]) for r in batch]
-        ids = torch.tensor([p.prompt_token_ids for p in procs], device=device)
+    def expand(r: BenchRequest) -> tuple[list[int], list[tuple[int, int]]]:
+        """Prompt ids with each image placeholder expanded, and the image runs."""
+        p = processor.process(None, r.prompt["prompt_token_ids"],
+                              r.prompt["multi_modal_data"]["image"])
+        return p.prompt_token_ids, [(img.offset, img.length) for img in p.images]
+
+    def gen(batch, expanded):
+        ids = torch.tensor([ids for ids, _ in expanded], device=device)
         mm = torch.zeros_like(ids)
-        for row, p in enumerate(procs):
-            for img in p.images:
-                mm[row, img.offset:img.offset + img.length] = 1
+        for row, (_, runs) in enumerate(expanded):
+            for offset, length in runs:
+                mm[row, offset:offset + length] = 1
         hf_in = processor.image_processor(  # transformers' own preprocessing, timed
             images=[im for r in batch for im in r.prompt["multi_modal_data"]["image"]],
             return_tensors="pt")
@@ -190,12 +194,13 @@ def run_hf(reqs: list[BenchRequest], warm: list[BenchRequest], model_path: str,
         key = (tuple(batch[0].image_sizes), len(batch[0].prompt["prompt_token_ids"]))
         if key not in seen:
             seen.add(key)
-            gen(batch)
+            gen(batch, [expand(r) for r in batch])
+    expanded = [[expand(r) for r in batch] for batch in batches]
     _sync()
     t0 = time.perf_counter()
     prompt_lens, out_lens = [], []
-    for batch in tqdm(batches, desc="HF batches"):
-        p, o = gen(batch)
+    for batch, batch_expanded in zip(tqdm(batches, desc="HF batches"), expanded, strict=True):
+        p, o = gen(batch, batch_expanded)
         prompt_lens += [p] * len(batch)
         out_lens += [o] * len(batch)
     _sync()

@@ -38,12 +38,8 @@ def _text_config(hf_config):
 
 def _max_image_tokens(model_processor) -> int:
     """Most placeholder tokens one image can become (from the image processor's pixel cap)."""
-    ip = model_processor.image_processor
-    size = getattr(ip, "size", None) or {}
-    max_pixels = (getattr(size, "longest_edge", None) or getattr(ip, "max_pixels", None)
-                  or 12845056)
-    unit = ip.patch_size * ip.merge_size
-    return max(int(max_pixels) // (unit * unit), 1)
+    unit = model_processor.patch_size * model_processor.merge_size
+    return max(int(model_processor.max_pixels) // (unit * unit), 1)
 
 
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:

@@ -86,10 +86,10 @@ class Qwen2VLPixels:
         if self.mean is not None:
             mean, std = self._mean_std(x.device)
             if self.rescale_factor is None or self.fused:
-                x = x.to(torch.float32)
+                x = x.to(torch.float32, copy=True)
             else:
                 x = (x.to(torch.float64) * self.rescale_factor).to(torch.float32)
-            x = (x - mean) / std
+            x = x.sub_(mean).div_(std)  # x is a fresh float32 copy: in place
         elif self.rescale_factor is not None:
             x = (x.to(torch.float64) * self.rescale_factor if not self.fused
                  else x * self.rescale_factor)
@@ -141,8 +141,6 @@ class Qwen2VLInputProcessor:
                 else lambda k: getattr(ip.size, k, None))
         self.min_pixels: int = edge("shortest_edge") or ip.min_pixels
         self.max_pixels: int = edge("longest_edge") or ip.max_pixels
-        # the torchvision backend resizes with torchvision and normalizes with rescale folded in
-        self._torch_backend = hasattr(ip, "_fuse_mean_std_and_rescale_factor")
         self._smart_resize = _smart_resize()
         self.pixel_transform = Qwen2VLPixels(
             patch_size=ip.patch_size,
@@ -151,7 +149,8 @@ class Qwen2VLInputProcessor:
             rescale_factor=float(ip.rescale_factor) if ip.do_rescale else None,
             mean=tuple(map(float, ip.image_mean)) if ip.do_normalize else None,
             std=tuple(map(float, ip.image_std)) if ip.do_normalize else None,
-            fused=self._torch_backend,
+            # the torchvision backend (which also resizes with torchvision) folds the rescale in
+            fused=hasattr(ip, "_fuse_mean_std_and_rescale_factor"),
         )
         settings = {
             k: v
@@ -267,7 +266,7 @@ class Qwen2VLInputProcessor:
             raise InvalidImageError(f"image processor rejected an image: {e}") from e
         if (new_h, new_w) == (height, width):
             return torch.from_numpy(array)
-        if not self._torch_backend:
+        if not self.pixel_transform.fused:  # the PIL backend
             return torch.from_numpy(np.array(image.resize((new_w, new_h), resample=ip.resample)))
         from torchvision.transforms.v2 import functional as tvF
         from transformers.image_utils import pil_torch_interpolation_mapping
