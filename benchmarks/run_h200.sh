@@ -13,6 +13,8 @@
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
 #   w1      : W1 throughput, 512 requests, ours vs transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
+#   w1diag  : W1 ours with per-pass allocator counts and a kernel profile, then again with
+#             expandable allocator segments
 #   w1ab    : W1 ours on this tree and on an older one in .cache/old/ (carried; made with
 #             `git archive REV vlmserve | tar -x -C .cache/old`), then transformers alone
 #   attention: attention kernels vs reference and the hardware
@@ -84,6 +86,12 @@ w1ab)
   (cd .cache/old && step w1_old 170 python -m vlmserve.benchmarks.throughput $W1 \
     --backend vlmserve --out "$OUT/w1_old.json")
   step w1_hf 200 $B.throughput $W1 --backend hf --hf-batch-size 64 --out "$OUT/w1_hf.json" ;;
+w1diag)  # where the first timed pass's time goes: kernels, allocator; expandable segments
+  W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
+      --output-len 128 --max-num-seqs 256 --repeats 3 --backend vlmserve"
+  step w1_diag 200 $B.throughput $W1 --device-profile --out "$OUT/w1_diag.json"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step w1_expandable 170 $B.throughput $W1 \
+    --out "$OUT/w1_expandable.json" ;;
 attention)
   step attention 120 $B.attention_kernels --json "$OUT/attention.json" ;;
 offload)

@@ -73,7 +73,7 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
         graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch)][0]
         row["graph_replay_ms"] = _time_cuda(graph.replay)
         if profile:
-            row["graph_kernels"] = _kernel_table(graph.replay)
+            row["graph_kernels"] = kernel_table(graph.replay)
     if host:
         row["host_profile"] = host
     return row
@@ -153,7 +153,7 @@ def _time_cuda(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _kernel_table(fn, top: int = 25) -> dict:
+def kernel_table(fn, top: int = 25) -> dict:
     """Kernels launched by one call of `fn`: count, total GPU time, the costliest ones."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -276,7 +276,7 @@ def prefill_chunk(llm, ceilings: dict, tokens: int = 8192, profile: bool = False
     row = {"tokens": tokens, "ms": 1e3 * t, "tflops": flops / t / 1e12,
            "fraction_of_matmul_rate": flops / t / (ceilings["matmul_bf16_tflops"] * 1e12)}
     if profile:
-        row["kernels"] = _kernel_table(lambda: _run_processed(
+        row["kernels"] = kernel_table(lambda: _run_processed(
             llm, [engine.process_request({"prompt_token_ids": ids}, params)]))
     return row
 
@@ -302,7 +302,7 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
     row = {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
            "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}
     if profile:
-        row["kernels"] = _kernel_table(encode)
+        row["kernels"] = kernel_table(encode)
     return row
 
 

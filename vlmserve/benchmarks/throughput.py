@@ -31,7 +31,7 @@ class _StepTimes:
     device, or of the host work when that is longer."""
 
     def __init__(self, engine) -> None:
-        self.rows: dict[str, list[float]] = {"decode_only": [0, 0.0, 0], "prefill": [0, 0.0, 0]}
+        self.reset()
         schedule, step = engine.scheduler.schedule, engine.step
         self._kind = "prefill"
 
@@ -54,6 +54,9 @@ class _StepTimes:
 
         engine.scheduler.schedule, engine.step = traced_schedule, traced_step
 
+    def reset(self) -> None:
+        self.rows: dict[str, list[float]] = {"decode_only": [0, 0.0, 0], "prefill": [0, 0.0, 0]}
+
     def summary(self, elapsed: float) -> dict:
         """Per kind, and the time outside step calls (preprocessing while nothing waits)."""
         out: dict = {k: {"steps": n, "seconds": t, "mean_ms": 1e3 * t / max(n, 1),
@@ -62,58 +65,92 @@ class _StepTimes:
         return out
 
 
+_ALLOC_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+_HOST_EVENTS = ("num_host_alloc", "num_host_free", "host_alloc_time.total",
+                "host_free_time.total")
+
+
+def _alloc_counts() -> dict:
+    """Counters of the device and pinned-host caching allocators (CUDA; empty elsewhere)."""
+    if not torch.cuda.is_available():
+        return {}
+    dev, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return {**{k: dev.get(k, 0) for k in _ALLOC_EVENTS},
+            **{k: host.get(k, 0) for k in _HOST_EVENTS}}
+
+
+def _pass_account(llm, steps: _StepTimes, fn) -> tuple[dict, list]:
+    """Runs one pass `fn()` and accounts for it: wall time, engine step times by kind, the
+    device's busy / idle seconds, and, on CUDA, the caching allocator's device allocations,
+    frees and retries (a retry frees every cached block and synchronizes), and the pinned
+    host allocations. Returns the account and `fn`'s outputs."""
+    timeline = llm.engine.executor.runner.timeline
+    if timeline is not None:
+        timeline.restart_idle()  # from the pass's first step
+    before = llm.engine.get_stats()
+    mem0 = _alloc_counts()
+    steps.reset()
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    elapsed = time.perf_counter() - t0
+    after = llm.engine.get_stats()
+    acct = {"elapsed_s": elapsed, "engine_steps": after["num_steps"] - before["num_steps"],
+            "step_times": steps.summary(elapsed)}
+    if after["device_busy_s"] is not None:  # CUDA: the device's own account of the pass
+        for key in ("device_busy_s", "device_idle_s"):
+            acct["step_times"][key] = after[key] - before[key]
+    if mem0:
+        mem1 = _alloc_counts()
+        acct["allocator"] = {k: mem1[k] - mem0[k] for k in mem0}
+        acct["allocator"]["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
+    return acct, out
+
+
 def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwargs: dict,
                  more_passes: list[list[BenchRequest]] = (),
-                 profiled: list[BenchRequest] | None = None) -> dict:
+                 profiled: list[BenchRequest] | None = None,
+                 device_profiled: list[BenchRequest] | None = None) -> dict:
     """The timed pass over `reqs` after a warm-up pass; then, timed too, each of
     `more_passes` (requests like `reqs` with other images), for the spread of a warm
     process; then, untimed, a pass over `profiled` under cProfile (where the host's time
-    goes)."""
+    goes) and one over `device_profiled` under the torch profiler (the kernels)."""
     from vlmserve import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
 
-    def params(rs):
-        return [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-                for r in rs]
+    def generate(rs, use_tqdm=False):
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                  for r in rs]
+        return functools.partial(llm.generate, [r.prompt for r in rs], params,
+                                 use_tqdm=use_tqdm)
 
-    llm.generate([r.prompt for r in warm], params(warm), use_tqdm=False)
-    _sync()
-    if llm.engine.executor.runner.timeline is not None:
-        llm.engine.executor.runner.timeline.restart_idle()  # from the pass's first step
-    before = llm.engine.get_stats()
+    generate(warm)()
     steps = _StepTimes(llm.engine)
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params(reqs), use_tqdm=True)
-    _sync()
-    elapsed = time.perf_counter() - t0
-    stats = llm.engine.get_stats()
+    first, outs = _pass_account(llm, steps, generate(reqs, use_tqdm=True))
     result = _summary("vlmserve", reqs, [len(o.prompt_token_ids) for o in outs],
-                      [len(o.outputs[0].token_ids) for o in outs], elapsed)
-    result["engine_steps"] = stats["num_steps"]
-    result["step_times"] = steps.summary(elapsed)
-    if stats["device_busy_s"] is not None:  # CUDA: the device's own account of the pass
-        for key in ("device_busy_s", "device_idle_s"):
-            result["step_times"][key] = stats[key] - before[key]
-    passes = [elapsed]
-    for more in more_passes:
-        _sync()
-        t0 = time.perf_counter()
-        llm.generate([r.prompt for r in more], params(more), use_tqdm=False)
-        _sync()
-        passes.append(time.perf_counter() - t0)
+                      [len(o.outputs[0].token_ids) for o in outs], first["elapsed_s"])
+    result.update({k: v for k, v in first.items() if k != "elapsed_s"})
     if more_passes:
-        result["passes_elapsed_s"] = passes
-        result["median_output_tokens_per_s"] = (result["total_output_tokens"]
-                                                / statistics.median(passes))
+        passes = [first] + [_pass_account(llm, steps, generate(more))[0]
+                            for more in more_passes]
+        result["passes"] = passes
+        result["passes_elapsed_s"] = [p["elapsed_s"] for p in passes]
+        result["median_output_tokens_per_s"] = (result["total_output_tokens"] / statistics
+                                                .median(result["passes_elapsed_s"]))
     if profiled:
         from vlmserve.benchmarks.kernels import host_profile
 
-        result["host_profile"] = host_profile(functools.partial(
-            llm.generate, [r.prompt for r in profiled], params(profiled), use_tqdm=False))
+        result["host_profile"] = host_profile(generate(profiled))
+    if device_profiled:
+        from vlmserve.benchmarks.kernels import kernel_table
+
+        result["device_profile"] = kernel_table(generate(device_profiled), top=40)
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["compute_floor"] = compute_floor(llm, reqs, elapsed, result["total_output_tokens"])
+        result["compute_floor"] = compute_floor(llm, reqs, first["elapsed_s"],
+                                                result["total_output_tokens"])
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -240,6 +277,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-profile", action="store_true",
                     help="after the timed passes, one more (random-mm, new images) under "
                          "cProfile; its top functions by own time go to the JSON")
+    ap.add_argument("--device-profile", action="store_true",
+                    help="after the timed passes, one more over half as many requests (random-mm, "
+                         "new images) under the torch profiler; its costliest kernels go to "
+                         "the JSON")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes of ours (random-mm; each with new images); the first "
                          "is compared with transformers, all are reported with their median")
@@ -282,6 +323,10 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     if args.host_profile and not synthetic:
         raise SystemExit("--host-profile needs random-mm (new images for the profiled pass)")
     profiled = like_reqs(args.seed + 1000) if args.host_profile else None
+    if args.device_profile and not (synthetic and torch.cuda.is_available()):
+        raise SystemExit("--device-profile needs random-mm and a CUDA device")
+    device_profiled = (like_reqs(args.seed + 2000)[:max(args.num_requests // 2, 1)]
+                       if args.device_profile else None)
     results = []
 
     def report(row: dict) -> None:  # printed and saved as each backend finishes
@@ -303,7 +348,7 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
             fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend),
-            more, profiled))
+            more, profiled, device_profiled))
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
