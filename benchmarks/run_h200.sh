@@ -11,10 +11,12 @@
 #   decode  : 2B decode at batch 1, 64, 256 and 7B at batch 1 (no tests)
 #   all     : quick, speed, decode, W1 throughput, in one call (~8 minutes)
 #   speed7b : Qwen2.5-VL-7B decode at batch 1 vs floor
-#   w1      : W1 throughput, 512 requests, ours vs transformers generate
+#   w1      : W1 throughput, 512 requests, ours (512 running, 16,384 tokens a step) vs
+#             transformers generate
 #   w1ours  : W1 with our engine only (no transformers run)
 #   w1diag  : W1 ours with per-pass allocator counts and a kernel profile, then again with
 #             expandable allocator segments
+#   w1cfg   : W1 ours at max_num_seqs 512 with 8,192 and 16,384 tokens per step
 #   w1ab    : W1 ours on this tree and on an older one in .cache/old/ (carried; made with
 #             `git archive REV vlmserve | tar -x -C .cache/old`), then transformers alone
 #   attention: attention kernels vs reference and the hardware
@@ -73,7 +75,8 @@ speed7b)
 w1)
   step w1 490 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
-    --hf-batch-size 64 --max-num-seqs 256 --repeats 3 --host-profile --out "$OUT/w1.json" ;;
+    --hf-batch-size 64 --max-num-seqs 512 --max-num-batched-tokens 16384 --repeats 3 \
+    --out "$OUT/w1.json" ;;
 w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
@@ -90,8 +93,15 @@ w1diag)  # where the first timed pass's time goes: kernels, allocator; expandabl
   W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
       --output-len 128 --max-num-seqs 256 --repeats 3 --backend vlmserve"
   step w1_diag 200 $B.throughput $W1 --device-profile --out "$OUT/w1_diag.json"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step w1_expandable 170 $B.throughput $W1 \
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step w1_expandable 150 $B.throughput $W1 \
     --out "$OUT/w1_expandable.json" ;;
+w1cfg)  # W1 ours with more requests running at once and larger steps (vLLM's H100 defaults)
+  W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
+      --output-len 128 --repeats 3 --backend vlmserve"
+  for cfg in "512 8192" "512 16384"; do set -- $cfg
+    step "w1_seqs$1_tokens$2" 130 $B.throughput $W1 --max-num-seqs $1 \
+      --max-num-batched-tokens $2 --out "$OUT/w1_seqs$1_tokens$2.json"
+  done ;;
 attention)
   step attention 120 $B.attention_kernels --json "$OUT/attention.json" ;;
 offload)

@@ -141,6 +141,9 @@ def test_streaming_equals_non_streamed(server: Server) -> None:
     assert text == full
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    # one chunk per token, text or not (the role comes with the first): clients time tokens
+    assert [c.choices[0].delta.content is not None for c in chunks if c.choices] == (
+        [True] * 20 + [False])
     finishing = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishing[-1] == "length" and not any(finishing[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
@@ -148,7 +151,7 @@ def test_streaming_equals_non_streamed(server: Server) -> None:
     assert text == full and all(c.usage is None for c in chunks)
     # a stop string that straddles two chunks: the streamed text must not have sent its
     # first half before the stop was seen
-    pieces = [c.choices[0].delta.content for c in chunks[1:-1] if c.choices[0].delta.content]
+    pieces = [c.choices[0].delta.content for c in chunks[:-1] if c.choices[0].delta.content]
     at = [sum(map(len, pieces[:k])) for k in range(1, len(pieces))]
     stop = next(full[i - 1:i + 1] for i in at[2:] if full.find(full[i - 1:i + 1]) == i - 1)
     cut = chat(server, messages, 20, stop=[stop]).choices[0]
@@ -171,7 +174,7 @@ def test_completions(server: Server, llm: LLM) -> None:
         model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
         extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == expected.text
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) == 10 + 1
 
 
 def test_sixteen_concurrent_streams(server: Server, llm: LLM) -> None:
@@ -207,7 +210,7 @@ def test_client_disconnect_frees_blocks_and_cache_references(server: Server) -> 
     before = server.metrics()
     messages = user("Talk for a long time.", data_url(make_image(112, 112, 3)))
     stream = chat(server, messages, MAX_MODEL_LEN - 100, stream=True)
-    got = [next(stream) for _ in range(3)]  # the role chunk, then two content chunks
+    got = [next(stream) for _ in range(3)]  # three tokens (the role comes with the first)
     assert server.stats()["num_running"] == 1
     stream.close()
     s = _idle(server)

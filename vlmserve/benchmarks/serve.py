@@ -60,7 +60,9 @@ async def _one(client, model, messages, args, bar) -> dict:
             extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].delta.content:
+            # a chunk per output with tokens (content "" while no text is due yet: random
+            # weights sample ids the tiny tokenizer decodes to nothing)
+            if chunk.choices and chunk.choices[0].delta.content is not None:
                 if ttft is None:
                     ttft = now - t0
                 stamps.append(now)

@@ -223,10 +223,11 @@ class OpenAIServing:
                 data.pop("usage")
             return _sse(data)
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for text, out in _text_deltas(stream, params):
-            if text:
-                yield chunk(DeltaMessage(content=text))
+        role = {"role": "assistant"}  # on the first token's chunk
+        async for text, out, new_tokens in _text_deltas(stream, params):
+            if new_tokens:  # a chunk per output with tokens, even if no text is due yet
+                yield chunk(DeltaMessage(**role, content=text))
+                role = {}
             if out.finished:
                 c = out.outputs[0]
                 yield chunk(DeltaMessage(), finish=c.finish_reason)
@@ -245,8 +246,8 @@ class OpenAIServing:
                 data.pop("usage")
             return _sse(data)
 
-        async for text, out in _text_deltas(stream, params):
-            if text:
+        async for text, out, new_tokens in _text_deltas(stream, params):
+            if new_tokens:
                 yield chunk([CompletionChoice(text=text)])
             if out.finished:
                 c = out.outputs[0]
@@ -256,19 +257,22 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-async def _text_deltas(stream: RequestStream,
-                       params: SamplingParams) -> AsyncIterator[tuple[str, RequestOutput]]:
-    """(new text, output) per engine output. With stop strings, the last `len(stop) - 1`
+async def _text_deltas(stream: RequestStream, params: SamplingParams
+                       ) -> AsyncIterator[tuple[str, RequestOutput, int]]:
+    """(new text, output, new tokens) per engine output. A stream sends a chunk for every
+    output with new tokens, as vLLM does, even when they add no text yet (an incomplete
+    UTF-8 sequence, text held back for a stop string, tokens that decode to nothing): a
+    client then sees each token arrive. With stop strings, the last `len(stop) - 1`
     characters are held back until the request ends, because a stop string found later
     truncates text that may span outputs."""
     hold = max((len(s) for s in params.stop), default=1) - 1
-    sent = 0
+    sent = tokens = 0
     try:
         async for out in stream:
-            text = out.outputs[0].text
-            upto = len(text) if out.finished else max(sent, len(text) - hold)
-            yield text[sent:upto], out
-            sent = upto
+            c = out.outputs[0]
+            upto = len(c.text) if out.finished else max(sent, len(c.text) - hold)
+            yield c.text[sent:upto], out, len(c.token_ids) - tokens
+            sent, tokens = upto, len(c.token_ids)
     finally:
         stream.abort()
 
