@@ -151,7 +151,7 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["compute_floor"] = compute_floor(llm, reqs, first["elapsed_s"],
                                                 result["total_output_tokens"])
-    del llm, outs
+    llm = outs = None  # free the engine before transformers loads (the closure holds llm)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
