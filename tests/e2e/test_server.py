@@ -325,5 +325,8 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         assert r["completed"] == 6 and r["failed"] == 0
         assert len(r["ttfts_ms"]) == 6 and r["median_ttft_ms"] > 0
         assert r["output_tokens_per_s"] > 0 and len(r["tpots_ms"]) == 6
+        # the server's own view of the same requests, from its metrics endpoint
+        assert 0 < r["server_mean_ttft_ms"] <= max(r["ttfts_ms"])
+        assert 0 < r["server_mean_itl_ms"]
     for png in ("latency.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

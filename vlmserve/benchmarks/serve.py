@@ -76,6 +76,31 @@ async def _one(client, model, messages, args, bar) -> dict:
             "itls": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
+_SERVER_HISTOGRAMS = {"ttft": "vlmserve_time_to_first_token_seconds",
+                      "itl": "vlmserve_inter_token_latency_seconds"}
+
+
+def _server_histograms(base_url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of the server's own TTFT and inter-token histograms (its engine thread's
+    clock), from its Prometheus endpoint; None when it has none (another server)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    try:
+        return {k: (float(values[f"{m}_sum"]), float(values[f"{m}_count"]))
+                for k, m in _SERVER_HISTOGRAMS.items()}
+    except (KeyError, ValueError):
+        return None
+
+
 async def run_once(args, convs, concurrency: int) -> dict:
     from openai import AsyncOpenAI
 
@@ -90,6 +115,7 @@ async def run_once(args, convs, concurrency: int) -> dict:
         async with sem:
             return await _one(client, model, messages, args, bar)
 
+    before = await asyncio.to_thread(_server_histograms, args.base_url)
     tasks = []
     t0 = time.perf_counter()
     for messages in convs:
@@ -101,7 +127,13 @@ async def run_once(args, convs, concurrency: int) -> dict:
     elapsed = time.perf_counter() - t0
     bar.close()
     await client.close()
-    return summarize(results, elapsed, concurrency, args)
+    out = summarize(results, elapsed, concurrency, args)
+    after = await asyncio.to_thread(_server_histograms, args.base_url)
+    if before and after:  # the engine's own pacing: client-side gaps above it are delivery
+        for k in _SERVER_HISTOGRAMS:
+            n = after[k][1] - before[k][1]
+            out[f"server_mean_{k}_ms"] = 1e3 * (after[k][0] - before[k][0]) / n if n else None
+    return out
 
 
 def _stats(xs: list[float], name: str) -> dict:
