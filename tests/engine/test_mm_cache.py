@@ -56,6 +56,39 @@ def test_retained_entries_are_reused_then_evicted_within_budget(vlmserve_cache):
         assert s["encoder_cache_rows"] <= budget_rows
         assert s["mm_embedding_bytes_host"] == s["encoder_cache_rows"] * row_bytes
     assert s["num_encoder_cache_evictions"] == 3 and s["encoder_cache_entries"] == 2
+    # evicted entries' host rows went back to the pool in time for the next image's copy
+    assert s["mm_host_pool_misses"] == 0
+
+
+class _Copy:
+    """Stands in for a CUDA event: the copy it marks finishes when told."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+def test_host_rows_are_carved_merged_and_reused_only_after_their_copies():
+    import torch
+
+    from vlmserve.worker.mm_embedding_store import _HostRows
+
+    pool = _HostRows(10, 4, torch.float32, pin=False)
+    a, b, c = pool.take(4), pool.take(3), pool.take(3)
+    assert [t.storage_offset() // 4 for t in (a, b, c)] == [0, 4, 7]
+    assert pool.take(1) is None and all(pool.owns(t) for t in (a, b, c))
+    assert not pool.owns(torch.empty(3, 4))
+    copy = _Copy()
+    pool.give_back(a, [copy, None])
+    assert pool.take(1) is None, "rows still being copied are not handed out"
+    copy.finished = True
+    pool.give_back(c, [None])
+    assert pool.take(5) is None and pool.free == [[0, 4], [7, 3]]  # a and c, b between
+    pool.give_back(b, [None])
+    assert pool.take(10).storage_offset() == 0  # b merged with both neighbours
+    assert pool.free == []
 
 
 def test_every_byte_freed_without_cache(vlmserve_cache):

@@ -80,8 +80,7 @@ class LLMEngine:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
                 sc.max_num_batched_tokens, _max_image_tokens(model_processor)),
-            encoder_cache_rows=int(cc.mm_cache_gb * 2**30)
-            // self.executor.bytes_per_embedding_row,
+            encoder_cache_rows=self.executor.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,
         )
@@ -230,6 +229,7 @@ class LLMEngine:
             "prefetch_hit_rows": store.stats.prefetch_hit_rows,
             "prefetch_miss_rows": store.stats.prefetch_miss_rows,
             "prefetch_waits": store.stats.prefetch_waits,
+            "mm_host_pool_misses": store.stats.host_pool_misses,
             "encoder_batches": runner.encoder.num_batches,
             # device seconds in steps / between them (CUDA; None elsewhere)
             "device_busy_s": timeline.busy_s if timeline is not None else None,

@@ -63,7 +63,7 @@ class MultiprocExecutor:
             dist.destroy_process_group()
             raise
         for name in ("device", "dtype", "num_kv_blocks", "mm_offload",
-                     "bytes_per_embedding_row", "runner"):
+                     "bytes_per_embedding_row", "encoder_cache_rows", "runner"):
             setattr(self, name, getattr(self.local, name))
         self._closed = False
 

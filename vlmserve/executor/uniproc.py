@@ -62,6 +62,8 @@ class UniprocExecutor:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
+        # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
+        self.encoder_cache_rows = int(cc.mm_cache_gb * 2**30) // self.bytes_per_embedding_row
         model.set_fused_ops(FusedOps.for_device(mc.fused_ops, self.device))
         model.set_vision_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device))
@@ -73,7 +75,7 @@ class UniprocExecutor:
             mm_offload=offload, max_num_batched_tokens=sc.max_num_batched_tokens,
             attention_backend=mc.attention_backend,
             cuda_graph_max_batch=sc.max_num_seqs if graphs else 0,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows)
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 

@@ -16,6 +16,7 @@ but the same code path and buffer rotation run.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class StoreStats:
     prefetch_hit_rows: int = 0  # rows read from a buffer filled ahead of time
     prefetch_miss_rows: int = 0  # rows the prediction missed, copied synchronously
     prefetch_waits: int = 0  # steps whose prefetch copy had not finished when needed
+    host_pool_misses: int = 0  # offloaded entries that found no free range in the host rows
     peak_device_bytes: int = 0
 
 
@@ -54,9 +56,58 @@ class _Events:
             (stream or torch.cuda.current_stream()).wait_event(ev)
 
 
+class _HostRows:
+    """Host rows for offloaded entries, carved from one tensor allocated once (pinned on
+    CUDA): page-locking memory costs about a millisecond per image-sized piece, which would
+    otherwise land on the engine thread in every step that encodes an image, until the cache
+    budget has been filled once.
+
+    Ranges are taken first fit and merged with their neighbours when given back. A range given
+    back is reused only after the copies queued on it before have finished (`events`, one per
+    stream that touches host rows).
+    """
+
+    def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, pin: bool) -> None:
+        self.buf = torch.empty(rows, hidden_size, dtype=dtype, pin_memory=pin)
+        self.free: list[list[int]] = [[0, rows]] if rows else []  # [start, length], sorted
+        self.pending: deque[tuple[list, int, int]] = deque()  # (events, start, length)
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """``n`` contiguous rows, or None if no free range is that long."""
+        while self.pending and all(_Events.done(e) for e in self.pending[0][0]):
+            _, start, length = self.pending.popleft()
+            self._release(start, length)
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                if length == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = [start + n, length - n]
+                return self.buf[start:start + n]
+        return None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
+
+    def give_back(self, t: torch.Tensor, events: list) -> None:
+        start = t.storage_offset() // self.buf.stride(0)
+        self.pending.append((events, start, t.shape[0]))
+
+    def _release(self, start: int, length: int) -> None:
+        i = bisect.bisect(self.free, [start, length])
+        if i < len(self.free) and start + length == self.free[i][0]:  # merge the next one
+            length += self.free.pop(i)[1]
+        if i and self.free[i - 1][0] + self.free[i - 1][1] == start:  # and the previous one
+            self.free[i - 1][1] += length
+        else:
+            self.free.insert(i, [start, length])
+
+
 class MMEmbeddingStore:
     def __init__(self, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 offload: bool = False, buffer_rows: int = 0) -> None:
+                 offload: bool = False, buffer_rows: int = 0, host_rows: int = 0) -> None:
+        """``host_rows``: the host rows allocated up front for offloaded entries (the encoder
+        cache's capacity); an entry that finds no free range there gets its own tensor."""
         self.device = device
         self.offload = offload
         self.stats = StoreStats()
@@ -75,6 +126,7 @@ class MMEmbeddingStore:
             self._layout: list[dict[str, list[tuple[int, int, int]]]] = [{}, {}]
             self._used = [0, 0]  # rows of buffer i taken by its layout
             self.cur = 1  # begin_step flips to buffer 0 for the first step
+            self._pool = _HostRows(host_rows, hidden_size, dtype, pin=self._ev.cuda)
 
     # ---- entries ---------------------------------------------------------------------------
 
@@ -88,8 +140,10 @@ class MMEmbeddingStore:
             self._note_peak()
             return
         self._fresh[mm_hash] = rows
-        pin = self.device.type == "cuda"
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+        host = self._pool.take(rows.shape[0])
+        if host is None:  # the pool is fragmented or too small: a tensor of its own
+            self.stats.host_pool_misses += 1
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self._ev.cuda)
         if self._ev.cuda:
             computed = self._ev.record()
             with torch.cuda.stream(self._ev.copy_stream):
@@ -101,9 +155,14 @@ class MMEmbeddingStore:
         self._host[mm_hash] = host
 
     def free(self, hashes: list[str]) -> None:
+        events = None
         for h in hashes:
             self._device.pop(h, None)
-            self._host.pop(h, None)
+            host = self._host.pop(h, None)
+            if host is not None and self._pool.owns(host):
+                if events is None:  # after every copy queued so far, on either stream
+                    events = [self._ev.record(self._ev.copy_stream), self._ev.record()]
+                self._pool.give_back(host, events)
 
     # ---- one step --------------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
                  attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, encoder_cache_rows: int = 0) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -121,7 +121,8 @@ class ModelRunner:
                           for _ in range(model.num_layers)]
         model.set_attention_backend(get_paged_attention_backend(attention_backend, device))
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
-                                      buffer_rows=max_num_batched_tokens)
+                                      buffer_rows=max_num_batched_tokens,
+                                      host_rows=encoder_cache_rows)
         self.encoder = EncoderRunner(model, device, dtype, self.store)
         # the last step's sampled tokens on the device, and two host buffers for reading
         # them back (one per step in flight)
