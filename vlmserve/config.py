@@ -43,7 +43,8 @@ class CacheConfig:
     )
     gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
     mm_cache_gb: float = _opt(
-        4.0, "Byte budget (GiB) for image embeddings: host memory when offloaded, else device."
+        4.0, "Byte budget (GiB) for image embeddings: with offload, host memory reserved at "
+        "start (pinned on CUDA); else device memory, taken as needed."
     )
     enable_mm_cache: bool = _opt(
         True, "Keep embeddings of finished requests (LRU, by image content hash) for reuse."
