@@ -330,3 +330,24 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         assert 0 < r["server_mean_itl_ms"]
     for png in ("latency.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_token_chunks_from_the_template_are_the_pydantic_bytes() -> None:
+    from vlmserve.entrypoints.openai.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        DeltaMessage,
+    )
+    from vlmserve.entrypoints.openai.server import _sse, _TextChunk
+
+    def built(text: str) -> str:  # the chunk as the role and finish chunks are still made
+        delta = DeltaMessage(content=text)
+        data = ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", usage=None,
+                                   choices=[ChatChunkChoice(delta=delta)]).model_dump()
+        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        data.pop("usage")
+        return _sse(data)
+
+    chunk = _TextChunk(built(_TextChunk.MARK))
+    for text in ["", " word", 'a "quote" \\ and\nnewline', "é 中 \u2028 \x00 \ufffd"]:
+        assert chunk(text) == built(text)

@@ -66,6 +66,33 @@ def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine)
         assert seq[-1].outputs[0].finish_reason == "length"
 
 
+def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
+    from vlmserve.engine import async_engine
+
+    handed: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        plain = loop.call_soon_threadsafe
+
+        def counting(fn, *args, **kw):
+            if fn is async_engine._put_all:
+                handed.append(len(args[0]))
+            return plain(fn, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        steps = engine.get_stats()["num_steps"]
+
+        async def run(p) -> int:
+            return len([o async for o in engine.generate(p, greedy(10))])
+
+        assert await asyncio.gather(*(run(p) for p in prompts(8))) == [10] * 8
+        assert len(handed) <= engine.get_stats()["num_steps"] - steps  # one per step at most
+
+    asyncio.run(main())
+    assert sum(handed) == 80 and max(handed) > 1  # every output, several per hand-over
+
+
 def test_admission_errors_are_raised_before_streaming(engine) -> None:
     async def main() -> None:
         with pytest.raises(InvalidRequestError, match="vocabulary"):

@@ -67,6 +67,11 @@ class RequestTiming:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loop
+    for stream, item in items:
+        stream._put(item)
+
+
 class RequestStream:
     """Async iterator over one request's cumulative `RequestOutput`s.
 
@@ -317,6 +322,9 @@ class AsyncLLMEngine:
         return self._engine.scheduler.has_room_ahead() and self._admit_next(self._engine)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """A step's outputs to their streams: one hand-over per event loop, not one per
+        request (each wakes the loop and costs both threads the interpreter lock)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -325,14 +333,20 @@ class AsyncLLMEngine:
             if out.finished:  # callbacks first: metrics are current when the caller sees it
                 del self._streams[out.request_id]
                 self._finish(stream, out.outputs[0].finish_reason or "stop", now)
-            self._send(stream, out)
+            by_loop.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            self._hand_over(loop, items)
 
     def _send(self, stream: RequestStream, item: Any) -> None:
+        self._hand_over(stream._loop, [(stream, item)])
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:
-            stream._loop.call_soon_threadsafe(stream._put, item)
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # its event loop is closed: nobody listens any more
-            if not isinstance(item, BaseException) and stream.request_id in self._streams:
-                self._inbox.put(("abort", stream.request_id))
+            for stream, item in items:
+                if not isinstance(item, BaseException) and stream.request_id in self._streams:
+                    self._inbox.put(("abort", stream.request_id))
 
     def _finish(self, stream: RequestStream, reason: str, now: float) -> None:
         stream.timing.finished_time = now

@@ -79,6 +79,21 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
+class _TextChunk:
+    """A stream's token chunks from one template: the event of a sample chunk whose text is
+    `MARK`, split around it. The same bytes as building the pydantic chunk each time, at a
+    fraction of the cost: a stream sends one per token, from the event loop that serves
+    every stream."""
+
+    MARK = "\x00vlmserve-text\x00"
+
+    def __init__(self, sample: str) -> None:
+        self.head, self.tail = sample.split(json.dumps(self.MARK))
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text) + self.tail
+
+
 def _sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump()
@@ -223,11 +238,13 @@ class OpenAIServing:
                 data.pop("usage")
             return _sse(data)
 
-        role = {"role": "assistant"}  # on the first token's chunk
+        first = True  # the role rides on the first token's chunk
+        token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
         async for text, out, new_tokens in _text_deltas(stream, params):
             if new_tokens:  # a chunk per output with tokens, even if no text is due yet
-                yield chunk(DeltaMessage(**role, content=text))
-                role = {}
+                yield (chunk(DeltaMessage(role="assistant", content=text)) if first
+                       else token_chunk(text))
+                first = False
             if out.finished:
                 c = out.outputs[0]
                 yield chunk(DeltaMessage(), finish=c.finish_reason)
@@ -246,9 +263,10 @@ class OpenAIServing:
                 data.pop("usage")
             return _sse(data)
 
+        token_chunk = _TextChunk(chunk([CompletionChoice(text=_TextChunk.MARK)]))
         async for text, out, new_tokens in _text_deltas(stream, params):
             if new_tokens:
-                yield chunk([CompletionChoice(text=text)])
+                yield token_chunk(text)
             if out.finished:
                 c = out.outputs[0]
                 yield chunk([CompletionChoice(text="", finish_reason=c.finish_reason)])
