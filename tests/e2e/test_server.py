@@ -333,20 +333,11 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
 
 
 def test_token_chunks_from_the_template_are_the_pydantic_bytes() -> None:
-    from vlmserve.entrypoints.openai.protocol import (
-        ChatChunkChoice,
-        ChatCompletionChunk,
-        DeltaMessage,
-    )
-    from vlmserve.entrypoints.openai.server import _sse, _TextChunk
+    from vlmserve.entrypoints.openai.protocol import DeltaMessage
+    from vlmserve.entrypoints.openai.server import _chat_chunk, _TextChunk
 
     def built(text: str) -> str:  # the chunk as the role and finish chunks are still made
-        delta = DeltaMessage(content=text)
-        data = ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", usage=None,
-                                   choices=[ChatChunkChoice(delta=delta)]).model_dump()
-        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        data.pop("usage")
-        return _sse(data)
+        return _chat_chunk("chatcmpl-1", 7, "m", False, DeltaMessage(content=text))
 
     chunk = _TextChunk(built(_TextChunk.MARK))
     for text in ["", " word", 'a "quote" \\ and\nnewline', "é 中 \u2028 \x00 \ufffd"]:

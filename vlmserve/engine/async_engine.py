@@ -265,7 +265,7 @@ class AsyncLLMEngine:
             self._error = e
             err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine error: {e}")
             for stream in list(self._streams.values()):
-                self._send(stream, err)
+                self._hand_over(stream._loop, [(stream, err)])
             self._streams.clear()
             self._fail_pending(err)
         finally:
@@ -336,9 +336,6 @@ class AsyncLLMEngine:
             by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             self._hand_over(loop, items)
-
-    def _send(self, stream: RequestStream, item: Any) -> None:
-        self._hand_over(stream._loop, [(stream, item)])
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:

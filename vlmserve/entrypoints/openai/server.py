@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -92,6 +93,20 @@ class _TextChunk:
 
     def __call__(self, text: str) -> str:
         return self.head + json.dumps(text) + self.tail
+
+
+def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
+                delta: DeltaMessage | None, finish: str | None = None,
+                usage: UsageInfo | None = None) -> str:
+    """One `chat.completion.chunk` event."""
+    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+    data = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
+                               usage=usage).model_dump()
+    if delta is not None:  # OpenAI leaves unset delta fields out
+        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+    if not include_usage:
+        data.pop("usage")
+    return _sse(data)
 
 
 def _sse(payload: BaseModel | dict | str) -> str:
@@ -227,17 +242,7 @@ class OpenAIServing:
 
     async def chat_events(self, stream: RequestStream, req: ChatCompletionRequest,
                           params: SamplingParams, rid: str, created: int) -> AsyncIterator[str]:
-        def chunk(delta: DeltaMessage | None, finish: str | None = None,
-                  usage: UsageInfo | None = None) -> str:
-            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
-            data = ChatCompletionChunk(id=rid, created=created, model=self.model_name,
-                                       choices=choices, usage=usage).model_dump()
-            if delta is not None:  # OpenAI leaves unset delta fields out
-                data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-            if not req.include_usage:
-                data.pop("usage")
-            return _sse(data)
-
+        chunk = functools.partial(_chat_chunk, rid, created, self.model_name, req.include_usage)
         first = True  # the role rides on the first token's chunk
         token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
         async for text, out, new_tokens in _text_deltas(stream, params):
