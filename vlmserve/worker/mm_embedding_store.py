@@ -114,6 +114,11 @@ class MMEmbeddingStore:
         self._device: dict[str, torch.Tensor] = {}  # entries kept on the device
         self._host: dict[str, torch.Tensor] = {}  # offloaded entries
         self._fresh: dict[str, torch.Tensor] = {}  # encoded this step, still on the device
+        # running byte counts of `_device` and `_host` (the stats are read after every step:
+        # no sums over the entries there)
+        self._device_bytes = 0
+        self._host_bytes = 0
+        self._buffer_bytes = 0  # the ping-pong buffers, fixed
         self._ev = _Events(device)
         # (op, buffer, step) of the latest ping-pong operations, bounded: a server runs forever
         self.trace: deque[tuple] = deque(maxlen=4096)
@@ -121,6 +126,7 @@ class MMEmbeddingStore:
         if offload:
             self._buffers = [torch.empty(buffer_rows, hidden_size, dtype=dtype, device=device)
                              for _ in range(2)]
+            self._buffer_bytes = sum(_nbytes(b) for b in self._buffers)
             self._copy_done = [None, None]  # prefetch into buffer i finished
             self._read_done = [None, None]  # the last step reading buffer i finished reading
             self._layout: list[dict[str, list[tuple[int, int, int]]]] = [{}, {}]
@@ -134,8 +140,12 @@ class MMEmbeddingStore:
         return mm_hash in self._device or mm_hash in self._host or mm_hash in self._fresh
 
     def put(self, mm_hash: str, rows: torch.Tensor) -> None:
-        """rows: [num_rows, hidden], fresh from the vision tower."""
+        """rows: [num_rows, hidden], fresh from the vision tower. An entry already stored
+        under ``mm_hash`` is replaced (freed first)."""
+        if mm_hash in self._device or mm_hash in self._host:
+            self.free([mm_hash])
         if not self.offload:
+            self._device_bytes += _nbytes(rows)
             self._device[mm_hash] = rows
             self._note_peak()
             return
@@ -152,13 +162,15 @@ class MMEmbeddingStore:
             rows.record_stream(self._ev.copy_stream)
         else:
             host.copy_(rows)
+        self._host_bytes += _nbytes(host)
         self._host[mm_hash] = host
 
     def free(self, hashes: list[str]) -> None:
         events = None
         for h in hashes:
-            self._device.pop(h, None)
+            self._device_bytes -= _nbytes_or_0(self._device.pop(h, None))
             host = self._host.pop(h, None)
+            self._host_bytes -= _nbytes_or_0(host)
             if host is not None and self._pool.owns(host):
                 if events is None:  # after every copy queued so far, on either stream
                     events = [self._ev.record(self._ev.copy_stream), self._ev.record()]
@@ -244,6 +256,9 @@ class MMEmbeddingStore:
     def _note_peak(self) -> None:
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.bytes_on_device)
 
+    # O(1) each: running counts kept by put and free (a fresh output's device copy, dropped
+    # at the end of its step, is not counted)
+
     @property
     def num_entries(self) -> int:
         return len(self._device) + len(self._host)
@@ -251,16 +266,17 @@ class MMEmbeddingStore:
     @property
     def bytes_on_device(self) -> int:
         """Embedding bytes held on the device: kept entries plus the ping-pong buffers."""
-        held = sum(_nbytes(t) for t in self._device.values())
-        if self.offload:
-            held += sum(_nbytes(b) for b in self._buffers)
-        return held
+        return self._device_bytes + self._buffer_bytes
 
     @property
     def bytes_on_host(self) -> int:
-        return sum(_nbytes(t) for t in self._host.values())
+        return self._host_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _nbytes_or_0(t: torch.Tensor | None) -> int:
+    return 0 if t is None else _nbytes(t)
 
