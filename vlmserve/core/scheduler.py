@@ -41,6 +41,39 @@ class SchedulerStats:
     num_encoder_cache_evictions: int
 
 
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The limits a request must fit to ever be served (see `check`)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_kv_tokens: int  # the whole KV cache
+    max_num_encoder_tokens: int
+    encoder_cache_rows: int
+
+    def check(self, num_prompt_tokens: int, image_lengths: list[int]) -> str | None:
+        """Why a prompt of this many tokens with images of these lengths can never be
+        served, or None."""
+        n = num_prompt_tokens
+        if n + 1 > self.max_model_len:
+            return (f"prompt is {n} tokens (images included); with at least one output token it "
+                    f"exceeds the model's maximum context length of {self.max_model_len}")
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            return (f"prompt is {n} tokens, more than max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} with chunked prefill disabled")
+        if n + 1 > self.max_kv_tokens:
+            return f"prompt is {n} tokens, more than the whole KV cache holds"
+        for i, length in enumerate(image_lengths):
+            if length > self.max_num_encoder_tokens:
+                return (f"image {i} becomes {length} tokens, more than the per-step encoder "
+                        f"budget of {self.max_num_encoder_tokens}")
+            if length > self.encoder_cache_rows:
+                return (f"image {i} becomes {length} tokens, more than the encoder cache "
+                        f"capacity of {self.encoder_cache_rows}")
+        return None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -77,25 +110,20 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
 
+    @property
+    def limits(self) -> AdmissionLimits:
+        """What admission checks against: front ends in other processes check the same."""
+        return AdmissionLimits(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_kv_tokens=self.kv.num_blocks * self.kv.block_size,
+            max_num_encoder_tokens=self.max_num_encoder_tokens,
+            encoder_cache_rows=self.encoder_cache.capacity_rows)
+
     def check_admissible(self, req: Request) -> str | None:
         """Why a request can never be served with this configuration, or None."""
-        n = req.num_prompt_tokens
-        if n + 1 > self.max_model_len:
-            return (f"prompt is {n} tokens (images included); with at least one output token it "
-                    f"exceeds the model's maximum context length of {self.max_model_len}")
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            return (f"prompt is {n} tokens, more than max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} with chunked prefill disabled")
-        if not self.kv.can_fit(n + 1):
-            return f"prompt is {n} tokens, more than the whole KV cache holds"
-        for i, img in enumerate(req.images):
-            if img.length > self.max_num_encoder_tokens:
-                return (f"image {i} becomes {img.length} tokens, more than the per-step encoder "
-                        f"budget of {self.max_num_encoder_tokens}")
-            if img.length > self.encoder_cache.capacity_rows:
-                return (f"image {i} becomes {img.length} tokens, more than the encoder cache "
-                        f"capacity of {self.encoder_cache.capacity_rows}")
-        return None
+        return self.limits.check(req.num_prompt_tokens, [img.length for img in req.images])
 
     def add_request(self, req: Request) -> None:
         reason = self.check_admissible(req)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
 from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.request import Request
+from vlmserve.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -139,6 +140,23 @@ class OutputProcessor:
             st.text += full[len(prefix):]
             st.prefix_offset = st.read_offset = len(ids)
             st.prefix_text = None
+
+    def process(self, req: Request, on_stop: Callable[[Request], None]
+                ) -> RequestOutput | None:
+        """Take in a request's new tokens and return its output if one is due. A stop string
+        found in the text calls `on_stop(req)`, which must finish the request (status
+        `FINISHED_STOPPED`). A finished request's state is dropped."""
+        if self.update(req):
+            on_stop(req)
+            assert req.status is RequestStatus.FINISHED_STOPPED
+        if req.status.finished:
+            self.flush(req)
+            out = self.make_output(req)
+            self.drop(req.request_id)
+            return out
+        if req.sampling_params.output_kind == "cumulative":
+            return self.make_output(req)
+        return None
 
     def make_output(self, req: Request) -> RequestOutput:
         st = self._states[req.request_id]

@@ -1,0 +1,224 @@
+"""The engine core: scheduler + executor + the step loop, on token ids only.
+
+It knows nothing of text: requests arrive preprocessed (`Request`), and each step returns
+the requests that got a token. `LLMEngine` wraps it in-process with preprocessing and
+detokenization (the offline `LLM`); `engine/core_proc.py` runs it in a process of its own
+for the server, whose front ends do that work.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig
+
+from vlmserve.config import EngineConfig
+from vlmserve.core.scheduler import AdmissionLimits, Scheduler
+from vlmserve.core.scheduler_output import SchedulerOutput
+from vlmserve.errors import PromptTooLongError
+from vlmserve.executor.multiproc import MultiprocExecutor
+from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.models.builtin import resolve_model
+from vlmserve.models.loader import load_hf_config
+from vlmserve.models.registry import resolve_model_class
+from vlmserve.request import Request, RequestStatus
+from vlmserve.worker.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
+LOG_INTERVAL_S = 10.0
+
+
+def text_config(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def _max_image_tokens(model_processor) -> int:
+    """Most placeholder tokens one image can become (from the image processor's pixel cap)."""
+    unit = model_processor.patch_size * model_processor.merge_size
+    return max(int(model_processor.max_pixels) // (unit * unit), 1)
+
+
+def _eos_ids(path, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        eos = gen.eos_token_id
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end needs from a loaded model: where it is and what admission allows."""
+
+    model_path: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    limits: AdmissionLimits
+
+
+def load_model_processor(model: str):
+    """(checkpoint path, HF config, the model's input processor) for a model name or folder."""
+    path = resolve_model(model)
+    hf_config = load_hf_config(path)
+    model_cls = resolve_model_class(hf_config)
+    return path, hf_config, model_cls.input_processor_cls(path, hf_config)
+
+
+class EngineCore:
+    """Scheduler and executor. `step()` schedules and launches a step and returns the
+    requests that got a token (a step late with async scheduling)."""
+
+    def __init__(self, config: EngineConfig, model_processor=None) -> None:
+        self.config = config
+        mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
+        self.model_path, self.hf_config, processor = load_model_processor(mc.model)
+        self.model_processor = model_processor or processor
+        self.max_model_len = mc.max_model_len or text_config(
+            self.hf_config).max_position_embeddings
+        executor_cls = (MultiprocExecutor if config.parallel_config.tensor_parallel_size > 1
+                        else UniprocExecutor)
+        self.executor = executor_cls(config, self.model_path, self.hf_config,
+                                     self.max_model_len)
+        self.scheduler = Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.executor.num_kv_blocks,
+            block_size=cc.block_size,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
+                sc.max_num_batched_tokens, _max_image_tokens(self.model_processor)),
+            encoder_cache_rows=self.executor.encoder_cache_rows,
+            retain_encoder_outputs=cc.enable_mm_cache,
+            plan_prefetch=self.executor.mm_offload,
+        )
+        self.eos_token_ids = _eos_ids(self.model_path, self.model_processor.tokenizer)
+        self.async_scheduling = sc.async_scheduling
+        # steps launched and not read back yet (at most one with async scheduling)
+        self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._last_log = time.monotonic()
+        # the model, tokenizer and processor live as long as the engine: keep them out of the
+        # collector's full passes, which otherwise cost a share of every busy step
+        gc.collect()
+        gc.freeze()
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(str(self.model_path), self.max_model_len, self.eos_token_ids,
+                         self.scheduler.limits)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a preprocessed request; one that can never fit raises `PromptTooLongError`,
+        a request id in use a `ValueError`."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        reason = self.scheduler.check_admissible(req)
+        if reason is not None:
+            raise PromptTooLongError(reason)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """Finish a request now, releasing what it holds; False if it was not running."""
+        if request_id not in self.scheduler.requests:
+            return False
+        self.scheduler.finish_request(request_id, status)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (no-op for one process)."""
+        self.executor.shutdown()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def step(self, while_waiting: Callable[[], bool] | None = None) -> list[Request]:
+        """Schedule and launch a step, then read back tokens: with async scheduling the
+        previous step's, sampled while the host scheduled and launched this one, so the
+        device never waits for the host. Returns the requests that got a token (finished
+        ones with their final status).
+
+        `while_waiting()` does one piece of host work each time it is called while the device
+        is still busy with the step being read back; it returns False when it has nothing
+        more to do."""
+        so = self.scheduler.schedule()
+        self._in_flight.append((so, self.executor.execute_model(so)))
+        self.num_steps += 1
+        keep = 1 if self.async_scheduling and not so.is_empty else 0
+        updated = self._read_back(keep, while_waiting)
+        if time.monotonic() - self._last_log > LOG_INTERVAL_S:
+            self._log_stats()
+        return updated
+
+    def drain(self) -> list[Request]:
+        """Read back every step still in flight (after aborts, nothing else is running)."""
+        return self._read_back(0)
+
+    def _read_back(self, keep: int, while_waiting: Callable[[], bool] | None = None
+                   ) -> list[Request]:
+        updated: list[Request] = []
+        while len(self._in_flight) > keep:
+            done, result = self._in_flight.popleft()
+            while while_waiting is not None and not result.ready() and while_waiting():
+                pass
+            updated.extend(self.scheduler.update_from_output(done, result.get()))
+        self.num_generated_tokens += len(updated)
+        return updated
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def _log_stats(self) -> None:
+        self._last_log = time.monotonic()
+        s = self.get_stats()
+        logger.info(
+            "running %d, waiting %d, KV cache %.1f%%, image embeddings %.1f MiB on device / "
+            "%.1f MiB on host, encoder cache hits %d misses %d evictions %d, prefetch waits %d",
+            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+            s["mm_embedding_bytes_device"] / 2**20, s["mm_embedding_bytes_host"] / 2**20,
+            s["num_encoder_cache_hits"], s["num_images_encoded"], s["num_encoder_cache_evictions"],
+            s["prefetch_waits"])
+
+    def get_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        runner = self.executor.runner
+        store = runner.store
+        timeline = runner.timeline
+        if timeline is not None:
+            timeline.collect()
+        return {
+            **s.__dict__,
+            "num_kv_blocks": self.scheduler.kv.num_blocks,
+            "mm_embedding_offload": store.offload,
+            "mm_embedding_bytes_device": store.bytes_on_device,
+            "mm_embedding_bytes_host": store.bytes_on_host,
+            "mm_embedding_entries": store.num_entries,
+            "mm_embedding_peak_bytes_device": store.stats.peak_device_bytes,
+            "prefetch_hit_rows": store.stats.prefetch_hit_rows,
+            "prefetch_miss_rows": store.stats.prefetch_miss_rows,
+            "prefetch_waits": store.stats.prefetch_waits,
+            "mm_host_pool_misses": store.stats.host_pool_misses,
+            "encoder_batches": runner.encoder.num_batches,
+            # device seconds in steps / between them (CUDA; None elsewhere)
+            "device_busy_s": timeline.busy_s if timeline is not None else None,
+            "device_idle_s": timeline.idle_s if timeline is not None else None,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "time": time.time(),
+        }
