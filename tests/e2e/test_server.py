@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.helpers import make_image
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.async_engine import AsyncLLMEngine
+from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.entrypoints.args import engine_kwargs
 from vlmserve.entrypoints.cli import make_parser
 from vlmserve.entrypoints.openai.server import build_app
@@ -45,7 +45,7 @@ def user(text: str, *urls: str) -> list[dict]:
 
 
 class Server:
-    def __init__(self, engine: AsyncLLMEngine, url: str, media_dir: Path) -> None:
+    def __init__(self, engine: AsyncLLM, url: str, media_dir: Path) -> None:
         self.engine, self.url, self.media_dir = engine, url, media_dir
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         self.aclient_kwargs = dict(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -66,7 +66,7 @@ def server(vlmserve_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "serve", MODEL, *ENGINE_FLAGS, "--allowed-local-media-path", str(media),
         "--limit-mm-per-prompt", "2", "--max-image-pixels", "200000",
         "--max-request-bytes", "1000000", "--served-model-name", "tiny"])
-    engine = AsyncLLMEngine.from_kwargs(**engine_kwargs(args) | {"model": MODEL})
+    engine = AsyncLLM.from_kwargs(**engine_kwargs(args) | {"model": MODEL})
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

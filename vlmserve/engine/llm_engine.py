@@ -108,6 +108,7 @@ class LLMEngine:
 
     def _stop(self, req: Request) -> None:
         self.core.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        req.status = RequestStatus.FINISHED_STOPPED  # also when a length limit ended it too
 
     def get_stats(self) -> dict[str, Any]:
         return self.core.get_stats()

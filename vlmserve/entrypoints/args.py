@@ -42,6 +42,12 @@ class ServerConfig:
         64_000_000, "Largest image (width x height) a request may send; unlimited if unset.")
     max_request_bytes: int = _opt(64 << 20, "Largest request body in bytes (413 beyond it).")
     log_level: str = _opt("info", "Log level of the server: debug, info, warning, error.")
+    api_server_count: int = _opt(
+        1, "HTTP front-end processes on the one port (preprocessing, detokenization, SSE), "
+        "all served by one engine-core process.")
+    shutdown_timeout: float = _opt(
+        30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
+        "ended with an error.")
 
     @classmethod
     def from_args(cls, args: Any) -> ServerConfig:

@@ -27,7 +27,7 @@ def _resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from vlmserve.entrypoints.openai.server import run_server
+    from vlmserve.entrypoints.openai.launch import run_server
 
     run_server(args)
 

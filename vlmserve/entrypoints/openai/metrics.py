@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vlmserve.engine.async_engine import AsyncLLMEngine, RequestTiming
+from vlmserve.engine.async_llm import AsyncLLM, RequestTiming
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 1.0, 2.5)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                 0.1, 0.2, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServerMetrics:
-    """Gauges read from the engine's stats at scrape time; counters and latency histograms
-    fed by the engine thread as each request finishes (aborted ones included)."""
+    """Gauges read from the engine core's stats at scrape time; counters and latency
+    histograms fed by the front end's I/O thread as each request finishes (aborted ones
+    included) and, for the core's step time, as each step's tokens arrive."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
         r = self.registry = CollectorRegistry()
         self.running = Gauge("vlmserve_num_requests_running", "Requests being computed.",
@@ -43,14 +46,27 @@ class ServerMetrics:
         self.itl = Histogram("vlmserve_inter_token_latency_seconds",
                              "Time between consecutive output tokens.", buckets=_ITL_BUCKETS,
                              registry=r)
+        self.frontend = Histogram(
+            "vlmserve_request_frontend_seconds",
+            "Arrival to hand-over to the engine core (HTTP, images, template, tokenization).",
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.step_time = Histogram(
+            "vlmserve_engine_step_seconds",
+            "Host time of an engine-core loop iteration that produced this front end's tokens.",
+            buckets=_STEP_BUCKETS, registry=r)
+        self.streams = Gauge("vlmserve_num_streams", "Requests this front end is serving.",
+                             registry=r)
         self.e2e = Histogram("vlmserve_e2e_request_latency_seconds",
                              "Arrival to finish.", buckets=_E2E_BUCKETS, registry=r)
         engine.add_finish_callback(self.observe_finished)
+        engine.add_step_callback(self.step_time.observe)
 
     def observe_finished(self, t: RequestTiming) -> None:
         self.prompt_tokens.inc(t.num_prompt_tokens)
         self.generation_tokens.inc(len(t.token_times))
         self.finished.labels(finish_reason=t.finish_reason or "unknown").inc()
+        if t.frontend_time is not None:
+            self.frontend.observe(t.frontend_time)
         if t.ttft is not None:
             self.ttft.observe(t.ttft)
         for dt in t.inter_token_latencies:
@@ -58,9 +74,10 @@ class ServerMetrics:
         if t.e2e_latency is not None:
             self.e2e.observe(t.e2e_latency)
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition, gauges refreshed from the engine now."""
-        s = self.engine.get_stats()
+    async def render(self) -> bytes:
+        """The Prometheus text exposition, gauges refreshed from the engine core now."""
+        s = await self.engine.get_stats()
+        self.streams.set(s.get("num_streams", 0))
         self.running.set(s.get("num_running", 0))
         self.waiting.set(s.get("num_waiting", 0))
         self.kv_usage.set(s.get("kv_cache_usage", 0.0))

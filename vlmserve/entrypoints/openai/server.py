@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
@@ -118,8 +118,13 @@ def _sse(payload: BaseModel | dict | str) -> str:
 class OpenAIServing:
     """The request handlers, bound to one engine and one server configuration."""
 
-    def __init__(self, engine: AsyncLLMEngine, cfg: ServerConfig, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_name: str) -> None:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
+        self.draining = False  # shutting down: new requests are refused
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="server_error")
 
     # ---- shared steps ----------------------------------------------------------------------
 
@@ -170,11 +175,13 @@ class OpenAIServing:
         if len(sources) > limit:
             raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
                                       "are allowed (--limit-mm-per-prompt)")
-        images = await asyncio.to_thread(
-            lambda: [self.load_image(src, i) for i, src in enumerate(sources)])
-        text = await self.engine.call(
-            lambda e: e.input_processor.model_processor.apply_chat_template(hf_messages))
-        return {"prompt": text, "multi_modal_data": {"image": images}}
+
+        def build() -> dict[str, Any]:  # image fetching and decoding: off the event loop
+            images = [self.load_image(src, i) for i, src in enumerate(sources)]
+            return {"prompt": self.engine.apply_chat_template(hf_messages),
+                    "multi_modal_data": {"image": images}}
+
+        return await asyncio.to_thread(build)
 
     async def last_output(self, stream: RequestStream, request: Request) -> RequestOutput:
         """Run a non-streamed request to the end; abort it if the client goes away."""
@@ -205,12 +212,14 @@ class OpenAIServing:
     # ---- endpoints -------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
         params = req.sampling_params(self.engine.max_model_len)
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid)
+        stream = await self.engine.add_request(prompt, params, rid, arrival)
         if req.stream:
             return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
         out = await self.last_output(stream, request)
@@ -222,12 +231,14 @@ class OpenAIServing:
             usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
 
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_accepting()
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
         params = req.sampling_params(self.engine.max_model_len)
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         rid, created = random_id("cmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid)
+        stream = await self.engine.add_request(prompt, params, rid, arrival)
         if req.stream:
             return _event_stream(
                 self.completion_events(stream, req, params, rid, created), stream)
@@ -317,8 +328,8 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
                              headers={"Cache-Control": "no-cache"})
 
 
-def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
-    """The FastAPI app over a running `AsyncLLMEngine`; `args` carries `ServerConfig`
+def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
+    """The FastAPI app over a running `AsyncLLM`; `args` carries `ServerConfig`
     fields (an argparse namespace or a `ServerConfig`)."""
     cfg = args if isinstance(args, ServerConfig) else ServerConfig.from_args(args)
     model_name = cfg.served_model_name or getattr(args, "model", None) or engine.model_name
@@ -366,15 +377,17 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     async def health() -> Response:
         if not engine.is_running:
             return error_response(503, "the engine is not running", type="server_error")
+        if serving.draining:
+            return error_response(503, "the server is shutting down", type="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        return JSONResponse(engine.get_stats())
+        return JSONResponse(await engine.get_stats())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -384,20 +397,3 @@ def build_app(engine: AsyncLLMEngine, args: Any = None) -> FastAPI:
     app.post("/v1/chat/completions")(serving.chat)
     app.post("/v1/completions")(serving.completions)
     return app
-
-
-def run_server(args: Any) -> None:
-    """Start the engine and serve until interrupted (`vlmserve serve`)."""
-    import uvicorn
-
-    from vlmserve.entrypoints.args import engine_kwargs
-
-    cfg = ServerConfig.from_args(args)
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_kwargs(**engine_kwargs(args))
-    try:
-        app = build_app(engine, args)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
-    finally:
-        engine.shutdown()

@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: streaming, admission errors up front, abort on cancel, timing, shutdown."""
+"""AsyncLLM (the front end) with a real engine-core process: streaming, admission errors up
+front, abort on cancel, stop strings, timing, the core's death."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import busy_twice, make_image, trace_preprocessing
+from tests.engine.helpers import make_image
 from vlmserve import SamplingParams
-from vlmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestTiming
+from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestTiming
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
 
 OPTS = dict(model="tiny-qwen2-vl", dtype="float32", device="cpu", max_model_len=512,
@@ -20,8 +21,8 @@ OPTS = dict(model="tiny-qwen2-vl", dtype="float32", device="cpu", max_model_len=
 
 
 @pytest.fixture(scope="module")
-def engine(vlmserve_cache: Path) -> Iterator[AsyncLLMEngine]:
-    eng = AsyncLLMEngine.from_kwargs(**OPTS)
+def engine(vlmserve_cache: Path) -> Iterator[AsyncLLM]:
+    eng = AsyncLLM.from_kwargs(**OPTS)
     yield eng
     eng.shutdown()
 
@@ -39,9 +40,9 @@ def prompts(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def wait_idle(engine: AsyncLLMEngine) -> dict:
+def wait_idle(engine: AsyncLLM) -> dict:
     for _ in range(200):
-        s = engine.get_stats()
+        s = asyncio.run(engine.get_stats())
         if s["num_running"] == s["num_waiting"] == s["num_streams"] == 0:
             return s
         time.sleep(0.01)
@@ -67,7 +68,7 @@ def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine)
 
 
 def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
-    from vlmserve.engine import async_engine
+    from vlmserve.engine import async_llm
 
     handed: list[int] = []
 
@@ -76,18 +77,18 @@ def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
         plain = loop.call_soon_threadsafe
 
         def counting(fn, *args, **kw):
-            if fn is async_engine._put_all:
+            if fn is async_llm._put_all:
                 handed.append(len(args[0]))
             return plain(fn, *args, **kw)
 
         loop.call_soon_threadsafe = counting
-        steps = engine.get_stats()["num_steps"]
+        steps = (await engine.get_stats())["num_steps"]
 
         async def run(p) -> int:
             return len([o async for o in engine.generate(p, greedy(10))])
 
         assert await asyncio.gather(*(run(p) for p in prompts(8))) == [10] * 8
-        assert len(handed) <= engine.get_stats()["num_steps"] - steps  # one per step at most
+        assert len(handed) <= (await engine.get_stats())["num_steps"] - steps  # one a step
 
     asyncio.run(main())
     assert sum(handed) == 80 and max(handed) > 1  # every output, several per hand-over
@@ -111,41 +112,46 @@ def test_admission_errors_are_raised_before_streaming(engine) -> None:
     assert wait_idle(engine)["num_streams"] == 0
 
 
-def test_requests_are_preprocessed_on_the_engine_thread_while_it_steps(vlmserve_cache: Path,
-                                                                       monkeypatch) -> None:
-    """Requests arriving while the device runs a step (simulated: each step reports busy
-    twice) are preprocessed there, on the engine thread, with the same outputs; bad input among
-    them fails its caller only."""
-    from vlmserve.worker.model_runner import StepResult
+def test_messages_carry_tensors_as_frames_without_copies() -> None:
+    """An image's pixels and the mRoPE positions travel as frames of their own, sharing the
+    sender's memory, and decode to equal tensors sharing the frames' memory."""
+    import numpy as np
+    import torch
 
-    ps = prompts(6)
-    bad = {"prompt": ps[1]["prompt"], "multi_modal_data": {"image": b"junk"}}
+    from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData, ToCore
 
-    async def run(eng, p):
-        return [o async for o in eng.generate(p, greedy(8))][-1].outputs[0].token_ids
+    pixels = torch.randint(0, 255, (56, 84, 3), dtype=torch.uint8)
+    positions = torch.arange(30).expand(3, -1).contiguous()
+    msg = AddRequest("r1", list(range(30)), [ImageData("h", 3, 6, (1, 4, 6), pixels)],
+                     positions, -4, greedy(5), (7, 8))
+    frames = Encoder().encode(msg)
+    assert len(frames) == 3 and len(frames[0]) < 400  # the body holds no pixel bytes
+    assert np.shares_memory(np.asarray(frames[1]), pixels.numpy())
+    got = Decoder(ToCore).decode([bytearray(f) for f in frames])
+    assert isinstance(got, AddRequest) and got.sampling_params == greedy(5)
+    assert torch.equal(got.images[0].pixels, pixels) and torch.equal(got.mrope_positions,
+                                                                      positions)
+    assert (got.request_id, got.mrope_delta, got.eos_token_ids) == ("r1", -4, (7, 8))
+    assert got.images[0].grid_thw == (1, 4, 6)
 
-    async def all_at_once(eng):
-        return await asyncio.gather(*(run(eng, p) for p in ps[:3] + [bad] + ps[3:]),
-                                    return_exceptions=True)
 
-    ref = AsyncLLMEngine.from_kwargs(**OPTS)
-    try:
-        expected = [asyncio.run(run(ref, p)) for p in ps]
-    finally:
-        ref.shutdown()
+def test_stop_strings_end_requests_in_the_front_end_and_free_them_in_the_core(
+        engine, vlmserve_cache: Path) -> None:
+    from vlmserve import LLM
 
-    monkeypatch.setattr(StepResult, "ready", busy_twice)
-    # a small step: only the first requests are admitted before it, the rest during steps
-    eng = AsyncLLMEngine.from_kwargs(**{**OPTS, "max_num_batched_tokens": 16})
-    try:
-        where = asyncio.run(eng.call(trace_preprocessing))
-        results = asyncio.run(all_at_once(eng))
-    finally:
-        eng.shutdown()
-    assert isinstance(results[3], InvalidImageError)
-    assert results[:3] + results[4:] == expected
-    assert len(where) == 7 and all(thread is eng._thread for _, thread in where)
-    assert any(in_step for in_step, _ in where), "some requests should arrive during a step"
+    p = prompts(2)[1]
+    full = LLM(**OPTS).generate(p, greedy(20), use_tqdm=False)[0].outputs[0].text
+    stop = full[5:7]
+    expected = full[: full.find(stop)]
+
+    async def main() -> list:
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
+        return [o async for o in engine.generate(p, params)]
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].text == expected and outs[-1].outputs[0].finish_reason == "stop"
+    s = wait_idle(engine)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["encoder_cache_referenced"] == 0
 
 
 @pytest.mark.parametrize("how", ["cancel", "break", "aclose"])
@@ -174,7 +180,7 @@ def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
         await asyncio.gather(task, return_exceptions=True)
         gc.collect()
         for _ in range(100):  # the loop stays open: nothing but the abort ends the request
-            s = engine.get_stats()
+            s = await engine.get_stats()
             if s["num_running"] == s["num_streams"] == 0:
                 break
             await asyncio.sleep(0.01)
@@ -202,31 +208,39 @@ def test_timing(engine) -> None:
     assert len(timing.token_times) == 6
     assert timing.num_prompt_tokens == len(outs[0].prompt_token_ids)
     assert 0 <= timing.ttft <= timing.e2e_latency
+    assert 0 <= timing.frontend_time <= timing.ttft  # preprocessed, then handed over
     assert len(timing.inter_token_latencies) == 5 and min(timing.inter_token_latencies) >= 0
 
 
-def test_step_failure_and_shutdown_end_every_stream(vlmserve_cache: Path) -> None:
-    eng = AsyncLLMEngine.from_kwargs(**OPTS)
+def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) -> None:
+    import os
+    import signal
 
-    def boom(*args):
-        raise RuntimeError("kaput")
+    eng = AsyncLLM.from_kwargs(**OPTS)
+    dead: list[BaseException] = []
+    eng.add_dead_callback(dead.append)
 
-    async def main() -> None:
-        stream = await eng.add_request("hello", greedy(50))
-        await eng.call(lambda e: setattr(e, "step", boom))
-        with pytest.raises(EngineDeadError, match="kaput"):
+    async def main() -> float:
+        stream = await eng.add_request("hello", greedy(400))
+        await stream.__anext__()
+        os.kill(eng.core_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
             async for _ in stream:
                 pass
+        told = time.monotonic() - killed
         with pytest.raises(EngineDeadError):
             await eng.add_request("again", greedy(2))
+        return told
 
     try:
-        asyncio.run(main())
-        assert not eng.is_running
+        assert asyncio.run(main()) < 1.0
+        assert not eng.is_running and len(dead) == 1
     finally:
         eng.shutdown()
-    eng2 = AsyncLLMEngine.from_kwargs(**OPTS)
+    eng2 = AsyncLLM.from_kwargs(**OPTS)
+    core = eng2._proc
     eng2.shutdown()
-    assert not eng2.is_running
+    assert not eng2.is_running and core.exitcode == 0 and not dead[1:]
     with pytest.raises(EngineDeadError):
         asyncio.run(eng2.add_request("x", greedy(2)))

@@ -1,0 +1,567 @@
+"""The server's front end of the engine: preprocessing and detokenization here, the engine
+core in a process of its own (engine/core_proc.py), so neither waits for the other's
+interpreter lock.
+
+`AsyncLLM(config)` starts an engine-core process and talks to it; `AsyncLLM(config,
+core=CoreHandle(...))` joins one that another process started (`--api-server-count N`: N
+front ends, one core). On the caller's event loop (any number of them) a request is
+preprocessed in a worker thread (tokens, images decoded, resized and hashed, mRoPE
+positions), checked against the core's limits and handed over; one I/O thread owns the zmq
+socket: it sends what callers queued, receives each step's tokens, detokenizes them, applies
+stop strings and hands each event loop its streams' outputs at once. It also watches the
+core: if the core dies, every stream ends with `EngineDeadError` within `CORE_CHECK_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from vlmserve.config import EngineConfig
+from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.engine.core import load_model_processor, text_config
+from vlmserve.engine.core_proc import run_engine_core
+from vlmserve.engine.messages import (
+    Abort,
+    AddFailed,
+    AddRequest,
+    Decoder,
+    Encoder,
+    FromCore,
+    Hello,
+    ImageData,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+)
+from vlmserve.engine.output import OutputProcessor
+from vlmserve.engine.processor import InputProcessor, PromptInput
+from vlmserve.errors import InvalidRequestError, PromptTooLongError
+from vlmserve.outputs import RequestOutput
+from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+CORE_CHECK_S = 0.2  # how often the I/O thread checks that the engine core lives
+START_TIMEOUT_S = 3600.0  # model load (and kernel warm-up) of a large model
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (shut down, crashed or killed)."""
+
+
+@dataclass
+class RequestTiming:
+    """Per-request timing (`time.monotonic()` seconds) and token counts, for metrics."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    sent_time: float | None = None  # handed to the engine core (front-end work done)
+    token_times: list[float] = field(default_factory=list)  # when each output token came out
+    finished_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" once finished
+
+    @property
+    def frontend_time(self) -> float | None:
+        return None if self.sent_time is None else self.sent_time - self.arrival_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        first = self.first_token_time
+        return None if first is None else first - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class CoreHandle:
+    """Where an engine-core process listens, and its pid (to notice its death)."""
+
+    address: str
+    pid: int
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def start_engine_core(config: EngineConfig, log_level: str = "info"
+                      ) -> tuple[mp.process.BaseProcess, CoreHandle]:
+    """Spawn an engine-core process for `config` (it dies with this process)."""
+    address = f"ipc://{tempfile.gettempdir()}/vlmserve-core-{uuid.uuid4().hex[:12]}"
+    proc = mp.get_context("spawn").Process(
+        target=run_engine_core, name="vlmserve-engine-core",
+        args=(config, address, os.getpid(), log_level), daemon=False)
+    proc.start()
+    return proc, CoreHandle(address, proc.pid)
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loop
+    for stream, item in items:
+        stream._put(item)
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative `RequestOutput`s.
+
+    Leaving the iteration early (`aclose()`, `abort()`, cancellation, or dropping the stream)
+    aborts the request in the engine core, which frees its KV blocks and encoder cache
+    references.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop,
+                 timing: RequestTiming) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.timing = timing
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: Any) -> None:  # on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop the request now (no-op once finished)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+@dataclass
+class _Live:
+    """A request this front end has handed to the core: its stream and token state."""
+
+    stream: RequestStream
+    req: Request  # prompt token ids, sampling params, output tokens, status (no images)
+
+
+class AsyncLLM:
+    """Front end of an engine core in another process; `generate` streams to asyncio code.
+
+    `AsyncLLM(config)` (or `AsyncLLM.from_kwargs(model=..., ...)`, the option names of
+    `LLM(...)`) starts the core and waits until its model is loaded; `core=` joins a running
+    one instead.
+    """
+
+    def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
+                 log_level: str = "info") -> None:
+        self.config = config
+        self._proc: mp.process.BaseProcess | None = None
+        if core is None:
+            self._proc, core = start_engine_core(config, log_level)
+        self.core = core
+        try:
+            _, hf_config, model_processor = load_model_processor(config.model_config.model)
+            self.input_processor = InputProcessor(model_processor,
+                                                  text_config(hf_config).vocab_size)
+            self.output_processor = OutputProcessor(model_processor.tokenizer)
+            self.model_name: str = config.model_config.model
+            self._encoder = Encoder()
+            self._ids = itertools.count()
+            self._live: dict[str, _Live] = {}  # owned by the I/O thread
+            self._outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+            self._calls: dict[int, concurrent.futures.Future] = {}
+            self._call_ids = itertools.count()
+            self._finish_callbacks: list[Callable[[RequestTiming], None]] = []
+            self._dead_callbacks: list[Callable[[BaseException], None]] = []
+            self._step_callbacks: list[Callable[[float], None]] = []
+            self._error: BaseException | None = None
+            self._stopping = False
+            self.num_running = self.num_waiting = 0
+            self._wake_r, self._wake_w = os.pipe()
+            ready: concurrent.futures.Future[Ready] = concurrent.futures.Future()
+            self._thread = threading.Thread(target=self._io_loop, args=(ready,),
+                                            name="vlmserve-frontend-io", daemon=True)
+            self._thread.start()
+            info = ready.result()
+        except BaseException:
+            self._kill_core()
+            raise
+        self.max_model_len: int = info.max_model_len
+        self.eos_token_ids = tuple(info.eos_token_ids)
+        self.limits = AdmissionLimits(**info.limits)
+        self.core_pid = info.pid
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> AsyncLLM:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- the API (any thread / event loop) -------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def add_finish_callback(self, fn: Callable[[RequestTiming], None]) -> None:
+        """`fn(timing)` runs on the I/O thread when a request finishes or is aborted."""
+        self._finish_callbacks.append(fn)
+
+    def add_step_callback(self, fn: Callable[[float], None]) -> None:
+        """`fn(step_seconds)` runs on the I/O thread for each step with this front end's
+        tokens: the host time of the engine core's loop iteration."""
+        self._step_callbacks.append(fn)
+
+    def add_dead_callback(self, fn: Callable[[BaseException], None]) -> None:
+        """`fn(error)` runs on the I/O thread once, when the engine core is found dead."""
+        self._dead_callbacks.append(fn)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.input_processor.model_processor.apply_chat_template(messages)
+
+    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str
+                ) -> tuple[Request, list]:
+        """Preprocess and check one request and encode its message (any thread). Bad input
+        raises an `InvalidRequestError` naming the problem."""
+        params.validate()
+        processed = self.input_processor.process(prompt)
+        reason = self.limits.check(len(processed.prompt_token_ids),
+                                   [img.length for img in processed.images])
+        if reason is not None:
+            raise PromptTooLongError(reason)
+        msg = AddRequest(
+            request_id, processed.prompt_token_ids,
+            [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
+             for img in processed.images],
+            processed.mrope_positions, processed.mrope_delta, params, self.eos_token_ids)
+        processed.images, processed.mrope_positions = [], None  # the core has them now
+        return Request(request_id, processed, params, self.eos_token_ids), self._encoder.encode(
+            msg)
+
+    async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                          request_id: str | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Preprocess a request (in a worker thread), hand it to the core and return its
+        stream. Bad input raises the engine's `InvalidRequestError` here, before any output."""
+        self._check_alive()
+        params = params or SamplingParams()
+        loop = asyncio.get_running_loop()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        timing = RequestTiming(arrival_time if arrival_time is not None else time.monotonic())
+        req, frames = await asyncio.to_thread(self.process, prompt, params, rid)
+        self._check_alive()
+        stream = RequestStream(self, rid, loop, timing)
+        timing.num_prompt_tokens = req.num_prompt_tokens
+        self._post(("add", _Live(stream, req), frames))
+        return stream
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request (the last has `finished=True`)."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every unfinished request with `error` and abort it in the core."""
+        self._post(("fail_all", error))
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine core's stats now (between two of its steps), plus this front end's."""
+        self._check_alive()
+        fut: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = fut
+        self._post(("send", self._encoder.encode(Utility(call_id, "get_stats"))))
+        stats = await asyncio.wrap_future(fut)
+        stats["num_streams"] = len(self._live)
+        return stats
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine core (if this front end started it) and the I/O thread;
+        unfinished requests end with `EngineDeadError`."""
+        if self._thread.is_alive():
+            self._post(("stop", self._proc is not None))
+            self._thread.join(timeout)
+        if self._proc is not None:
+            self._proc.join(timeout)
+            self._kill_core()
+
+    def _kill_core(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+
+    def _post(self, item: tuple) -> None:
+        self._outbox.put(item)
+        fd = self._wake_w
+        if fd >= 0:
+            try:
+                os.write(fd, b"x")
+            except OSError:  # closed: the I/O thread has stopped
+                pass
+
+    # ---- the I/O thread --------------------------------------------------------------------
+
+    def _core_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.is_alive()
+        return pid_alive(self.core.pid)
+
+    def _io_loop(self, ready: concurrent.futures.Future[Ready]) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.core.address)
+        self._sock = sock
+        decoder = Decoder(FromCore)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        error: BaseException = EngineDeadError("the engine was shut down")
+        try:
+            sock.send_multipart(self._encoder.encode(Hello()))
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not ready.done():  # the core loads its model, then answers Hello
+                if sock.poll(int(CORE_CHECK_S * 1000)):
+                    msg = decoder.decode(sock.recv_multipart(copy=False))
+                    assert isinstance(msg, Ready), msg
+                    ready.set_result(msg)
+                elif not self._core_alive() or time.monotonic() > deadline:
+                    raise RuntimeError("the engine core failed to start (see its log above)")
+            next_check = time.monotonic() + CORE_CHECK_S
+            while True:
+                events = dict(poller.poll(int(CORE_CHECK_S * 1000)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 65536)
+                while True:
+                    try:
+                        item = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if self._handle_local(item):
+                        return
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle_core(decoder.decode(frames))
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + CORE_CHECK_S
+                    if not self._core_alive():
+                        raise EngineDeadError("the engine core process died")
+        except BaseException as e:  # noqa: BLE001 - every stream must learn the core stopped
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"engine core error: {e}")
+            if not ready.done():
+                ready.set_exception(e)
+                return
+            logger.error("%s; ending %d requests", error, len(self._live))
+        finally:
+            self._error = error
+            self._fail_everything(error)
+            sock.close(0)
+            ctx.term()
+            wake_w, self._wake_w = self._wake_w, -1
+            os.close(wake_w)
+            os.close(self._wake_r)
+        if not self._stopping:
+            for fn in self._dead_callbacks:
+                fn(error)
+
+    def _handle_local(self, item: tuple) -> bool:
+        """Act on one message from a caller; True to stop the I/O thread."""
+        kind = item[0]
+        if kind == "add":
+            live, frames = item[1], item[2]
+            rid = live.stream.request_id
+            if rid in self._live:
+                self._hand_over(live.stream._loop, [(live.stream, InvalidRequestError(
+                    f"request id {rid!r} is already in use"))])
+                return False
+            self._live[rid] = live
+            self.output_processor.add(rid)
+            live.stream.timing.sent_time = time.monotonic()
+            self._sock.send_multipart(frames, copy=False)
+        elif kind == "abort":
+            live = self._live.pop(item[1], None)
+            if live is not None:
+                self.output_processor.drop(item[1])
+                self._sock.send_multipart(self._encoder.encode(Abort([item[1]])))
+                self._finish(live.stream, "abort", time.monotonic())
+        elif kind == "send":
+            self._sock.send_multipart(item[1], copy=False)
+        elif kind == "fail_all":
+            rids = list(self._live)
+            if rids:
+                self._sock.send_multipart(self._encoder.encode(Abort(rids)))
+            self._fail_streams(item[1])
+        elif kind == "stop":
+            self._stopping = True
+            if item[1]:
+                self._sock.send_multipart(self._encoder.encode(Shutdown()))
+            return True
+        return False
+
+    def _handle_core(self, msg: Any) -> None:
+        if isinstance(msg, StepOutputs):
+            self._deliver(msg, time.monotonic())
+        elif isinstance(msg, UtilityResult):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and fut.set_running_or_notify_cancel():
+                if msg.error is not None:
+                    fut.set_exception(RuntimeError(msg.error))
+                else:
+                    fut.set_result(msg.result)
+        elif isinstance(msg, AddFailed):
+            live = self._live.pop(msg.request_id, None)
+            if live is not None:
+                self.output_processor.drop(msg.request_id)
+                self._hand_over(live.stream._loop,
+                                [(live.stream, InvalidRequestError(msg.message))])
+
+    def _deliver(self, msg: StepOutputs, now: float) -> None:
+        """A step's tokens to text and to their streams: one hand-over per event loop, not
+        one per request (each wakes the loop and costs both threads the interpreter lock)."""
+        self.num_running, self.num_waiting = msg.num_running, msg.num_waiting
+        for fn in self._step_callbacks:
+            fn(msg.step_time)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        stopped: list[str] = []
+        for rid, token, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
+            live = self._live.get(rid)
+            if live is None:  # aborted meanwhile
+                continue
+            req = live.req
+            req.output_token_ids.append(token)
+            if reason is not None:
+                req.status = RequestStatus(reason)
+            out = self.output_processor.process(req, _mark_stopped)
+            if req.status is RequestStatus.FINISHED_STOPPED and reason is None:
+                stopped.append(rid)  # a stop string: the core is still running it
+            stream = live.stream
+            stream.timing.token_times.append(now)
+            if req.status.finished:
+                del self._live[rid]
+                self._finish(stream, req.status.value, now)
+            if out is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, out))
+        if stopped:
+            self._sock.send_multipart(self._encoder.encode(Abort(stopped, stopped=True)))
+        for loop, items in by_loop.items():
+            self._hand_over(loop, items)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # its event loop is closed: nobody listens any more
+            for stream, item in items:
+                if not isinstance(item, BaseException):
+                    self._post(("abort", stream.request_id))
+
+    def _finish(self, stream: RequestStream, reason: str, now: float) -> None:
+        stream.timing.finished_time = now
+        stream.timing.finish_reason = reason
+        for fn in self._finish_callbacks:
+            try:
+                fn(stream.timing)
+            except Exception:  # noqa: BLE001 - metrics must not stop the front end
+                logger.exception("finish callback failed")
+
+    def _fail_streams(self, error: BaseException) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        now = time.monotonic()
+        for rid, live in list(self._live.items()):
+            self.output_processor.drop(rid)
+            self._finish(live.stream, "abort", now)
+            by_loop.setdefault(live.stream._loop, []).append((live.stream, error))
+        self._live.clear()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+    def _fail_everything(self, error: BaseException) -> None:
+        self._fail_streams(error)
+        for fut in self._calls.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+        self._calls.clear()
+        while True:  # callers' messages the thread will not see
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                self._hand_over(item[1].stream._loop, [(item[1].stream, error)])
+
+
+def _mark_stopped(req: Request) -> None:
+    req.status = RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,205 @@
+"""The engine-core process: `EngineCore` and its step loop, nothing else on its interpreter.
+
+Front ends (`engine/async_llm.py`, any number) connect zmq DEALER sockets to this process's
+ROUTER socket. Each says `Hello` and gets `Ready` (the model's limits); then it sends
+preprocessed requests and aborts, and receives, once per step, one `StepOutputs` with the
+tokens of its own requests. Messages are read between steps and while the device runs a
+step (`EngineCore.step(while_waiting=...)`), so admission overlaps the device's work.
+
+The process ends on `Shutdown`, when its parent dies (PR_SET_PDEATHSIG, and a check of the
+parent pid while idle) or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from vlmserve.config import EngineConfig
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.messages import (
+    Abort,
+    AddFailed,
+    AddRequest,
+    Decoder,
+    Encoder,
+    Hello,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    ToCore,
+    Utility,
+    UtilityResult,
+)
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 200  # while idle, how often the parent's liveness is checked
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the idle parent check below still ends us
+        pass
+
+
+class EngineCoreProc:
+    """The loop of the engine-core process around one `EngineCore`."""
+
+    def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.core = EngineCore(config)
+        self.transform = self.core.model_processor.pixel_transform
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished front end raises, not drops
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
+        self.sock.bind(address)
+        self.encoder = Encoder()
+        self.decoder = Decoder(ToCore)
+        self.owner: dict[str, bytes] = {}  # request id -> the front end's identity
+        self.stopping = False
+        self.flush = False  # an abort left worker state to drop: step once more
+
+    def run(self) -> None:
+        core = self.core
+        while not self.stopping:
+            busy = core.has_unfinished_requests() or self.flush
+            if not busy and not self.sock.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.error("the server process is gone; the engine core exits")
+                    return
+                continue
+            while self._receive_one():
+                pass
+            if self.stopping or not (core.has_unfinished_requests() or self.flush):
+                continue
+            self.flush = False
+            start = time.monotonic()
+            updated = core.step(self._receive_one)
+            self._send_outputs(updated, time.monotonic() - start)
+
+    # ---- messages in -----------------------------------------------------------------------
+
+    def _receive_one(self) -> bool:
+        """Handle one waiting message; False if none was waiting."""
+        try:
+            identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        msg = self.decoder.decode(frames)
+        identity = identity.bytes
+        if isinstance(msg, AddRequest):
+            self._add(identity, msg)
+        elif isinstance(msg, Abort):
+            status = (RequestStatus.FINISHED_STOPPED if msg.stopped
+                      else RequestStatus.FINISHED_ABORTED)
+            for rid in msg.request_ids:
+                self.owner.pop(rid, None)
+                self.flush |= self.core.abort_request(rid, status)
+        elif isinstance(msg, Utility):
+            self._utility(identity, msg)
+        elif isinstance(msg, Hello):
+            info = self.core.info
+            self._send(identity, Ready(info.model_path, info.max_model_len, info.eos_token_ids,
+                                       info.limits.__dict__, os.getpid()))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        return True
+
+    def _add(self, identity: bytes, msg: AddRequest) -> None:
+        images = [ImageInput(img.mm_hash, img.offset, img.length, img.pixels,
+                             tuple(img.grid_thw), self.transform) for img in msg.images]
+        prompt = ProcessedPrompt(None, msg.prompt_token_ids, images, msg.mrope_positions,
+                                 msg.mrope_delta)
+        req = Request(msg.request_id, prompt, msg.sampling_params, tuple(msg.eos_token_ids))
+        try:
+            self.core.add_request(req)
+        except ValueError as e:  # limits are checked by the front end too: a rare race
+            self._send(identity, AddFailed(msg.request_id, str(e)))
+            return
+        self.owner[msg.request_id] = identity
+
+    def _utility(self, identity: bytes, msg: Utility) -> None:
+        try:
+            if msg.method != "get_stats":
+                raise ValueError(f"unknown utility method {msg.method!r}")
+            self._send(identity, UtilityResult(msg.call_id, self.core.get_stats()))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            self._send(identity, UtilityResult(msg.call_id, error=repr(e)))
+
+    # ---- messages out ----------------------------------------------------------------------
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        try:
+            self.sock.send_multipart([identity, *self.encoder.encode(msg)], copy=False)
+        except zmq.ZMQError as e:  # that front end is gone: its requests go
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            gone = [rid for rid, who in self.owner.items() if who == identity]
+            logger.warning("front end gone; aborting its %d requests", len(gone))
+            for rid in gone:
+                del self.owner[rid]
+                self.flush |= self.core.abort_request(rid)
+
+    def _send_outputs(self, updated: list[Request], step_time: float) -> None:
+        by_client: dict[bytes, StepOutputs] = {}
+        sched = self.core.scheduler
+        running, waiting = len(sched.running), len(sched.waiting)
+        for req in updated:
+            identity = self.owner.get(req.request_id)
+            if identity is None:  # aborted meanwhile
+                continue
+            out = by_client.get(identity)
+            if out is None:
+                out = by_client[identity] = StepOutputs([], [], [], step_time, running, waiting)
+            out.request_ids.append(req.request_id)
+            out.token_ids.append(req.output_token_ids[-1])
+            finished = req.status.finished
+            out.finish_reasons.append(req.status.value if finished else None)
+            if finished:
+                del self.owner[req.request_id]
+        for identity, out in by_client.items():
+            self._send(identity, out)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        self.core.shutdown()
+
+
+def _exit(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, address: str, parent_pid: int,
+                    log_level: str = "info") -> None:
+    """The engine-core process's entry point (a `multiprocessing` spawn target)."""
+    die_with_parent()
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
+    signal.signal(signal.SIGTERM, _exit)
+    proc = None
+    try:
+        proc = EngineCoreProc(config, address, parent_pid)
+        proc.run()
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.exception("the engine core failed")
+        raise
+    finally:
+        if proc is not None:
+            proc.close()

@@ -1,0 +1,147 @@
+"""What crosses between the server's front ends and the engine-core process.
+
+Typed msgspec structs, one per message kind, encoded as msgpack. Tensors (an image's uint8
+pixels, mRoPE positions) do not go through msgpack: each becomes a frame of its own in the
+same zmq multipart message, sent and received without a copy, and the msgpack body holds
+only its dtype, shape and frame index.
+
+    front end -> core: Hello, AddRequest, Abort, Utility, Shutdown
+    core -> front end: Ready (once, after Hello), StepOutputs (once a step with this front
+                       end's tokens), UtilityResult, AddFailed
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from vlmserve.sampling_params import SamplingParams
+
+_TENSOR_EXT = 1
+
+
+class ImageData(msgspec.Struct, array_like=True):
+    """One image of a request: scheduling metadata and its uint8 pixels (a frame)."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
+    pixels: Any  # torch.Tensor [H, W, 3] uint8
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    images: list[ImageData]
+    mrope_positions: Any  # torch.Tensor [3, num_prompt_tokens] int64, or None
+    mrope_delta: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    stopped: bool = False  # a stop string ended them (not the client leaving)
+
+
+class Utility(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    method: str  # "get_stats"
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    model_path: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    limits: dict[str, Any]  # AdmissionLimits fields
+    pid: int
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One step's new tokens for one front end, as parallel lists (a token per request)."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    finish_reasons: list[str | None]  # "stop", "length", or None while running
+    step_time: float  # host seconds of the core's loop iteration that produced them
+    num_running: int
+    num_waiting: int
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class AddFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core refused a request the front end had admitted (its limits raced a change,
+    or an id in use)."""
+
+    request_id: str
+    message: str
+
+
+ToCore = Hello | AddRequest | Abort | Utility | Shutdown
+FromCore = Ready | StepOutputs | UtilityResult | AddFailed
+
+
+class Encoder:
+    """Message -> zmq frames: the msgpack body first, then one frame per tensor. Safe to
+    share between threads."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # the frames of the message being encoded, per thread
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    def encode(self, msg: msgspec.Struct) -> list[Any]:
+        self._local.frames = frames = [b""]
+        try:
+            frames[0] = self._encoder.encode(msg)
+        finally:
+            self._local.frames = None
+        return frames
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            frames = self._local.frames
+            arr = obj.detach().cpu().contiguous().numpy()
+            frames.append(memoryview(arr).cast("B") if arr.size else b"")
+            meta = (str(arr.dtype), list(arr.shape), len(frames) - 1)
+            return msgspec.msgpack.Ext(_TENSOR_EXT, msgspec.msgpack.encode(meta))
+        raise NotImplementedError(f"cannot send {type(obj)} to the engine core")
+
+
+class Decoder:
+    """zmq frames -> message; tensors share the frames' memory (no copy)."""
+
+    def __init__(self, kind: Any) -> None:
+        self._frames: list[Any] = []
+        self._decoder = msgspec.msgpack.Decoder(kind, ext_hook=self._ext_hook)
+
+    def decode(self, frames: list[Any]) -> Any:
+        self._frames = frames
+        try:
+            return self._decoder.decode(frames[0])
+        finally:
+            self._frames = []
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        assert code == _TENSOR_EXT, code
+        dtype, shape, index = msgspec.msgpack.decode(data)
+        frame = self._frames[index]
+        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        return torch.from_numpy(np.frombuffer(buf, dtype=dtype).reshape(shape))

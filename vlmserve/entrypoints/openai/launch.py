@@ -1,0 +1,180 @@
+"""`vlmserve serve`: the processes of the server and their lifecycle.
+
+    --api-server-count 1 (default)        --api-server-count N
+    this process: HTTP front end          this process: supervisor (binds the port, waits)
+      '- child: engine core                 |- child: engine core
+                                            '- N children: HTTP front ends, one shared socket
+
+The port is bound before anything loads, so a port in use fails at once. Every child dies
+with its parent (PR_SET_PDEATHSIG): killing the server leaves no engine process behind.
+If the engine core dies, each front end ends its in-flight requests with an error, answers
+`/health` with 503 and exits 1 (and so does the supervisor). SIGTERM (or Ctrl-C) stops
+accepting connections, lets in-flight requests finish for up to `--shutdown-timeout`
+seconds, ends the rest with an error, stops the engine core and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import socket
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from vlmserve.config import EngineConfig
+from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
+from vlmserve.engine.core_proc import die_with_parent
+from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
+from vlmserve.entrypoints.openai.server import build_app
+
+logger = logging.getLogger("vlmserve.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now; a port in use raises `SystemExit` naming it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our shutdown: the first SIGTERM/SIGINT drains (in-flight requests get
+    `shutdown_timeout` seconds, then an error), and the process exits 0, not by the signal."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, serving: Any,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.serving, self.shutdown_timeout = engine, serving, shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # exit with our code, not by re-raising the signal
+        if first and self._loop is not None:
+            logger.info("shutting down: in-flight requests have %.0f s to finish",
+                        self.shutdown_timeout)
+            self.serving.draining = True
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout,
+                                            self._end_the_rest)
+
+    def _end_the_rest(self) -> None:
+        self.engine.fail_all(EngineDeadError(
+            f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)"))
+
+    def core_died(self, error: BaseException) -> None:  # on the engine's I/O thread
+        logger.error("%s: the server exits", error)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
+                   core: CoreHandle | None = None) -> int:
+    """Run one HTTP front end on `sock` until it stops; its exit code. Without `core`, it
+    starts the engine core itself."""
+    engine = AsyncLLM(config, core=core, log_level=cfg.log_level)
+    try:
+        app = build_app(engine, cfg)
+        server = _Server(
+            uvicorn.Config(app, log_level=cfg.log_level,
+                           timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
+            engine, app.state.serving, cfg.shutdown_timeout)
+        engine.add_dead_callback(server.core_died)
+        server.run(sockets=[sock])
+        return server.exit_code
+    finally:
+        engine.shutdown()
+
+
+def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
+                   core: CoreHandle) -> None:
+    die_with_parent()
+    _setup_logging(cfg)
+    sys.exit(serve_frontend(config, cfg, sock, core))
+
+
+def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> int:
+    """Start the engine core and `api_server_count` front ends; wait for them."""
+    ctx = mp.get_context("spawn")
+    core_proc, core = start_engine_core(config, cfg.log_level)
+    fronts = [ctx.Process(target=_frontend_main, name=f"vlmserve-api-{i}",
+                          args=(config, cfg, sock, core))
+              for i in range(cfg.api_server_count)]
+    for p in fronts:
+        p.start()
+    sock.close()
+    stopping = False
+
+    def on_signal(sig: int, _: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in fronts:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: each drains
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    failed = False
+    try:
+        while any(p.is_alive() for p in fronts):
+            watch = [p.sentinel for p in fronts if p.is_alive()]
+            if core_proc.is_alive():
+                watch.append(core_proc.sentinel)
+            mp.connection.wait(watch, timeout=1.0)
+            gone = [p for p in fronts if p.exitcode not in (None, 0)]
+            if not stopping and (gone or not core_proc.is_alive()):
+                logger.error("%s died; the server stops", gone[0].name if gone else
+                             f"the engine core (exit code {core_proc.exitcode})")
+                failed = True
+                on_signal(signal.SIGTERM, None)
+    finally:
+        for p in fronts:
+            p.join(cfg.shutdown_timeout + 10)
+            if p.is_alive():
+                p.kill()
+        if core_proc.is_alive():
+            core_proc.terminate()
+            core_proc.join(30)
+        if core_proc.is_alive():
+            core_proc.kill()
+    return 1 if failed or any(p.exitcode != 0 for p in fronts) else 0
+
+
+def _setup_logging(cfg: ServerConfig) -> None:
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_server(args: Any) -> None:
+    """`vlmserve serve`: bind the port, start the processes, serve until stopped; exits
+    non-zero if the engine core dies."""
+    cfg = ServerConfig.from_args(args)
+    if cfg.api_server_count < 1:
+        raise SystemExit("error: --api-server-count must be >= 1")
+    _setup_logging(cfg)
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    sock = bind_socket(cfg.host, cfg.port)
+    if cfg.api_server_count == 1:
+        code = serve_frontend(config, cfg, sock)
+    else:
+        code = _supervise(config, cfg, sock)
+    sys.exit(code)
