@@ -253,7 +253,9 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        """False once the engine core is dead or shut down (checked now, not at the I/O
+        thread's next look)."""
+        return self._thread.is_alive() and self._error is None and self._core_alive()
 
     def add_finish_callback(self, fn: Callable[[RequestTiming], None]) -> None:
         """`fn(timing)` runs on the I/O thread when a request finishes or is aborted."""
@@ -332,7 +334,8 @@ class AsyncLLM:
         self._calls[call_id] = fut
         self._post(("send", self._encoder.encode(Utility(call_id, "get_stats"))))
         stats = await asyncio.wrap_future(fut)
-        stats["num_streams"] = len(self._live)
+        stats.update(num_streams=len(self._live), frontend_pid=os.getpid(),
+                     engine_core_pid=self.core_pid)
         return stats
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -34,6 +34,7 @@ from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.server import build_app
 
 logger = logging.getLogger("vlmserve.server")
+DEAD_EXIT_DELAY_S = 1.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -82,9 +83,15 @@ class _Server(uvicorn.Server):
             f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)"))
 
     def core_died(self, error: BaseException) -> None:  # on the engine's I/O thread
+        """In-flight requests have been ended with the error; /health answers 503 for
+        `DEAD_EXIT_DELAY_S` (so probes see why), then the server exits 1."""
         logger.error("%s: the server exits", error)
         self.exit_code = 1
-        self.should_exit = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, DEAD_EXIT_DELAY_S,
+                                            setattr, self, "should_exit", True)
+        else:
+            self.should_exit = True
 
 
 def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
@@ -140,10 +147,14 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
             if core_proc.is_alive():
                 watch.append(core_proc.sentinel)
             mp.connection.wait(watch, timeout=1.0)
-            gone = [p for p in fronts if p.exitcode not in (None, 0)]
-            if not stopping and (gone or not core_proc.is_alive()):
-                logger.error("%s died; the server stops", gone[0].name if gone else
-                             f"the engine core (exit code {core_proc.exitcode})")
+            if failed or stopping:
+                continue
+            if not core_proc.is_alive():  # each front end tells its clients and exits 1
+                logger.error("the engine core died (exit code %s)", core_proc.exitcode)
+                failed = True
+            elif gone := [p for p in fronts if p.exitcode not in (None, 0)]:
+                logger.error("%s exited with %s; the server stops", gone[0].name,
+                             gone[0].exitcode)
                 failed = True
                 on_signal(signal.SIGTERM, None)
     finally:

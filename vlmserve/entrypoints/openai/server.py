@@ -321,6 +321,7 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
                 yield event
         except EngineDeadError as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            yield _sse("[DONE]")
         finally:
             stream.abort()
 

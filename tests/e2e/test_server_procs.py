@@ -1,0 +1,213 @@
+"""`vlmserve serve` as real processes on a loopback port: front ends and the engine core, their
+failures and their shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_server import data_url, greedy, user
+from tests.engine.helpers import make_image
+from vlmserve import LLM
+
+MODEL = "tiny-qwen2-vl"
+FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
+         "--max-num-batched-tokens", "256", "--log-level", "warning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProc:
+    """`python -m vlmserve serve ...` in a process group of its own."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vlmserve", "serve", MODEL, "--port", str(self.port),
+             *FLAGS, *extra], start_new_session=True, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the server exited during start-up"
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the server did not come up")
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def serve(vlmserve_cache: Path) -> Iterator:
+    procs: list[ServeProc] = []
+
+    def start(*extra: str) -> ServeProc:
+        procs.append(ServeProc(*extra))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+async def _stream(client: openai.AsyncOpenAI, messages: list[dict], n: int,
+                  events: list | None = None) -> str:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=n, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    text = []
+    async for c in stream:
+        if events is not None:
+            events.append(c)
+        if c.choices:
+            text.append(c.choices[0].delta.content or "")
+    return "".join(text)
+
+
+def test_two_front_ends_serve_64_concurrent_streams_like_llm_chat(serve) -> None:
+    srv = serve("--api-server-count", "2")
+    convs = [user(f"Request {i}: what is this?" + " more" * (i % 4),
+                  *[data_url(make_image(56 + 28 * (i % 3), 56 + 28 * j, 7 * i + j))
+                    for j in range(i % 3)]) for i in range(64)]
+    llm = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    expected = [o.outputs[0].text for o in llm.chat(convs, greedy(16), use_tqdm=False)]
+
+    async def run_all() -> list[str]:
+        async with srv.client() as client:
+            return await asyncio.gather(*(_stream(client, m, 16) for m in convs))
+
+    assert asyncio.run(run_all()) == expected
+    pids = set()
+    for _ in range(60):  # a new connection each: the kernel hands them to both processes
+        pids.add(httpx.get(srv.url + "/stats").json()["frontend_pid"])
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2, "both front ends accept connections"
+    s = srv.stats()
+    assert s["num_running"] == s["num_waiting"] == 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, count) -> None:
+    srv = serve("--api-server-count", count)
+    core_pid = srv.stats()["engine_core_pid"]
+    events: list = []
+
+    async def main() -> tuple[BaseException | str, float]:
+        async with srv.client() as client:
+            task = asyncio.create_task(_stream(client, user("Talk."), 900, events))
+            while len(events) < 3:
+                await asyncio.sleep(0.01)
+            os.kill(core_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            result = (await asyncio.gather(task, return_exceptions=True))[0]
+            return result, time.monotonic() - killed
+
+    result, told_after = asyncio.run(main())
+    health = httpx.get(srv.url + "/health", timeout=5)
+    assert health.status_code == 503
+    assert told_after < 2.0
+    # the stream ended with an error event (the openai client raises it) before [DONE]
+    assert isinstance(result, openai.APIError) and "engine core" in str(result)
+    killed = time.monotonic()
+    assert srv.wait(5) not in (None, 0)
+    assert time.monotonic() - killed < 5
+
+
+def test_sigterm_lets_streams_finish_ends_the_rest_and_exits_zero(serve) -> None:
+    srv = serve("--shutdown-timeout", "3", "--max-model-len", "16384")
+    core_pid = srv.stats()["engine_core_pid"]
+    events: list[list] = [[] for _ in range(8)]
+
+    async def main() -> list:
+        async with srv.client() as client:
+            # four short streams finish within the timeout; four long ones cannot
+            tasks = [asyncio.create_task(_stream(client, user(f"Stream {i}."),
+                                                 20 if i < 4 else 16000, events[i]))
+                     for i in range(8)]
+            while min(len(e) for e in events) < 1:
+                await asyncio.sleep(0.01)
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(httpx.HTTPError):  # no new requests
+                httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=2)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    start = time.monotonic()
+    results = asyncio.run(main())
+    assert all(isinstance(r, str) for r in results[:4])
+    assert all(len([c for c in e if c.choices and c.choices[0].delta.content is not None]) == 20
+               for e in events[:4])
+    assert all(isinstance(r, openai.APIError) and "shutting down" in str(r)
+               for r in results[4:])
+    assert srv.wait(15) == 0 and time.monotonic() - start < 15
+    time.sleep(0.5)
+    assert not _alive(core_pid)
+
+
+def test_killing_the_front_end_leaves_no_engine_core(serve) -> None:
+    srv = serve()
+    core_pid = srv.stats()["engine_core_pid"]
+    assert _alive(core_pid)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(5)
+    deadline = time.monotonic() + 5
+    while _alive(core_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(core_pid)
+
+
+def test_port_in_use_fails_before_loading(vlmserve_cache: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "vlmserve", "serve", MODEL, "--port",
+                            str(port), *FLAGS], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and f"127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - start < 30
+
