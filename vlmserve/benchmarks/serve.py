@@ -101,7 +101,7 @@ def _server_histograms(base_url: str) -> dict[str, tuple[float, float]] | None:
         return None
 
 
-async def run_once(args, convs, concurrency: int) -> dict:
+async def run_once(args, convs, concurrency: int, rate: float = float("inf")) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key="none",
@@ -120,14 +120,14 @@ async def run_once(args, convs, concurrency: int) -> dict:
     t0 = time.perf_counter()
     for messages in convs:
         tasks.append(asyncio.create_task(limited(messages)))
-        if args.request_rate != float("inf"):
-            gap = rng.exponential(1 / args.request_rate) if args.poisson else 1 / args.request_rate
+        if rate != float("inf"):
+            gap = rng.exponential(1 / rate) if args.poisson else 1 / rate
             await asyncio.sleep(gap)
     results = await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
     bar.close()
     await client.close()
-    out = summarize(results, elapsed, concurrency, args)
+    out = summarize(results, elapsed, concurrency, rate, args)
     after = await asyncio.to_thread(_server_histograms, args.base_url)
     if before and after:  # the engine's own pacing: client-side gaps above it are delivery
         for k in _SERVER_HISTOGRAMS:
@@ -143,7 +143,8 @@ def _stats(xs: list[float], name: str) -> dict:
             f"p99_{name}_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
-def summarize(results: list[dict], elapsed: float, concurrency: int, args) -> dict:
+def summarize(results: list[dict], elapsed: float, concurrency: int, rate: float,
+              args) -> dict:
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     ttfts = [r["ttft"] for r in ok]
     tpots = [(r["e2e"] - r["ttft"]) / (r["n_out"] - 1) for r in ok if r["n_out"] > 1]
@@ -151,7 +152,7 @@ def summarize(results: list[dict], elapsed: float, concurrency: int, args) -> di
     good = [r for r in ok if r["ttft"] * 1e3 <= args.slo_ttft_ms and (
         r["n_out"] <= 1 or (r["e2e"] - r["ttft"]) / (r["n_out"] - 1) * 1e3 <= args.slo_tpot_ms)]
     out = {
-        "concurrency": concurrency, "request_rate": args.request_rate,
+        "concurrency": concurrency, "request_rate": rate,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
         "requests_per_s": len(ok) / elapsed,
         "output_tokens_per_s": sum(r["n_out"] for r in ok) / elapsed,
@@ -172,6 +173,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--poisson", action=argparse.BooleanOptionalAction, default=True,
                     help="exponential gaps (Poisson arrivals) instead of fixed ones")
     ap.add_argument("--concurrency", default="64", help="limit(s), comma-separated: a sweep")
+    ap.add_argument("--runs", default=None, metavar="RATE@CONCURRENCY,...",
+                    help="explicit runs instead of the concurrency sweep, e.g. "
+                    "'inf@16,inf@64,8@1000' (rate in requests/s, inf: all at once)")
     ap.add_argument("--image-sizes", default="448,672,896")
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--prompt-words", type=int, default=30)
@@ -187,12 +191,16 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace | None = None) -> list[dict]:
     args = parse_args(args, add_args, __doc__)
     convs = make_messages(args)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.runs:
+        plan = [(float(r), int(c)) for r, c in (x.split("@") for x in args.runs.split(","))]
+    else:
+        plan = [(args.request_rate, int(c)) for c in args.concurrency.split(",")]
+    levels = [c for _, c in plan]
     if args.warmup_requests:  # untimed: the server's first requests build kernels and plans
         warm = make_messages(argparse.Namespace(**{**vars(args), "seed": args.seed + 1,
                                                    "num_requests": args.warmup_requests}))
         asyncio.run(run_once(args, warm, max(levels)))
-    runs = [asyncio.run(run_once(args, convs, c)) for c in levels]
+    runs = [asyncio.run(run_once(args, convs, c, rate)) for rate, c in plan]
     for r in runs:
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("s_ms")}))
     if args.out_dir:
