@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 
 import torch
 
@@ -15,6 +17,8 @@ from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import load_model
 from vlmserve.worker.model_runner import ModelRunner, StepResult
+from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
+from vlmserve.worker.warmup_plan import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
                  tp: TensorParallel | None = None) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.config, self.model_path, self.hf_config = config, model_path, hf_config
+        self.max_model_len = max_model_len
         self.device = resolve_device(mc.device, tp.rank if tp else None)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)  # every rank draws the same random numbers
@@ -64,9 +70,11 @@ class UniprocExecutor:
         self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
         # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
         self.encoder_cache_rows = int(cc.mm_cache_gb * 2**30) // self.bytes_per_embedding_row
-        model.set_fused_ops(FusedOps.for_device(mc.fused_ops, self.device))
-        model.set_vision_attention_backend(
-            get_vision_attention_backend(mc.vision_attention_backend, self.device))
+        self.fused_ops = FusedOps.for_device(mc.fused_ops, self.device)
+        model.set_fused_ops(self.fused_ops)
+        self.vision_attention_fn = get_vision_attention_backend(mc.vision_attention_backend,
+                                                                self.device)
+        model.set_vision_attention_backend(self.vision_attention_fn)
         backend = get_paged_attention_backend(mc.attention_backend, self.device)
         graphs = (self.device.type == "cuda" and not mc.enforce_eager
                   and backend is not paged_attention_reference)
@@ -93,6 +101,34 @@ class UniprocExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         return self.runner.execute_model(so)
+
+    def warmup(self, processor=None,
+               image_sizes: Sequence[tuple[int, int]] = DEFAULT_IMAGE_SIZES) -> float:
+        """Compile every kernel variant a step can launch, before the first request, by a few
+        steps of fake requests and replays of the attention launches (worker/warmup.py); the
+        runner's state, the KV blocks it touched and the counters are left as they were.
+        `processor`: the model's input processor (built here if not given); `image_sizes`:
+        (width, height) of the warm-up's images. Returns the seconds spent. On the CPU the
+        fake steps alone run (no Triton). With tensor parallelism every rank must call it
+        (its steps run the same collectives on each)."""
+        start = time.perf_counter()
+        if processor is None:
+            processor = type(self.runner.model).input_processor_cls(self.model_path,
+                                                                    self.hf_config)
+        sc = self.config.scheduler_config
+        unit = getattr(processor, "patch_size", 1) * getattr(processor, "merge_size", 1)
+        image_rows = int(getattr(processor, "max_pixels", 0)) // (unit * unit)
+        limits = Limits(
+            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_encoder_rows=sc.max_num_encoder_tokens or max(sc.max_num_batched_tokens,
+                                                              image_rows))
+        self.runner.warmup(limits, processor, fused_ops=self.fused_ops,
+                           vision_attention_fn=self.vision_attention_fn,
+                           image_sizes=image_sizes)
+        seconds = time.perf_counter() - start
+        logger.info("warm-up: %.2f s", seconds)
+        return seconds
 
     def shutdown(self) -> None:
         pass

@@ -129,6 +129,7 @@ class FusedOps:
         if kind not in FUSED_OPS_KINDS[1:]:
             raise ValueError(
                 f"unknown fused ops {kind!r}; choose from {', '.join(FUSED_OPS_KINDS)}")
+        self.kind = kind
         if kind == "triton":
             from vlmserve.layers import triton_ops as impl
         else:

@@ -22,17 +22,17 @@ functions can be captured in CUDA graphs.
 from __future__ import annotations
 
 import os
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from vlmserve.layers import attention_launch as launch
 from vlmserve.layers.attention import AttentionMetadata
+from vlmserve.layers.attention_launch import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_TOKENS = 128  # each flash-decoding split covers at least this many keys
-_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = launch.MIN_SPLIT_TOKENS
 DECODE_TILE = None  # bf16/fp16 decode (BLOCK_N, num_warps, num_stages): set to force (sweeps)
 
 
@@ -122,9 +122,11 @@ def _attend(
 
 
 # Sizes that change from step to step are plain runtime ints (no recompile when one is 1 or a
-# multiple of 16); strides stay specialised for vectorised loads.
+# multiple of 16), and so is the block-table row stride (the step's longest block list; read
+# once per program); the other strides are fixed by the model and stay specialised for
+# vectorised loads.
 @triton.jit(do_not_specialize=["num_reqs", "tiles_per_seq", "num_tokens", "num_heads",
-                               "num_splits"])
+                               "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, qsl_ptr, seq_lens_ptr,
@@ -280,29 +282,6 @@ def _varlen_attn_kernel(
              out.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
-@cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter runs: behave like an H200
-
-
-def _search_iters(num_seqs: int) -> int:
-    """Binary-search steps for num_seqs; rounded up to a multiple of 4 to bound recompiles
-    (extra steps are no-ops once the range is a single sequence)."""
-    return max(4, -(-(num_seqs - 1).bit_length() // 4) * 4)
-
-
-def _tile_grid(total: int, num_seqs: int, max_len: int, block: int) -> tuple[int, int, int]:
-    """(programs, tiles_per_seq, SEARCH_ITERS): the smaller of the direct and searched grids."""
-    tiles_per_seq = triton.cdiv(max(max_len, 1), block)
-    direct = num_seqs * tiles_per_seq
-    searched = total // block + num_seqs
-    if direct <= searched:
-        return direct, tiles_per_seq, 0
-    return searched, 1, _search_iters(num_seqs)
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreter"
@@ -310,23 +289,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _out_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
+    if out is None:  # contiguous: the same strides (one compiled variant) for one token too
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     return out
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Flash-decoding splits for a decode-only step: when fewer (request, KV head) programs
-    than half the SMs would run, enough splits for ~2 waves of programs. (From half a wave
-    up, splitting costs more in merging than it gains: measured on an H200 at batch 64.)"""
-    programs = batch * kv_heads
-    target = 2 * _num_sms(device)
-    if 4 * programs >= target:
-        return 1
-    splits = min(triton.cdiv(target, programs), max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
-    return max(1, splits)
+    """Flash-decoding splits of a decode-only step (see `attention_launch`)."""
+    return launch.default_num_splits(batch, kv_heads, max_seq_len, _num_sms(device),
+                                     _MIN_SPLIT_TOKENS)
 
 
 def paged_attention_triton(
@@ -358,32 +331,11 @@ def paged_attention_triton(
     if T == 0:
         return out
     d_pad = max(16, triton.next_power_of_2(D))
-    fp32 = q.dtype == torch.float32
-    decode = meta.max_query_len == 1
-    if decode:
-        block_m = max(16, triton.next_power_of_2(G))
-        block_n, warps, stages = None, None, 3  # 16-bit: set with the split count, below
-    else:
-        # 128-row tiles for long chunks unless that leaves the GPU under two waves of programs.
-        big = meta.max_query_len * G > 64 and T * H >= 2 * 128 * _num_sms(q.device)
-        block_m = max(128 if big else 64, triton.next_power_of_2(G))
-        block_n, warps, stages = (32 if fp32 else 64), (4 if block_m <= 64 else 8), 2
-    if fp32:  # exact fp32 dots run on FMA units: small tiles keep them in registers
-        block_m, block_n, warps = max(32, triton.next_power_of_2(G)), 32, 8
-    block_q = block_m // G
-    programs, tiles_per_seq, search_iters = _tile_grid(T, B, meta.max_query_len, block_q)
-
-    if not decode:
-        splits = 1
-    elif num_splits is not None:
-        splits = max(1, min(num_splits, _MAX_SPLITS))
-    else:
-        splits = default_num_splits(B, Hkv, meta.max_seq_len, q.device)
-    if decode and not fp32:
-        # two waves of programs or more take 64-key tiles on 2 warps, fewer take 128-key
-        # tiles on 4 (an H200 sweep: benchmarks/sweep_decode_attention.py)
-        many = programs * Hkv * splits >= 2 * _num_sms(q.device)
-        block_n, warps, stages = DECODE_TILE or ((64, 2, 2) if many else (128, 4, 2))
+    cfg = launch.paged_launch(T, B, meta.max_query_len, meta.max_seq_len, H, Hkv, D,
+                              q.dtype == torch.float32, _num_sms(q.device),
+                              num_splits=num_splits, decode_tile=DECODE_TILE,
+                              min_split_tokens=_MIN_SPLIT_TOKENS)
+    splits = cfg.splits
     if splits > 1:
         part_acc = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(2, splits, T, H, dtype=torch.float32, device=q.device)
@@ -391,21 +343,21 @@ def paged_attention_triton(
         part_acc = part_ml = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = meta.block_tables
-    _paged_attn_kernel[(programs, Hkv, splits)](
+    _paged_attn_kernel[(cfg.programs, Hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, bt, meta.query_start_loc, meta.seq_lens,
-        scale * _LOG2E, B, tiles_per_seq, T, H, splits,
+        scale * _LOG2E, B, cfg.tiles_per_seq, T, H, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        HEAD_DIM=D, D_PAD=d_pad, SEARCH_ITERS=search_iters, SPLIT_KV=splits > 1,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        G=G, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, SEARCH_ITERS=cfg.search_iters,
+        SPLIT_KV=splits > 1, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
     if splits > 1:
         _merge_splits_kernel[(T, H)](
             part_acc, part_ml, out, T, H, splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=D,
-            D_PAD=d_pad, num_warps=4 if d_pad * splits >= 2048 else 2,
+            SPLITS_PAD=cfg.merge_pad, HEAD_DIM=D, D_PAD=d_pad, num_warps=cfg.merge_warps,
         )
     return out
 
@@ -435,22 +387,14 @@ def varlen_attention_triton(
         return out
     scale = D**-0.5 if scale is None else scale
     d_pad = max(16, triton.next_power_of_2(D))
-    fp32 = q.dtype == torch.float32
-    if max_seqlen <= 64:
-        block_m = max(16, triton.next_power_of_2(max_seqlen))
-        block_n, warps = block_m, 4
-    else:
-        block_m, block_n, warps = 128, 64, 8
-    if fp32:  # see paged_attention_triton
-        block_m, block_n, warps = 32, 32, 8
-    programs, tiles_per_seq, search_iters = _tile_grid(total, num_seqs, max_seqlen, block_m)
-    _varlen_attn_kernel[(programs, H)](
-        q, k, v, out, cu_seqlens, scale * _LOG2E, num_seqs, tiles_per_seq,
+    cfg = launch.varlen_launch(total, num_seqs, max_seqlen, q.dtype == torch.float32)
+    _varlen_attn_kernel[(cfg.programs, H)](
+        q, k, v, out, cu_seqlens, scale * _LOG2E, num_seqs, cfg.tiles_per_seq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, D_PAD=d_pad,
-        SEARCH_ITERS=search_iters, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=warps, num_stages=2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, D_PAD=d_pad,
+        SEARCH_ITERS=cfg.search_iters, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.warps, num_stages=2,
     )
     return out
 

@@ -119,7 +119,8 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_blocks + 1, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model.num_layers)]
-        model.set_attention_backend(get_paged_attention_backend(attention_backend, device))
+        self.attention_fn = get_paged_attention_backend(attention_backend, device)
+        model.set_attention_backend(self.attention_fn)
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens,
                                       host_rows=encoder_cache_rows)
@@ -143,6 +144,17 @@ class ModelRunner:
                                            cuda_graph_max_batch,
                                            -(-max_model_len // block_size), block_size,
                                            num_blocks, device)
+
+    def warmup(self, limits, processor, *, fused_ops=None, vision_attention_fn=None,
+               image_sizes=None) -> float:
+        """Compile every kernel variant a step can launch and leave the runner as it was
+        (worker/warmup.py); returns the seconds spent."""
+        from vlmserve.worker import warmup
+
+        return warmup.run_warmup(self, limits, processor, fused_ops=fused_ops,
+                                 vision_attention_fn=vision_attention_fn,
+                                 image_sizes=warmup.DEFAULT_IMAGE_SIZES if image_sizes is None
+                                 else image_sizes)
 
     # ---- state -----------------------------------------------------------------------------
 
