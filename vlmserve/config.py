@@ -29,6 +29,10 @@ class ModelConfig:
         "torch", "Vision tower attention: torch (SDPA per equal-length group) or triton "
         "(one launch for all images and windows; CUDA).")
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
+    kernel_warmup: bool | None = _opt(
+        None, "At start-up, compile every kernel variant a step can launch (fake requests "
+        "through the model), so the first requests run at steady-state speed; default: on "
+        "CUDA.")
     fused_ops: str = _opt(
         "auto", "The decoder's norm/rotary/SiLU pieces: auto (triton on CUDA), eager, triton "
         "(one kernel each), compile (torch.compile, compiles at start-up).")

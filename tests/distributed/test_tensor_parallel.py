@@ -30,13 +30,15 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
 
 
 def test_tp4_replicates_kv_heads(vlmserve_cache):
-    """4 ranks, 2 KV heads: each KV head lives on two ranks, each rank has one query head."""
+    """4 ranks, 2 KV heads: each KV head lives on two ranks, each rank has one query head;
+    with the start-up warm-up on every rank."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
     single = LLM("tiny-qwen2-vl", **kw)
     prompts = mixed_prompts(single)[:4]
     expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    tp = LLM("tiny-qwen2-vl", tensor_parallel_size=4, **kw)
+    # every rank runs the start-up warm-up: its steps' collectives must pair up across ranks
+    tp = LLM("tiny-qwen2-vl", tensor_parallel_size=4, kernel_warmup=True, **kw)
     try:
         attn = tp.engine.executor.runner.model.language_model.layers[0].self_attn
         assert (attn.heads, attn.kv_heads) == (1, 1)

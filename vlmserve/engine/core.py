@@ -103,6 +103,11 @@ class EngineCore:
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,
         )
+        warmup = mc.kernel_warmup
+        if warmup is None:
+            warmup = self.executor.device.type == "cuda"
+        if warmup:
+            self.executor.warmup(self.model_processor)
         self.eos_token_ids = _eos_ids(self.model_path, self.model_processor.tokenizer)
         self.async_scheduling = sc.async_scheduling
         # steps launched and not read back yet (at most one with async scheduling)

@@ -34,6 +34,9 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
     tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device))
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
+    warmup = config.model_config.kernel_warmup
+    if warmup or (warmup is None and executor.device.type == "cuda"):
+        executor.warmup()  # the same fake steps as rank 0's: their collectives pair up
     previous = None
     while (so := tp.broadcast_object()) is not None:
         result = executor.execute_model(so)
@@ -66,6 +69,10 @@ class MultiprocExecutor:
                      "bytes_per_embedding_row", "encoder_cache_rows", "runner"):
             setattr(self, name, getattr(self.local, name))
         self._closed = False
+
+    def warmup(self, processor=None) -> float:
+        """Rank 0's warm-up; the other ranks run theirs as they start (see `_worker`)."""
+        return self.local.warmup(processor)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.tp.broadcast_object(so)
