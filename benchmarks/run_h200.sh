@@ -23,6 +23,9 @@
 #   offload : image-embedding offload off/on and on/off
 #   sweep   : decode tile of the Triton paged attention (BLOCK_N x warps x stages x splits)
 #   serve   : `vlmserve serve` + `vlmserve bench serve` (TTFT/TPOT/ITL vs concurrency)
+#   coldstart: the first 64 W1 requests of fresh processes (cold Triton cache, warm, no warm-up)
+#   warmtests: the warm-up's GPU test and the attention / CUDA graph tests
+#   servesbs: `vlmserve serve` vs vLLM's server (peers kit): concurrency 16/64/192, Poisson 8/16
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -121,6 +124,23 @@ serve)  # needs the server's wheels in .whl/ (benchmarks/server_wheels.sh), carr
   step serve 240 $B.serve --base-url http://127.0.0.1:8011 --num-requests 256 \
     --request-rate 32 --concurrency 8,64,256 --out-dir "$OUT/serve"
   kill $server; wait $server ;;
+coldstart)  # first W1 requests of fresh processes: run first on a fresh machine (empty
+  # Triton cache); then the same once the cache is warm; then with the warm-up off, cold again
+  # (a Triton cache of its own). sbs.py from the peers kit (.peer/p3, carried).
+  S=${SBS:-/tmp/vparts/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
+  BS1=0 step w1_64_cold 300 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
+  grep -h "warm-up\|RESULT" "$OUT/w1_64_cold.log"
+  BS1=0 step w1_64_warm 200 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
+  TRITON_CACHE_DIR=/tmp/tc_nowarmup BS1=0 step w1_64_cold_nowarmup 200 python3 "$S" vlmserve \
+    qwen2-vl-2b-random 64 $W kernel_warmup=False ;;
+warmtests)  # the warm-up and the kernels it touches (attention launch rules moved)
+  step warm_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_warmup_gpu.py tests/gpu/test_triton_attention.py tests/gpu/test_cuda_graphs.py \
+    -k "not triton_attention or (bf16 and bs16) or warmup" ;;
+servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set up first)
+  VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
+    bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
+    --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
 *) echo "unknown section $section" ;;
 esac
 done
