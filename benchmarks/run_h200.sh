@@ -128,10 +128,10 @@ coldstart)  # first W1 requests of fresh processes: run first on a fresh machine
   # Triton cache); then the same once the cache is warm; then with the warm-up off, cold again
   # (a Triton cache of its own). sbs.py from the peers kit (.peer/p3, carried).
   S=${SBS:-/tmp/vparts/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
-  BS1=0 step w1_64_cold 300 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
+  BS1=0 step w1_64_cold 280 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
   grep -h "warm-up\|RESULT" "$OUT/w1_64_cold.log"
-  BS1=0 step w1_64_warm 200 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
-  TRITON_CACHE_DIR=/tmp/tc_nowarmup BS1=0 step w1_64_cold_nowarmup 200 python3 "$S" vlmserve \
+  BS1=0 step w1_64_warm 150 python3 "$S" vlmserve qwen2-vl-2b-random 64 $W
+  TRITON_CACHE_DIR=/tmp/tc_nowarmup BS1=0 step w1_64_cold_nowarmup 150 python3 "$S" vlmserve \
     qwen2-vl-2b-random 64 $W kernel_warmup=False ;;
 warmtests)  # the warm-up and the kernels it touches (attention launch rules moved)
   step warm_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" \
