@@ -146,8 +146,9 @@ class _RunnerState:
     def restore(self, runner) -> None:
         for k, v in self.fields.items():
             setattr(runner, k, v)
-        for dst, src in self.tensors:
-            dst.copy_(src)
+        with torch.inference_mode():  # the graph buffers are inference tensors on CUDA
+            for dst, src in self.tensors:
+                dst.copy_(src)
         g = runner.graphs
         if g is not None:
             g.num_runs = self.graph_runs
