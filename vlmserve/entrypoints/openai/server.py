@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -140,9 +141,9 @@ class OpenAIServing:
             body += chunk
             if len(body) > limit:
                 raise too_large
-        try:
-            data = json.loads(body)
-        except ValueError as e:
+        try:  # msgspec: several times faster than json on megabytes of base64 images
+            data = msgspec.json.decode(body)
+        except msgspec.DecodeError as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
