@@ -144,10 +144,10 @@ class FusedOps:
                 fn = getattr(impl, name)
             elif kind == "compile" and fn is not F.linear:
                 fn = torch.compile(fn, dynamic=True, fullgraph=True)
+            setattr(self, name, fn)
         if kind == "compile":  # each engine (and its start-up warm-up) adds a few guards'
             # variants per op: several engines in one process outgrow dynamo's default of 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            setattr(self, name, fn)
         # the decoder's norm -> projection (-> SiLU-and-mul) pattern, with the residual add:
         # (linear(rms_norm(x + residual)), x + residual); one GEMV launch with the Triton ops
         # for a single token
