@@ -141,6 +141,25 @@ servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set
   VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
+serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
+  # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4)
+  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
+    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
+  PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
+    ${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} > "$OUT/ours_server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do curl -sf localhost:8001/health > /dev/null && break; sleep 1; done
+  PYTHONPATH=$PWD:/tmp/deps step serve_ours 400 python3 -m vlmserve.benchmarks.serve \
+    --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
+    --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"
+  kill $pid; wait $pid ;;
+w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old, this tree
+  S=${SBS:-.cache/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
+  BS1=0 step w1_512_new 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W
+  (cd .cache/old && PYTHONPATH=$PWD BS1=0 step w1_512_old 150 python3 "../../$S" vlmserve \
+    qwen2-vl-2b-random 512 $W)
+  BS1=0 step w1_512_new2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
 *) echo "unknown section $section" ;;
 esac
 done
