@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.helpers import make_image
 from vlmserve import LLM, SamplingParams
+from vlmserve.config import EngineConfig
 from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.entrypoints.args import engine_kwargs
 from vlmserve.entrypoints.cli import make_parser
@@ -66,7 +67,9 @@ def server(vlmserve_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "serve", MODEL, *ENGINE_FLAGS, "--allowed-local-media-path", str(media),
         "--limit-mm-per-prompt", "2", "--max-image-pixels", "200000",
         "--max-request-bytes", "1000000", "--served-model-name", "tiny"])
-    engine = AsyncLLM.from_kwargs(**engine_kwargs(args) | {"model": MODEL})
+    # images decoded and prompts tokenized in a preprocessing process, as `vlmserve serve` does
+    engine = AsyncLLM(EngineConfig.from_kwargs(**engine_kwargs(args) | {"model": MODEL}),
+                      preprocess_workers=1)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

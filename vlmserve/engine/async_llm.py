@@ -34,7 +34,7 @@ import zmq
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler import AdmissionLimits
 from vlmserve.engine.core import load_model_processor, text_config
-from vlmserve.engine.core_proc import run_engine_core
+from vlmserve.engine.core_proc import die_with_parent, run_engine_core
 from vlmserve.engine.messages import (
     Abort,
     AddFailed,
@@ -51,8 +51,10 @@ from vlmserve.engine.messages import (
     UtilityResult,
 )
 from vlmserve.engine.output import OutputProcessor
-from vlmserve.engine.processor import InputProcessor, PromptInput
+from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidRequestError, PromptTooLongError
+from vlmserve.multimodal.image import load_image
+from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
@@ -207,8 +209,9 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", preprocess_workers: int = 0) -> None:
         self.config = config
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._proc: mp.process.BaseProcess | None = None
         if core is None:
             self._proc, core = start_engine_core(config, log_level)
@@ -237,13 +240,17 @@ class AsyncLLM:
                                             name="vlmserve-frontend-io", daemon=True)
             self._thread.start()
             info = ready.result()
+            self.max_model_len: int = info.max_model_len
+            self.eos_token_ids = tuple(info.eos_token_ids)
+            self.limits = AdmissionLimits(**info.limits)
+            self.core_pid = info.pid
+            if preprocess_workers > 0:
+                self._pool = _start_pool(preprocess_workers, config.model_config.model,
+                                         self.input_processor.vocab_size, self.limits,
+                                         self.eos_token_ids)
         except BaseException:
             self._kill_core()
             raise
-        self.max_model_len: int = info.max_model_len
-        self.eos_token_ids = tuple(info.eos_token_ids)
-        self.limits = AdmissionLimits(**info.limits)
-        self.core_pid = info.pid
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> AsyncLLM:
@@ -273,36 +280,35 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.input_processor.model_processor.apply_chat_template(messages)
 
-    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str
-                ) -> tuple[Request, list]:
+    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                image_loader: ImageLoader = load_image) -> tuple[Request, list]:
         """Preprocess and check one request and encode its message (any thread). Bad input
         raises an `InvalidRequestError` naming the problem."""
-        params.validate()
-        processed = self.input_processor.process(prompt)
-        reason = self.limits.check(len(processed.prompt_token_ids),
-                                   [img.length for img in processed.images])
-        if reason is not None:
-            raise PromptTooLongError(reason)
-        msg = AddRequest(
-            request_id, processed.prompt_token_ids,
-            [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
-             for img in processed.images],
-            processed.mrope_positions, processed.mrope_delta, params, self.eos_token_ids)
-        processed.images, processed.mrope_positions = [], None  # the core has them now
-        return Request(request_id, processed, params, self.eos_token_ids), self._encoder.encode(
-            msg)
+        text, token_ids, frames = _preprocess(
+            self.input_processor, self.limits, self.eos_token_ids, self._encoder, prompt,
+            params, request_id, image_loader)
+        return Request(request_id, ProcessedPrompt(text, token_ids), params,
+                       self.eos_token_ids), frames
 
     async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                          request_id: str | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Preprocess a request (in a worker thread), hand it to the core and return its
-        stream. Bad input raises the engine's `InvalidRequestError` here, before any output."""
+                          request_id: str | None = None, arrival_time: float | None = None,
+                          image_loader: ImageLoader = load_image) -> RequestStream:
+        """Preprocess a request (in a preprocessing process, or a worker thread without
+        them), hand it to the core and return its stream. Bad input raises the engine's
+        `InvalidRequestError` here, before any output. `image_loader` turns each image source
+        of the prompt into an image (a server's limits)."""
         self._check_alive()
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         timing = RequestTiming(arrival_time if arrival_time is not None else time.monotonic())
-        req, frames = await asyncio.to_thread(self.process, prompt, params, rid)
+        if self._pool is not None:
+            text, token_ids, frames = await asyncio.wrap_future(self._pool.submit(
+                _preprocess_in_worker, prompt, params, rid, image_loader))
+            req = Request(rid, ProcessedPrompt(text, token_ids), params, self.eos_token_ids)
+        else:
+            req, frames = await asyncio.to_thread(self.process, prompt, params, rid,
+                                                  image_loader)
         self._check_alive()
         stream = RequestStream(self, rid, loop, timing)
         timing.num_prompt_tokens = req.num_prompt_tokens
@@ -344,6 +350,8 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._post(("stop", self._proc is not None))
             self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self._proc is not None:
             self._proc.join(timeout)
             self._kill_core()
@@ -428,15 +436,15 @@ class AsyncLLM:
             logger.error("%s; ending %d requests", error, len(self._live))
         finally:
             self._error = error
+            if not self._stopping and ready.done() and ready.exception() is None:
+                for fn in self._dead_callbacks:  # before the streams learn of it
+                    fn(error)
             self._fail_everything(error)
             sock.close(0)
             ctx.term()
             wake_w, self._wake_w = self._wake_w, -1
             os.close(wake_w)
             os.close(self._wake_r)
-        if not self._stopping:
-            for fn in self._dead_callbacks:
-                fn(error)
 
     def _handle_local(self, item: tuple) -> bool:
         """Act on one message from a caller; True to stop the I/O thread."""
@@ -564,6 +572,66 @@ class AsyncLLM:
                 return
             if item[0] == "add":
                 self._hand_over(item[1].stream._loop, [(item[1].stream, error)])
+
+
+def _preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
+                eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
+                params: SamplingParams, request_id: str, image_loader: ImageLoader
+                ) -> tuple[str | None, list[int], list]:
+    """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
+    raises an `InvalidRequestError`."""
+    params.validate()
+    processed = input_processor.process(prompt, image_loader)
+    reason = limits.check(len(processed.prompt_token_ids),
+                          [img.length for img in processed.images])
+    if reason is not None:
+        raise PromptTooLongError(reason)
+    msg = AddRequest(
+        request_id, processed.prompt_token_ids,
+        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
+         for img in processed.images],
+        processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
+    return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
+
+
+# ---- preprocessing processes: image decoding, hashing and tokenization with an interpreter
+# lock of their own, so a burst of images does not stall the front end's event loop ----------
+
+_worker: tuple | None = None  # (input processor, limits, eos ids, encoder) in a pool process
+
+
+def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
+                 eos_token_ids: tuple[int, ...]) -> None:
+    global _worker
+    die_with_parent()
+    _, _, model_processor = load_model_processor(model)
+    _worker = (InputProcessor(model_processor, vocab_size), limits, eos_token_ids, Encoder())
+
+
+def _preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
+                          image_loader: ImageLoader) -> tuple[str | None, list[int], list]:
+    assert _worker is not None
+    text, token_ids, frames = _preprocess(*_worker, prompt, params, request_id, image_loader)
+    return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
+                eos_token_ids: tuple[int, ...]) -> concurrent.futures.ProcessPoolExecutor:
+    """Start `workers` preprocessing processes and wait until each has loaded the model's
+    processor (so the first requests do not pay for it)."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+        initargs=(model, vocab_size, limits, eos_token_ids))
+    pids: set[int] = set()
+    for _ in range(20):  # idle workers take the pings: ask until every one has answered
+        pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])
+        if len(pids) >= workers:
+            break
+    return pool
 
 
 def _mark_stopped(req: Request) -> None:

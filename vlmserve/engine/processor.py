@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
@@ -11,9 +12,10 @@ from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 
 PromptInput = str | dict[str, Any]
+ImageLoader = Callable[[Any], Image.Image]  # a source (PIL image, bytes, URL, path) -> RGB
 
 
-def _images_of(prompt: dict[str, Any]) -> list[Image.Image]:
+def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
     mm = prompt.get("multi_modal_data") or {}
     if not isinstance(mm, dict):
         raise InvalidRequestError("multi_modal_data must be a dict like {'image': [...]}")
@@ -27,7 +29,7 @@ def _images_of(prompt: dict[str, Any]) -> list[Image.Image]:
     loaded = []
     for i, img in enumerate(images):
         try:
-            loaded.append(load_image(img))
+            loaded.append(load(img))
         except InvalidImageError as e:
             raise InvalidImageError(f"image {i}: {e}") from None
     return loaded
@@ -40,7 +42,9 @@ class InputProcessor:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
 
-    def process(self, prompt: PromptInput) -> ProcessedPrompt:
+    def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
+        """Validate and preprocess; `load` turns each image source into a decoded image (a
+        server passes one with its limits on paths, URLs and sizes)."""
         if isinstance(prompt, str):
             text, token_ids, images = prompt, None, []
         elif isinstance(prompt, dict):
@@ -53,7 +57,7 @@ class InputProcessor:
             if token_ids is not None and (not isinstance(token_ids, (list, tuple)) or not all(
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
-            images = _images_of(prompt)
+            images = _images_of(prompt, load)
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):

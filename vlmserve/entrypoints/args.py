@@ -45,6 +45,10 @@ class ServerConfig:
     api_server_count: int = _opt(
         1, "HTTP front-end processes on the one port (preprocessing, detokenization, SSE), "
         "all served by one engine-core process.")
+    preprocess_workers: int = _opt(
+        2, "Processes per front end that fetch, decode, resize and hash images and tokenize "
+        "prompts (0: threads of the front end, which then share its interpreter lock with "
+        "HTTP and streaming).")
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")

@@ -8,6 +8,7 @@ import io
 import os
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
@@ -152,3 +153,29 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class RestrictedImageLoader:
+    """`load_image` under a server's limits, for sources given as strings (data URLs, paths,
+    ``file://`` and http(s) URLs). Picklable: it runs in the front end's preprocessing
+    processes."""
+
+    allowed_local_dir: str | None = None
+    allow_remote: bool = False
+    max_pixels: int | None = None
+    timeout: float = 10.0
+    max_remote_bytes: int = DEFAULT_MAX_REMOTE_BYTES
+
+    def __call__(self, src: ImageSource) -> Image.Image:
+        if not isinstance(src, str):
+            raise InvalidImageError(f"an image must be given as a URL, got {type(src).__name__}")
+        scheme = src.split(":", 1)[0].lower() if ":" in src[:16] else ""
+        if scheme not in ("", "data", "file", "http", "https"):
+            raise InvalidImageError(f"unsupported image URL scheme {scheme!r}")
+        if scheme in ("", "file") and self.allowed_local_dir is None:
+            raise InvalidImageError("local image paths are not allowed by this server "
+                                    "(see --allowed-local-media-path)")
+        return load_image(src, allowed_local_dir=self.allowed_local_dir,
+                          allow_remote=self.allow_remote, max_pixels=self.max_pixels,
+                          timeout=self.timeout, max_remote_bytes=self.max_remote_bytes)

@@ -17,7 +17,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,7 +49,7 @@ from vlmserve.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from vlmserve.multimodal.image import load_image
+from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -122,6 +121,10 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_name: str) -> None:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.draining = False  # shutting down: new requests are refused
+        self.image_loader = RestrictedImageLoader(
+            allowed_local_dir=cfg.allowed_local_media_path, allow_remote=cfg.allow_remote_images,
+            max_pixels=cfg.max_image_pixels, timeout=cfg.remote_image_timeout,
+            max_remote_bytes=cfg.max_remote_image_bytes)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -154,22 +157,6 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def load_image(self, src: str, index: int) -> Image.Image:
-        scheme = src.split(":", 1)[0].lower() if ":" in src else ""
-        try:
-            if scheme not in ("", "data", "file", "http", "https"):
-                raise InvalidImageError(f"unsupported image URL scheme {scheme!r}")
-            if scheme in ("", "file") and self.cfg.allowed_local_media_path is None:
-                raise InvalidImageError("local image paths are not allowed by this server "
-                                        "(see --allowed-local-media-path)")
-            return load_image(
-                src, allowed_local_dir=self.cfg.allowed_local_media_path,
-                allow_remote=self.cfg.allow_remote_images, max_pixels=self.cfg.max_image_pixels,
-                timeout=self.cfg.remote_image_timeout,
-                max_remote_bytes=self.cfg.max_remote_image_bytes)
-        except InvalidImageError as e:
-            raise InvalidImageError(f"image {index}: {e}") from None
-
     async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         hf_messages, sources = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
@@ -177,12 +164,10 @@ class OpenAIServing:
             raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
                                       "are allowed (--limit-mm-per-prompt)")
 
-        def build() -> dict[str, Any]:  # image fetching and decoding: off the event loop
-            images = [self.load_image(src, i) for i, src in enumerate(sources)]
-            return {"prompt": self.engine.apply_chat_template(hf_messages),
-                    "multi_modal_data": {"image": images}}
-
-        return await asyncio.to_thread(build)
+        # the images stay sources: the engine's preprocessing fetches and decodes them, off
+        # the event loop (with `image_loader`, under this server's limits)
+        return {"prompt": self.engine.apply_chat_template(hf_messages),
+                "multi_modal_data": {"image": sources}}
 
     async def last_output(self, stream: RequestStream, request: Request) -> RequestOutput:
         """Run a non-streamed request to the end; abort it if the client goes away."""
@@ -220,7 +205,8 @@ class OpenAIServing:
         params = req.sampling_params(self.engine.max_model_len)
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid, arrival)
+        stream = await self.engine.add_request(prompt, params, rid, arrival,
+                                               self.image_loader)
         if req.stream:
             return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
         out = await self.last_output(stream, request)
