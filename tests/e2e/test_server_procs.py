@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.test_server import data_url, greedy, user
 from tests.engine.helpers import make_image
@@ -128,6 +129,53 @@ def test_two_front_ends_serve_64_concurrent_streams_like_llm_chat(serve) -> None
     s = srv.stats()
     assert s["num_running"] == s["num_waiting"] == 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def _on_one_connection(srv: ServeProc, method: str, path: str, **kw: object
+                       ) -> tuple[int, httpx.Response]:
+    """One request on a new keep-alive connection, with `/stats` before and after it on the
+    same connection: the pid of the front end that answered it, and its response."""
+    with httpx.Client(base_url=srv.url, timeout=60,
+                      limits=httpx.Limits(max_connections=1)) as c:
+        pid = c.get("/stats").json()["frontend_pid"]
+        r = c.request(method, path, **kw)
+        assert c.get("/stats").json()["frontend_pid"] == pid, "the connection was kept"
+    r.raise_for_status()
+    return pid, r
+
+
+def test_two_front_ends_metrics_count_every_front_ends_requests(serve) -> None:
+    srv = serve("--api-server-count", "2")
+    served: dict[int, int] = {}
+    for i in range(80):  # a new connection each, until both front ends have served some
+        if sum(served.values()) >= 12 and len(served) == 2:
+            break
+        images = [data_url(make_image(56, 56 + 28 * (i % 2), i))] if i % 3 == 0 else []
+        pid, r = _on_one_connection(srv, "POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": user(f"Request {i}.", *images), "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True})
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        served[pid] = served.get(pid, 0) + 1
+    assert len(served) == 2, "both front ends served requests"
+    total = sum(served.values())
+    scraped_by: set[int] = set()
+    for _ in range(60):  # again a new connection each, until both front ends have answered
+        if len(scraped_by) == 2 and _ >= 6:
+            break
+        pid, r = _on_one_connection(srv, "GET", "/metrics")
+        scraped_by.add(pid)
+        samples = [s for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+        by_key = {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())):
+                  s.value for s in samples}
+        # counters and histograms summed over both front ends, whichever one answers
+        assert by_key["vlmserve_requests_finished_total{finish_reason=length}"] == total
+        assert by_key["vlmserve_time_to_first_token_seconds_count"] == total
+        assert by_key["vlmserve_e2e_request_latency_seconds_count"] == total
+        # the engine core's gauges once (no per-process samples), its streams summed
+        for name in ("vlmserve_num_requests_running", "vlmserve_num_requests_waiting",
+                     "vlmserve_num_streams"):
+            assert [(s.labels, s.value) for s in samples if s.name == name] == [({}, 0.0)]
+    assert len(scraped_by) == 2, "both front ends answered scrapes"
 
 
 @pytest.mark.parametrize("count", ["1", "2"])

@@ -13,6 +13,7 @@ import pytest
 
 from tests.engine.helpers import make_image
 from vlmserve import SamplingParams
+from vlmserve.config import EngineConfig
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestTiming
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
 
@@ -244,3 +245,26 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
     assert not eng2.is_running and core.exitcode == 0 and not dead[1:]
     with pytest.raises(EngineDeadError):
         asyncio.run(eng2.add_request("x", greedy(2)))
+
+
+def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_cache: Path
+                                                                      ) -> None:
+    import os
+    import signal
+
+    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1)
+    p = prompts(2)[1]
+
+    async def run() -> list:
+        return [o.outputs[0].token_ids async for o in eng.generate(p, greedy(4))][-1]
+
+    try:
+        before = asyncio.run(run())  # images decoded in the worker process
+        for pid in list(eng._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(RuntimeError, match="preprocessing process died"):
+            asyncio.run(run())
+        assert asyncio.run(run()) == before and eng.is_running
+    finally:
+        eng.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.process
 import itertools
 import logging
 import multiprocessing as mp
@@ -244,10 +245,9 @@ class AsyncLLM:
             self.eos_token_ids = tuple(info.eos_token_ids)
             self.limits = AdmissionLimits(**info.limits)
             self.core_pid = info.pid
+            self._preprocess_workers = preprocess_workers
             if preprocess_workers > 0:
-                self._pool = _start_pool(preprocess_workers, config.model_config.model,
-                                         self.input_processor.vocab_size, self.limits,
-                                         self.eos_token_ids)
+                self._pool = self._new_pool()
         except BaseException:
             self._kill_core()
             raise
@@ -303,8 +303,18 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         timing = RequestTiming(arrival_time if arrival_time is not None else time.monotonic())
         if self._pool is not None:
-            text, token_ids, frames = await asyncio.wrap_future(self._pool.submit(
-                _preprocess_in_worker, prompt, params, rid, image_loader))
+            pool = self._pool
+            try:
+                text, token_ids, frames = await asyncio.wrap_future(pool.submit(
+                    _preprocess_in_worker, prompt, params, rid, image_loader))
+            except concurrent.futures.process.BrokenProcessPool:
+                # a preprocessing process died (this request's input, or a kill): the
+                # request fails, the next ones get a new pool
+                if self._pool is pool:
+                    logger.error("a preprocessing process died; starting new ones")
+                    self._pool = self._new_pool(wait=False)  # not on the event loop
+                    pool.shutdown(wait=False, cancel_futures=True)
+                raise RuntimeError("the request's preprocessing process died") from None
             req = Request(rid, ProcessedPrompt(text, token_ids), params, self.eos_token_ids)
         else:
             req, frames = await asyncio.to_thread(self.process, prompt, params, rid,
@@ -355,6 +365,11 @@ class AsyncLLM:
         if self._proc is not None:
             self._proc.join(timeout)
             self._kill_core()
+
+    def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
+        return _start_pool(self._preprocess_workers, self.config.model_config.model,
+                           self.input_processor.vocab_size, self.limits, self.eos_token_ids,
+                           wait)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -620,12 +635,15 @@ def _ready() -> int:
 
 
 def _start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
-                eos_token_ids: tuple[int, ...]) -> concurrent.futures.ProcessPoolExecutor:
-    """Start `workers` preprocessing processes and wait until each has loaded the model's
-    processor (so the first requests do not pay for it)."""
+                eos_token_ids: tuple[int, ...], wait: bool = True
+                ) -> concurrent.futures.ProcessPoolExecutor:
+    """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
+    model's processor (so the first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
         initargs=(model, vocab_size, limits, eos_token_ids))
+    if not wait:
+        return pool
     pids: set[int] = set()
     for _ in range(20):  # idle workers take the pings: ask until every one has answered
         pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])

@@ -19,13 +19,17 @@ import asyncio
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from prometheus_client.multiprocess import mark_process_dead
 
 from vlmserve.config import EngineConfig
 from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
@@ -35,6 +39,7 @@ from vlmserve.entrypoints.openai.server import build_app
 
 logger = logging.getLogger("vlmserve.server")
 DEAD_EXIT_DELAY_S = 1.0
+_PROM_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -120,7 +125,25 @@ def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
 
 
 def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> int:
-    """Start the engine core and `api_server_count` front ends; wait for them."""
+    """Start the engine core and `api_server_count` front ends; wait for them. The front ends
+    keep their Prometheus metrics in a directory of this process's own (multiprocess mode), so
+    each one's `/metrics` shows them all."""
+    metrics_dir = tempfile.mkdtemp(prefix="vlmserve-metrics-")
+    saved = os.environ.get(_PROM_DIR_VAR)
+    # a spawned child imports prometheus_client anew and reads this at import time
+    os.environ[_PROM_DIR_VAR] = metrics_dir
+    try:
+        return _run_processes(config, cfg, sock, metrics_dir)
+    finally:
+        if saved is None:
+            os.environ.pop(_PROM_DIR_VAR, None)
+        else:
+            os.environ[_PROM_DIR_VAR] = saved
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run_processes(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
+                   metrics_dir: str) -> int:
     ctx = mp.get_context("spawn")
     core_proc, core = start_engine_core(config, cfg.log_level)
     fronts = [ctx.Process(target=_frontend_main, name=f"vlmserve-api-{i}",
@@ -130,6 +153,13 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
         p.start()
     sock.close()
     stopping = False
+    dead: set[int] = set()
+
+    def mark_dead() -> None:  # its "live" gauges (its stream count) leave the sums
+        for p in fronts:
+            if p.pid is not None and p.exitcode is not None and p.pid not in dead:
+                dead.add(p.pid)
+                mark_process_dead(p.pid, metrics_dir)
 
     def on_signal(sig: int, _: FrameType | None) -> None:
         nonlocal stopping
@@ -147,6 +177,7 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
             if core_proc.is_alive():
                 watch.append(core_proc.sentinel)
             mp.connection.wait(watch, timeout=1.0)
+            mark_dead()
             if failed or stopping:
                 continue
             if not core_proc.is_alive():  # each front end tells its clients and exits 1
@@ -162,6 +193,8 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
             p.join(cfg.shutdown_timeout + 10)
             if p.is_alive():
                 p.kill()
+                p.join(5)
+        mark_dead()
         if core_proc.is_alive():
             core_proc.terminate()
             core_proc.join(30)

@@ -1,8 +1,16 @@
-"""Prometheus metrics of one server app, in its own registry (several apps never collide)."""
+"""Prometheus metrics of one server app, in its own registry (several apps never collide).
+
+With several front ends (`--api-server-count N`), the supervisor sets `PROMETHEUS_MULTIPROC_DIR`
+before spawning them: prometheus_client then keeps every value in a file of that directory per
+process, and `/metrics` renders all front ends' files at once (counters and histograms summed,
+gauges as their `multiprocess_mode` says), whichever front end the scrape reaches."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from vlmserve.engine.async_llm import AsyncLLM, RequestTiming
 
@@ -22,17 +30,19 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
+        # read now, like prometheus_client (which chose its value class at import)
+        self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("vlmserve_num_requests_running", "Requests being computed.",
-                             registry=r)
-        self.waiting = Gauge("vlmserve_num_requests_waiting", "Requests waiting to run.",
-                             registry=r)
+        # the engine core's values, set by whichever front end is scraped: the latest one counts
+        core = dict(registry=r, multiprocess_mode="mostrecent")
+        self.running = Gauge("vlmserve_num_requests_running", "Requests being computed.", **core)
+        self.waiting = Gauge("vlmserve_num_requests_waiting", "Requests waiting to run.", **core)
         self.kv_usage = Gauge("vlmserve_kv_cache_usage_ratio",
-                              "Share of KV cache blocks in use (0-1).", registry=r)
+                              "Share of KV cache blocks in use (0-1).", **core)
         self.enc_rows = Gauge("vlmserve_encoder_cache_usage_rows",
-                              "Image-embedding rows held by the encoder cache.", registry=r)
+                              "Image-embedding rows held by the encoder cache.", **core)
         self.enc_entries = Gauge("vlmserve_encoder_cache_entries",
-                                 "Images held by the encoder cache.", registry=r)
+                                 "Images held by the encoder cache.", **core)
         self.prompt_tokens = Counter("vlmserve_prompt_tokens",
                                      "Prompt tokens of finished requests (images included).",
                                      registry=r)
@@ -54,14 +64,23 @@ class ServerMetrics:
             "vlmserve_engine_step_seconds",
             "Host time of an engine-core loop iteration that produced this front end's tokens.",
             buckets=_STEP_BUCKETS, registry=r)
-        self.streams = Gauge("vlmserve_num_streams", "Requests this front end is serving.",
-                             registry=r)
+        # each front end's own count, summed over the live ones
+        self.streams = Gauge("vlmserve_num_streams", "Requests the front ends are serving.",
+                             registry=r, multiprocess_mode="livesum")
         self.e2e = Histogram("vlmserve_e2e_request_latency_seconds",
                              "Arrival to finish.", buckets=_E2E_BUCKETS, registry=r)
         engine.add_finish_callback(self.observe_finished)
         engine.add_step_callback(self.step_time.observe)
+        if self.multiproc_dir is not None:
+            # a scrape renders the other front ends' last written counts: keep ours current
+            engine.add_step_callback(self._count_streams)
+
+    def _count_streams(self, _: object = None) -> None:  # on the engine's I/O thread
+        self.streams.set(len(self.engine._live))
 
     def observe_finished(self, t: RequestTiming) -> None:
+        if self.multiproc_dir is not None:
+            self._count_streams()
         self.prompt_tokens.inc(t.num_prompt_tokens)
         self.generation_tokens.inc(len(t.token_times))
         self.finished.labels(finish_reason=t.finish_reason or "unknown").inc()
@@ -83,4 +102,8 @@ class ServerMetrics:
         self.kv_usage.set(s.get("kv_cache_usage", 0.0))
         self.enc_rows.set(s.get("encoder_cache_rows", 0))
         self.enc_entries.set(s.get("encoder_cache_entries", 0))
-        return generate_latest(self.registry)
+        if self.multiproc_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiproc_dir)
+        return generate_latest(registry)
