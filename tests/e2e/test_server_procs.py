@@ -205,8 +205,10 @@ def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, coun
     assert time.monotonic() - killed < 5
 
 
-def test_sigterm_lets_streams_finish_ends_the_rest_and_exits_zero(serve) -> None:
-    srv = serve("--shutdown-timeout", "3", "--max-model-len", "16384")
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_sigterm_lets_streams_finish_ends_the_rest_and_exits_zero(serve, count) -> None:
+    srv = serve("--shutdown-timeout", "3", "--max-model-len", "16384", "--api-server-count",
+                count)
     core_pid = srv.stats()["engine_core_pid"]
     events: list[list] = [[] for _ in range(8)]
 

@@ -360,8 +360,14 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._post(("stop", self._proc is not None))
             self._thread.join(timeout)
-        if self._pool is not None:
+        if self._pool is not None:  # the workers hold nothing: stop them, do not wait on
+            # the pool's own shutdown (at interpreter exit it could wait for them forever)
+            procs = list(self._pool._processes.values())
             self._pool.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.join(5)
         if self._proc is not None:
             self._proc.join(timeout)
             self._kill_core()

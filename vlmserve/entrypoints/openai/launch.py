@@ -103,7 +103,8 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
                    core: CoreHandle | None = None) -> int:
     """Run one HTTP front end on `sock` until it stops; its exit code. Without `core`, it
     starts the engine core itself."""
-    engine = AsyncLLM(config, core=core, log_level=cfg.log_level)
+    engine = AsyncLLM(config, core=core, log_level=cfg.log_level,
+                      preprocess_workers=cfg.preprocess_workers)
     try:
         app = build_app(engine, cfg)
         server = _Server(
@@ -200,7 +201,8 @@ def _run_processes(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
             core_proc.join(30)
         if core_proc.is_alive():
             core_proc.kill()
-    return 1 if failed or any(p.exitcode != 0 for p in fronts) else 0
+    # a front end SIGTERMed before its server started exits by the signal: that is clean too
+    return 1 if failed or any(p.exitcode not in (0, -signal.SIGTERM) for p in fronts) else 0
 
 
 def _setup_logging(cfg: ServerConfig) -> None:
