@@ -264,6 +264,11 @@ class AsyncLLM:
         thread's next look)."""
         return self._thread.is_alive() and self._error is None and self._core_alive()
 
+    @property
+    def num_streams(self) -> int:
+        """Requests this front end is serving (handed to the core, not finished)."""
+        return len(self._live)
+
     def add_finish_callback(self, fn: Callable[[RequestTiming], None]) -> None:
         """`fn(timing)` runs on the I/O thread when a request finishes or is aborted."""
         self._finish_callbacks.append(fn)
@@ -350,7 +355,7 @@ class AsyncLLM:
         self._calls[call_id] = fut
         self._post(("send", self._encoder.encode(Utility(call_id, "get_stats"))))
         stats = await asyncio.wrap_future(fut)
-        stats.update(num_streams=len(self._live), frontend_pid=os.getpid(),
+        stats.update(num_streams=self.num_streams, frontend_pid=os.getpid(),
                      engine_core_pid=self.core_pid)
         return stats
 

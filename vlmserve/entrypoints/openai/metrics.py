@@ -76,7 +76,7 @@ class ServerMetrics:
             engine.add_step_callback(self._count_streams)
 
     def _count_streams(self, _: object = None) -> None:  # on the engine's I/O thread
-        self.streams.set(len(self.engine._live))
+        self.streams.set(self.engine.num_streams)
 
     def observe_finished(self, t: RequestTiming) -> None:
         if self.multiproc_dir is not None:
