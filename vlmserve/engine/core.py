@@ -38,12 +38,6 @@ def text_config(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def _max_image_tokens(model_processor) -> int:
-    """Most placeholder tokens one image can become (from the image processor's pixel cap)."""
-    unit = model_processor.patch_size * model_processor.merge_size
-    return max(int(model_processor.max_pixels) // (unit * unit), 1)
-
-
 def _eos_ids(path, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     try:
@@ -98,7 +92,7 @@ class EngineCore:
             block_size=cc.block_size,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
-                sc.max_num_batched_tokens, _max_image_tokens(self.model_processor)),
+                sc.max_num_batched_tokens, self.model_processor.max_image_tokens),
             encoder_cache_rows=self.executor.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,

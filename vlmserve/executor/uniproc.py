@@ -116,8 +116,7 @@ class UniprocExecutor:
             processor = type(self.runner.model).input_processor_cls(self.model_path,
                                                                     self.hf_config)
         sc = self.config.scheduler_config
-        unit = getattr(processor, "patch_size", 1) * getattr(processor, "merge_size", 1)
-        image_rows = int(getattr(processor, "max_pixels", 0)) // (unit * unit)
+        image_rows = processor.max_image_tokens  # as the engine core's encoder budget
         limits = Limits(
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,

@@ -247,6 +247,12 @@ class Qwen2VLInputProcessor:
     def patch_size(self) -> int:
         return self.pixel_transform.patch_size
 
+    @property
+    def max_image_tokens(self) -> int:
+        """Most placeholder tokens one image can become (from the processor's pixel cap)."""
+        unit = self.patch_size * self.merge_size
+        return max(int(self.max_pixels) // (unit * unit), 1)
+
     def _resize(self, image: Image.Image, array: np.ndarray) -> torch.Tensor:
         """The image at the size the HF processor gives it, ``[H, W, 3]`` uint8, resized (only
         when the size changes) by the same library as the HF backend in use."""
