@@ -78,7 +78,7 @@ def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
         plain = loop.call_soon_threadsafe
 
         def counting(fn, *args, **kw):
-            if fn is async_llm._put_all:
+            if fn is async_llm.put_all:
                 handed.append(len(args[0]))
             return plain(fn, *args, **kw)
 

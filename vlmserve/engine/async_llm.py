@@ -5,8 +5,9 @@ interpreter lock.
 `AsyncLLM(config)` starts an engine-core process and talks to it; `AsyncLLM(config,
 core=CoreHandle(...))` joins one that another process started (`--api-server-count N`: N
 front ends, one core). On the caller's event loop (any number of them) a request is
-preprocessed in a worker thread (tokens, images decoded, resized and hashed, mRoPE
-positions), checked against the core's limits and handed over; one I/O thread owns the zmq
+preprocessed (engine/preprocess.py: tokens, images decoded, resized and hashed, mRoPE
+positions; in a pool of processes, or a worker thread), checked against the core's limits and
+handed over; its stream (engine/streams.py) is returned. One I/O thread owns the zmq
 socket: it sends what callers queued, receives each step's tokens, detokenizes them, applies
 stop strings and hands each event loop its streams' outputs at once. It also watches the
 core: if the core dies, every stream ends with `EngineDeadError` within `CORE_CHECK_S`.
@@ -22,12 +23,10 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -35,16 +34,14 @@ import zmq
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler import AdmissionLimits
 from vlmserve.engine.core import load_model_processor, text_config
-from vlmserve.engine.core_proc import die_with_parent, run_engine_core
+from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
 from vlmserve.engine.messages import (
     Abort,
     AddFailed,
-    AddRequest,
     Decoder,
     Encoder,
     FromCore,
     Hello,
-    ImageData,
     Ready,
     Shutdown,
     StepOutputs,
@@ -52,8 +49,10 @@ from vlmserve.engine.messages import (
     UtilityResult,
 )
 from vlmserve.engine.output import OutputProcessor
+from vlmserve.engine.preprocess import preprocess, preprocess_in_worker, start_pool
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.errors import InvalidRequestError, PromptTooLongError
+from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming, put_all
+from vlmserve.errors import InvalidRequestError
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
@@ -63,134 +62,6 @@ from vlmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 CORE_CHECK_S = 0.2  # how often the I/O thread checks that the engine core lives
 START_TIMEOUT_S = 3600.0  # model load (and kernel warm-up) of a large model
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped (shut down, crashed or killed)."""
-
-
-@dataclass
-class RequestTiming:
-    """Per-request timing (`time.monotonic()` seconds) and token counts, for metrics."""
-
-    arrival_time: float
-    num_prompt_tokens: int = 0
-    sent_time: float | None = None  # handed to the engine core (front-end work done)
-    token_times: list[float] = field(default_factory=list)  # when each output token came out
-    finished_time: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" once finished
-
-    @property
-    def frontend_time(self) -> float | None:
-        return None if self.sent_time is None else self.sent_time - self.arrival_time
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def ttft(self) -> float | None:
-        first = self.first_token_time
-        return None if first is None else first - self.arrival_time
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-
-@dataclass(frozen=True)
-class CoreHandle:
-    """Where an engine-core process listens, and its pid (to notice its death)."""
-
-    address: str
-    pid: int
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def start_engine_core(config: EngineConfig, log_level: str = "info"
-                      ) -> tuple[mp.process.BaseProcess, CoreHandle]:
-    """Spawn an engine-core process for `config` (it dies with this process)."""
-    address = f"ipc://{tempfile.gettempdir()}/vlmserve-core-{uuid.uuid4().hex[:12]}"
-    proc = mp.get_context("spawn").Process(
-        target=run_engine_core, name="vlmserve-engine-core",
-        args=(config, address, os.getpid(), log_level), daemon=False)
-    proc.start()
-    return proc, CoreHandle(address, proc.pid)
-
-
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loop
-    for stream, item in items:
-        stream._put(item)
-
-
-class RequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s.
-
-    Leaving the iteration early (`aclose()`, `abort()`, cancellation, or dropping the stream)
-    aborts the request in the engine core, which frees its KV blocks and encoder cache
-    references.
-    """
-
-    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop,
-                 timing: RequestTiming) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.timing = timing
-        self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: Any) -> None:  # on the event loop
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Stop the request now (no-op once finished)."""
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    def __del__(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.request_id)
 
 
 @dataclass
@@ -289,7 +160,7 @@ class AsyncLLM:
                 image_loader: ImageLoader = load_image) -> tuple[Request, list]:
         """Preprocess and check one request and encode its message (any thread). Bad input
         raises an `InvalidRequestError` naming the problem."""
-        text, token_ids, frames = _preprocess(
+        text, token_ids, frames = preprocess(
             self.input_processor, self.limits, self.eos_token_ids, self._encoder, prompt,
             params, request_id, image_loader)
         return Request(request_id, ProcessedPrompt(text, token_ids), params,
@@ -311,7 +182,7 @@ class AsyncLLM:
             pool = self._pool
             try:
                 text, token_ids, frames = await asyncio.wrap_future(pool.submit(
-                    _preprocess_in_worker, prompt, params, rid, image_loader))
+                    preprocess_in_worker, prompt, params, rid, image_loader))
             except concurrent.futures.process.BrokenProcessPool:
                 # a preprocessing process died (this request's input, or a kill): the
                 # request fails, the next ones get a new pool
@@ -378,7 +249,7 @@ class AsyncLLM:
             self._kill_core()
 
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
-        return _start_pool(self._preprocess_workers, self.config.model_config.model,
+        return start_pool(self._preprocess_workers, self.config.model_config.model,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
                            wait)
 
@@ -556,7 +427,7 @@ class AsyncLLM:
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
         except RuntimeError:  # its event loop is closed: nobody listens any more
             for stream, item in items:
                 if not isinstance(item, BaseException):
@@ -581,7 +452,7 @@ class AsyncLLM:
         self._live.clear()
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:
                 pass
 
@@ -598,69 +469,6 @@ class AsyncLLM:
                 return
             if item[0] == "add":
                 self._hand_over(item[1].stream._loop, [(item[1].stream, error)])
-
-
-def _preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
-                eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
-                params: SamplingParams, request_id: str, image_loader: ImageLoader
-                ) -> tuple[str | None, list[int], list]:
-    """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
-    raises an `InvalidRequestError`."""
-    params.validate()
-    processed = input_processor.process(prompt, image_loader)
-    reason = limits.check(len(processed.prompt_token_ids),
-                          [img.length for img in processed.images])
-    if reason is not None:
-        raise PromptTooLongError(reason)
-    msg = AddRequest(
-        request_id, processed.prompt_token_ids,
-        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
-         for img in processed.images],
-        processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
-    return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
-
-
-# ---- preprocessing processes: image decoding, hashing and tokenization with an interpreter
-# lock of their own, so a burst of images does not stall the front end's event loop ----------
-
-_worker: tuple | None = None  # (input processor, limits, eos ids, encoder) in a pool process
-
-
-def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
-                 eos_token_ids: tuple[int, ...]) -> None:
-    global _worker
-    die_with_parent()
-    _, _, model_processor = load_model_processor(model)
-    _worker = (InputProcessor(model_processor, vocab_size), limits, eos_token_ids, Encoder())
-
-
-def _preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
-                          image_loader: ImageLoader) -> tuple[str | None, list[int], list]:
-    assert _worker is not None
-    text, token_ids, frames = _preprocess(*_worker, prompt, params, request_id, image_loader)
-    return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
-
-
-def _ready() -> int:
-    return os.getpid()
-
-
-def _start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
-                eos_token_ids: tuple[int, ...], wait: bool = True
-                ) -> concurrent.futures.ProcessPoolExecutor:
-    """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
-    model's processor (so the first requests do not pay for it)."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(model, vocab_size, limits, eos_token_ids))
-    if not wait:
-        return pool
-    pids: set[int] = set()
-    for _ in range(20):  # idle workers take the pings: ask until every one has answered
-        pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])
-        if len(pids) >= workers:
-            break
-    return pool
 
 
 def _mark_stopped(req: Request) -> None:

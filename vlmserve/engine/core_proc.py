@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing as mp
 import os
 import signal
+import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -203,3 +207,37 @@ def run_engine_core(config: EngineConfig, address: str, parent_pid: int,
     finally:
         if proc is not None:
             proc.close()
+
+
+@dataclass(frozen=True)
+class CoreHandle:
+    """Where an engine-core process listens, and its pid (to notice its death)."""
+
+    address: str
+    pid: int
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def start_engine_core(config: EngineConfig, log_level: str = "info"
+                      ) -> tuple[mp.process.BaseProcess, CoreHandle]:
+    """Spawn an engine-core process for `config` (it dies with this process)."""
+    address = f"ipc://{tempfile.gettempdir()}/vlmserve-core-{uuid.uuid4().hex[:12]}"
+    proc = mp.get_context("spawn").Process(
+        target=run_engine_core, name="vlmserve-engine-core",
+        args=(config, address, os.getpid(), log_level), daemon=False)
+    proc.start()
+    return proc, CoreHandle(address, proc.pid)

@@ -1,0 +1,78 @@
+"""A front end's request preprocessing: prompt -> checked `AddRequest` frames, in the front
+end's threads or in a pool of processes of its own (image decoding, hashing and tokenization
+then take no share of the front end's interpreter lock, so a burst of images does not stall
+its event loop and streams)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing as mp
+import os
+
+from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.engine.core import load_model_processor
+from vlmserve.engine.core_proc import die_with_parent
+from vlmserve.engine.messages import AddRequest, Encoder, ImageData
+from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.errors import PromptTooLongError
+from vlmserve.sampling_params import SamplingParams
+
+
+def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
+                eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
+                params: SamplingParams, request_id: str, image_loader: ImageLoader
+                ) -> tuple[str | None, list[int], list]:
+    """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
+    raises an `InvalidRequestError`."""
+    params.validate()
+    processed = input_processor.process(prompt, image_loader)
+    reason = limits.check(len(processed.prompt_token_ids),
+                          [img.length for img in processed.images])
+    if reason is not None:
+        raise PromptTooLongError(reason)
+    msg = AddRequest(
+        request_id, processed.prompt_token_ids,
+        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
+         for img in processed.images],
+        processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
+    return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
+
+
+_worker: tuple | None = None  # (input processor, limits, eos ids, encoder) in a pool process
+
+
+def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
+                 eos_token_ids: tuple[int, ...]) -> None:
+    global _worker
+    die_with_parent()
+    _, _, model_processor = load_model_processor(model)
+    _worker = (InputProcessor(model_processor, vocab_size), limits, eos_token_ids, Encoder())
+
+
+def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
+                          image_loader: ImageLoader) -> tuple[str | None, list[int], list]:
+    assert _worker is not None
+    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader)
+    return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
+                eos_token_ids: tuple[int, ...], wait: bool = True
+                ) -> concurrent.futures.ProcessPoolExecutor:
+    """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
+    model's processor (so the first requests do not pay for it)."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+        initargs=(model, vocab_size, limits, eos_token_ids))
+    if not wait:
+        return pool
+    pids: set[int] = set()
+    for _ in range(20):  # idle workers take the pings: ask until every one has answered
+        pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])
+        if len(pids) >= workers:
+            break
+    return pool
