@@ -126,3 +126,43 @@ def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None
     assert result["args"]["num_requests"] == 2
     assert result["results"][0]["backend"] == "vlmserve"
     assert result["results"][0]["total_output_tokens"] == 6
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--model", "/nonexistent/model", "hi"], "neither an existing path"),
+    (["generate", "--model", "{tmp}", "hi"], "no config.json"),
+    (["generate", "--image", "/nonexistent.png", "--dtype", "float32", "hi"],
+     "image file not found"),
+    (["generate", "--dtype", "fp16", "hi"], "unknown dtype 'fp16'"),
+    (["generate", "--max-tokens", "0", "--dtype", "float32", "hi"], "max_tokens must be"),
+    (["generate", "--device", "cuda", "hi"], "no CUDA GPU"),
+])
+def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, capsys, argv,
+                                                    words) -> None:
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 1
+    errors = [line for line in err.splitlines() if line.startswith("vlmserve: error:")]
+    assert len(errors) == 1 and words in errors[0] and "Traceback" not in err
+    # --debug shows the traceback instead (the exception itself)
+    if "cuda" not in argv:
+        with pytest.raises(Exception, match=words.split("'")[0][:12]):
+            main(["--debug", *argv])
+
+
+def test_version_and_no_abbreviated_flags(capsys) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == (
+        f"vlmserve {version('vlmserve')}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--max-num-seq", "4"])  # a prefix of --max-num-seqs is no flag
+    assert exit_.value.code == 2 and "--max-num-seq" in capsys.readouterr().err

@@ -4,6 +4,7 @@ failures and their shutdown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -261,3 +263,23 @@ def test_port_in_use_fails_before_loading(vlmserve_cache: Path) -> None:
     assert r.returncode != 0 and f"127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - start < 30
 
+
+
+def test_readme_curl_example_with_a_512px_photo(serve, tmp_path: Path) -> None:
+    """The README's curl example, as written there (the port aside), against a live server."""
+    from PIL import Image
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("cat > body.json <<EOF")
+    block = readme[start:readme.index("```", start)]
+    srv = serve()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (512, 512, 3), dtype=np.uint8)).save(
+        tmp_path / "photo.png")
+    script = block.replace("localhost:8000", f"127.0.0.1:{srv.port}")
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    body = json.loads(r.stdout)
+    assert body["object"] == "chat.completion", body
+    assert body["usage"]["completion_tokens"] >= 1 and body["usage"]["prompt_tokens"] > 100

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
 from collections.abc import Sequence
 
@@ -66,11 +68,16 @@ def _bench(args: argparse.Namespace) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vlmserve", description="A serving engine for vision-language models.")
+        prog="vlmserve", description="A serving engine for vision-language models.",
+        allow_abbrev=False)
+    parser.add_argument("--version", action="version",
+                        version=f"vlmserve {importlib.metadata.version('vlmserve')}")
+    parser.add_argument("--debug", action="store_true",
+                        help="Show the full traceback of an error (also VLMSERVE_DEBUG=1).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
-        "serve", help="Run the OpenAI-compatible server.",
+        "serve", help="Run the OpenAI-compatible server.", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions "
         "with images, /v1/completions, /v1/models, /health, /metrics).")
     _add_model(serve)
@@ -79,7 +86,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve, parser=serve)
 
     gen = sub.add_parser(
-        "generate", help="Answer one prompt (with images) and print the text.",
+        "generate", help="Answer one prompt (with images) and print the text.", allow_abbrev=False,
         description="Run one chat prompt, with any number of images, through the engine.")
     gen.add_argument("prompt", help="The user message.")
     gen.add_argument("--model", default=None, help="Checkpoint folder or built-in model name "
@@ -104,21 +111,45 @@ def make_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in _BENCHMARKS.items():
         module = importlib.import_module(f"vlmserve.benchmarks.{module_name}")
         bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
+                                  allow_abbrev=False,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_args(bp)
         bp.set_defaults(func=_bench)
     return parser
 
 
+_SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")
+
+
+def _one_line(e: BaseException) -> str:
+    """What went wrong, in one line, with the fix where it is known."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _SERVE_MODULES:
+        return (f"{e.name} is not installed: the server needs the serve extra "
+                "(pip install -e \".[serve]\")")
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """The CLI. A mistake (a missing file, a bad option value, ...) prints one line on stderr
+    and exits 1; `--debug` (or VLMSERVE_DEBUG=1) shows the traceback instead."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("VLMSERVE_DEBUG", "") not in ("", "0")
     if args.command in ("serve", "generate"):
         _resolve_model(args, args.parser)
         del args.parser
     func = args.func
-    del args.func  # the namespace goes on to code that may serialize it (bench --out)
-    func(args)
+    del args.func, args.debug  # the namespace goes on to code that may serialize it
+    try:
+        func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the user gets one line, --debug the traceback
+        if debug:
+            raise
+        print(f"vlmserve: error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ def resolve_device(name: str, rank: int | None = None) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use "
+                         "--device cpu (or auto)")
     if device.type == "cuda" and rank is not None:
         device = torch.device("cuda", rank)
     return device

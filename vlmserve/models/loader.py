@@ -13,6 +13,9 @@ from vlmserve.models.registry import resolve_model_class
 
 
 def load_hf_config(path: str | Path):
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint folder: it has no "
+                         "config.json")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
