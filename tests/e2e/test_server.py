@@ -345,3 +345,26 @@ def test_token_chunks_from_the_template_are_the_pydantic_bytes() -> None:
     chunk = _TextChunk(built(_TextChunk.MARK))
     for text in ["", " word", 'a "quote" \\ and\nnewline', "é 中 \u2028 \x00 \ufffd"]:
         assert chunk(text) == built(text)
+
+
+def test_api_key(server: Server, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from vlmserve.entrypoints.args import ServerConfig
+
+    for cfg, env in [(ServerConfig(api_key="sekret"), None),
+                     (ServerConfig(), "sekret")]:  # the flag, or VLMSERVE_API_KEY
+        if env:
+            monkeypatch.setenv("VLMSERVE_API_KEY", env)
+        with TestClient(build_app(server.engine, cfg)) as client:
+            assert client.get("/health").status_code == 200  # probes need no key
+            r = client.get("/v1/models")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            body = {"model": MODEL, "max_tokens": 2, "messages": user("hi")}
+            r = client.post("/v1/chat/completions", json=body,
+                            headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+            ok = {"Authorization": "Bearer sekret"}
+            assert client.get("/v1/models", headers=ok).status_code == 200
+            r = client.post("/v1/chat/completions", json=body, headers=ok)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -42,6 +42,9 @@ class ServerConfig:
         64_000_000, "Largest image (width x height) a request may send; unlimited if unset.")
     max_request_bytes: int = _opt(64 << 20, "Largest request body in bytes (413 beyond it).")
     log_level: str = _opt("info", "Log level of the server: debug, info, warning, error.")
+    api_key: str | None = _opt(
+        None, "Key clients must send as `Authorization: Bearer KEY` to the /v1 endpoints "
+        "(401 otherwise); also read from VLMSERVE_API_KEY.")
     api_server_count: int = _opt(
         1, "HTTP front-end processes on the one port (preprocessing, detokenization, SSE), "
         "all served by one engine-core process.")

@@ -9,6 +9,8 @@ import asyncio
 import functools
 import json
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -121,10 +123,19 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_name: str) -> None:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.draining = False  # shutting down: new requests are refused
+        self.api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
         self.image_loader = RestrictedImageLoader(
             allowed_local_dir=cfg.allowed_local_media_path, allow_remote=cfg.allow_remote_images,
             max_pixels=cfg.max_image_pixels, timeout=cfg.remote_image_timeout,
             max_remote_bytes=cfg.max_remote_image_bytes)
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                           code="invalid_api_key")
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -199,6 +210,7 @@ class OpenAIServing:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
+        self.check_auth(request)
         self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
@@ -219,6 +231,7 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        self.check_auth(request)
         self.check_accepting()
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
@@ -378,7 +391,8 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        serving.check_auth(request)
         card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
