@@ -368,3 +368,16 @@ def test_api_key(server: Server, monkeypatch) -> None:
             assert client.get("/v1/models", headers=ok).status_code == 200
             r = client.post("/v1/chat/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_default_max_tokens(server: Server) -> None:
+    from fastapi.testclient import TestClient
+
+    from vlmserve.entrypoints.args import ServerConfig
+
+    with TestClient(build_app(server.engine, ServerConfig(default_max_tokens=3))) as client:
+        body = {"model": MODEL, "messages": user("hi"), "ignore_eos": True}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        r = client.post("/v1/chat/completions", json=body | {"max_tokens": 5})
+        assert r.json()["usage"]["completion_tokens"] == 5

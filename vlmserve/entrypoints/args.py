@@ -45,6 +45,9 @@ class ServerConfig:
     api_key: str | None = _opt(
         None, "Key clients must send as `Authorization: Bearer KEY` to the /v1 endpoints "
         "(401 otherwise); also read from VLMSERVE_API_KEY.")
+    default_max_tokens: int | None = _opt(
+        None, "Output tokens of a request that gives no max_tokens (default: up to the "
+        "model's context length).")
     api_server_count: int = _opt(
         1, "HTTP front-end processes on the one port (preprocessing, detokenization, SSE), "
         "all served by one engine-core process.")

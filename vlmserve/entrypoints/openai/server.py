@@ -214,7 +214,7 @@ class OpenAIServing:
         self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params(self.engine.max_model_len)
+        params = req.sampling_params(self.cfg.default_max_tokens or self.engine.max_model_len)
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival,
@@ -235,7 +235,7 @@ class OpenAIServing:
         self.check_accepting()
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params(self.engine.max_model_len)
+        params = req.sampling_params(self.cfg.default_max_tokens or self.engine.max_model_len)
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         rid, created = random_id("cmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival)
