@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vlmserve.config import EngineConfig
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.engine.processor import PromptInput
@@ -25,6 +26,10 @@ class LLM:
 
     def __init__(self, model: str = "tiny-qwen2-vl", **kwargs: Any) -> None:
         self.engine = LLMEngine.from_kwargs(model=model, **kwargs)
+
+    __init__.__doc__ = "Engine options (keyword arguments; the CLI's flags by these names):\n" + (
+        "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
+                  for f in EngineConfig.option_fields()))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -166,3 +166,11 @@ def test_version_and_no_abbreviated_flags(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--max-num-seq", "4"])  # a prefix of --max-num-seqs is no flag
     assert exit_.value.code == 2 and "--max-num-seq" in capsys.readouterr().err
+
+
+def test_help_of_llm_lists_every_engine_option() -> None:
+    import pydoc
+
+    text = pydoc.render_doc(LLM, renderer=pydoc.plaintext)
+    for f in EngineConfig.option_fields():
+        assert f"{f.name} (default {f.default!r})" in text, f.name
