@@ -16,10 +16,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step that ran it alone raised: `Request.error` says why
 
     def __init__(self, value: str) -> None:
         # a plain attribute, not a property: the engine asks every request every step
-        self.finished = value in ("stop", "length", "abort")
+        self.finished = value in ("stop", "length", "abort", "error")
 
 
 class Request:
@@ -54,6 +55,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vlmserve.errors import InvalidSamplingParamsError
+
+# A temperature in (0, MIN_TEMPERATURE) is raised to it (as vLLM does): logits divided by a
+# smaller one overflow float32 and sampling from them is undefined. 0 means greedy.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+# a seed is what torch.Generator.manual_seed takes: a signed or an unsigned 64-bit integer
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    temperature 0 is greedy; top_k -1 (or 0) and top_p 1 switch those filters off.
+    max_tokens None: as many as the context length leaves room for. temperature 0 is
+    greedy; one in (0, 0.01) is raised to `MIN_TEMPERATURE` (0.01). top_k -1 (or 0) and top_p
+    1 switch those filters off (a top_p however small keeps the most likely token). seed: a
+    64-bit integer, signed or unsigned.
     output_kind: "cumulative" reports the request at every step that gives it tokens (for
     streaming); "final_only" only when it finishes (what `LLM.generate` asks for).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -39,16 +50,25 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidSamplingParamsError(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v: object) -> bool:
+            return is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            bad(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             bad(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad(f"seed must be a 64-bit integer (in [-2**63, 2**64 - 1]), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -79,6 +79,16 @@ class EncoderCacheManager:
         for h in hashes:
             self.release(h, request_id)
 
+    def forget(self, hashes: list[str]) -> None:
+        """Drop these entries however referenced (their encoding failed)."""
+        for h in hashes:
+            if h not in self._rows:
+                continue
+            self._refs.pop(h, None)
+            if self._lru.pop(h, 0) is None:
+                self._lru_rows -= self._rows[h]
+            self._drop(h)
+
     def _drop(self, mm_hash: str) -> None:
         self.used_rows -= self._rows.pop(mm_hash)
         self._to_free.append(mm_hash)

@@ -12,6 +12,11 @@ and a chunk that reaches the end of the known tokens adds a placeholder for the 
 sample. So the next step can be scheduled before this one's tokens are read back (the engine's
 async scheduling); `update_from_output` replaces placeholders with tokens and applies stops.
 A request that stops while its next step is already scheduled just has that token dropped.
+
+A step that raises in the worker fails no one it cannot blame (`fail_steps`): a request that
+ran alone finishes with an error; the others are recomputed and become suspects, each run in
+steps of its own (every other step, while others have work) until it finishes, so one bad
+request cannot fail its neighbours twice.
 """
 
 from __future__ import annotations
@@ -51,6 +56,17 @@ class AdmissionLimits:
     max_kv_tokens: int  # the whole KV cache
     max_num_encoder_tokens: int
     encoder_cache_rows: int
+
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why `max_tokens` output tokens cannot follow the prompt within the context length,
+        or None (the server's check of a max_tokens a client asked for, as vLLM's; otherwise
+        a request just stops at the context length)."""
+        n, room = num_prompt_tokens, self.max_model_len - num_prompt_tokens
+        if n + max_tokens <= self.max_model_len:
+            return None
+        return (f"max_tokens of {max_tokens} is too large: the prompt is {n} tokens (images "
+                f"included) and the model's maximum context length is {self.max_model_len}, "
+                f"so at most {room} output tokens fit")
 
     def check(self, num_prompt_tokens: int, image_lengths: list[int]) -> str | None:
         """Why a prompt of this many tokens with images of these lengths can never be
@@ -107,6 +123,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
+        self._suspects: set[str] = set()  # were in a failed step: run alone (`fail_steps`)
+        self._isolate_turn = False
+        self.num_failed_steps = 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -160,10 +179,23 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         enc_budget = self.max_num_encoder_tokens
         preempted = False
+        suspect = self._pick_suspect()
+        if suspect is not None:  # a step of its own
+            def eligible(r: Request) -> bool:
+                return r is suspect
+        elif self._suspects:
+            def eligible(r: Request) -> bool:
+                return r.request_id not in self._suspects
+        else:
+            def eligible(r: Request) -> bool:
+                return True
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not eligible(req):
+                i += 1
+                continue
             start = req.num_computed_tokens
             if req.num_placeholders and self._length_done(
                     req, len(req.output_token_ids) + req.num_placeholders):
@@ -192,7 +224,9 @@ class Scheduler:
 
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
+            req = next((r for r in self.waiting if eligible(r)), None)
+            if req is None:
+                break
             remaining = req.num_tokens - req.num_computed_tokens
             if not self.enable_chunked_prefill and remaining > budget:
                 break
@@ -201,7 +235,7 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._commit_chunk(req, num_new, enc_ids, out)
@@ -215,6 +249,49 @@ class Scheduler:
         if self.plan_prefetch:
             out.prefetch = self._predict_next_rows(out)
         return out
+
+    def _pick_suspect(self) -> Request | None:
+        """The suspect to run alone this step, or None for a step of the others: suspects
+        get every other step while others have work (a running one first: it holds KV)."""
+        if not self._suspects:
+            return None
+        self._isolate_turn = not self._isolate_turn
+        others = any(r.request_id not in self._suspects
+                     for r in itertools.chain(self.running, self.waiting))
+        if others and not self._isolate_turn:
+            return None
+        return next(r for r in itertools.chain(self.running, self.waiting)
+                    if r.request_id in self._suspects)
+
+    def fail_steps(self, outs: list[SchedulerOutput], error: str) -> list[Request]:
+        """Steps `outs` (those in flight) raised in the worker; their results are lost. If
+        they ran one request, it is the cause: it finishes with `FINISHED_ERROR` and is
+        returned. Otherwise each of their requests is reset to recompute (KV, in-flight
+        tokens and the images encoded for it dropped) and becomes a suspect, run alone from
+        now on until it finishes."""
+        self.num_failed_steps += 1
+        for so in outs:  # the worker may not have taken these in: tell it again
+            self._finished_ids |= so.finished_request_ids
+            self._preempted_ids |= so.preempted_request_ids
+        ids = {rid for so in outs for rid in so.num_scheduled_tokens}
+        reqs = [self.requests[rid] for rid in ids if rid in self.requests]
+        # images those steps encoded never reached the store: forget them
+        self.encoder_cache.forget([self.requests[rid].images[i].mm_hash
+                                   for so in outs
+                                   for rid, idxs in so.scheduled_encoder_inputs.items()
+                                   if rid in self.requests for i in idxs])
+        if len(ids) == 1:
+            for req in reqs:
+                req.error = error
+                self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            return reqs
+        for req in reqs:
+            req.num_placeholders = 0  # their tokens never come
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+            self._suspects.add(req.request_id)
+        return []
 
     def _predict_next_rows(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
         """Image rows the next step will probably read, assuming it continues the running
@@ -379,7 +456,8 @@ class Scheduler:
 
     def _length_done(self, req: Request, n_out: int) -> bool:
         """`n_out` output tokens reach max_tokens or max_model_len."""
-        return (n_out >= req.sampling_params.max_tokens
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and n_out >= max_tokens)
                 or req.num_prompt_tokens + n_out >= self.max_model_len)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -399,6 +477,7 @@ class Scheduler:
         if req is None:
             return
         self._preempted_ids.discard(request_id)
+        self._suspects.discard(request_id)
         if req.status == RequestStatus.PREEMPTED:
             self._finished_ids.add(request_id)  # the worker still holds its paused generator
         if req.status == RequestStatus.RUNNING:

@@ -37,12 +37,12 @@ from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
 from vlmserve.engine.messages import (
     Abort,
-    AddFailed,
     Decoder,
     Encoder,
     FromCore,
     Hello,
     Ready,
+    RequestFailed,
     Shutdown,
     StepOutputs,
     Utility,
@@ -51,7 +51,13 @@ from vlmserve.engine.messages import (
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.preprocess import preprocess, preprocess_in_worker, start_pool
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming, put_all
+from vlmserve.engine.streams import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+    RequestTiming,
+    put_all,
+)
 from vlmserve.errors import InvalidRequestError
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -157,22 +163,25 @@ class AsyncLLM:
         return self.input_processor.model_processor.apply_chat_template(messages)
 
     def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
-                image_loader: ImageLoader = load_image) -> tuple[Request, list]:
+                image_loader: ImageLoader = load_image, default_max_tokens: int | None = None
+                ) -> tuple[Request, list]:
         """Preprocess and check one request and encode its message (any thread). Bad input
         raises an `InvalidRequestError` naming the problem."""
         text, token_ids, frames = preprocess(
             self.input_processor, self.limits, self.eos_token_ids, self._encoder, prompt,
-            params, request_id, image_loader)
+            params, request_id, image_loader, default_max_tokens)
         return Request(request_id, ProcessedPrompt(text, token_ids), params,
                        self.eos_token_ids), frames
 
     async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                           request_id: str | None = None, arrival_time: float | None = None,
-                          image_loader: ImageLoader = load_image) -> RequestStream:
+                          image_loader: ImageLoader = load_image,
+                          default_max_tokens: int | None = None) -> RequestStream:
         """Preprocess a request (in a preprocessing process, or a worker thread without
         them), hand it to the core and return its stream. Bad input raises the engine's
         `InvalidRequestError` here, before any output. `image_loader` turns each image source
-        of the prompt into an image (a server's limits)."""
+        of the prompt into an image (a server's limits); a max_tokens given must fit after
+        the prompt, None becomes `default_max_tokens` where that fits (see `preprocess`)."""
         self._check_alive()
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
@@ -182,7 +191,8 @@ class AsyncLLM:
             pool = self._pool
             try:
                 text, token_ids, frames = await asyncio.wrap_future(pool.submit(
-                    preprocess_in_worker, prompt, params, rid, image_loader))
+                    preprocess_in_worker, prompt, params, rid, image_loader,
+                    default_max_tokens))
             except concurrent.futures.process.BrokenProcessPool:
                 # a preprocessing process died (this request's input, or a kill): the
                 # request fails, the next ones get a new pool
@@ -194,7 +204,7 @@ class AsyncLLM:
             req = Request(rid, ProcessedPrompt(text, token_ids), params, self.eos_token_ids)
         else:
             req, frames = await asyncio.to_thread(self.process, prompt, params, rid,
-                                                  image_loader)
+                                                  image_loader, default_max_tokens)
         self._check_alive()
         stream = RequestStream(self, rid, loop, timing)
         timing.num_prompt_tokens = req.num_prompt_tokens
@@ -387,12 +397,12 @@ class AsyncLLM:
                     fut.set_exception(RuntimeError(msg.error))
                 else:
                     fut.set_result(msg.result)
-        elif isinstance(msg, AddFailed):
+        elif isinstance(msg, RequestFailed):
             live = self._live.pop(msg.request_id, None)
             if live is not None:
                 self.output_processor.drop(msg.request_id)
-                self._hand_over(live.stream._loop,
-                                [(live.stream, InvalidRequestError(msg.message))])
+                error = (RequestFailedError if msg.in_step else InvalidRequestError)(msg.message)
+                self._hand_over(live.stream._loop, [(live.stream, error)])
 
     def _deliver(self, msg: StepOutputs, now: float) -> None:
         """A step's tokens to text and to their streams: one hand-over per event loop, not

@@ -32,6 +32,9 @@ from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
+# this many failed steps in a row, none succeeding between them: the engine itself is broken
+# (not a request), and the step's error is raised
+MAX_FAILED_STEPS_IN_A_ROW = 16
 
 
 def text_config(hf_config):
@@ -84,6 +87,13 @@ class EngineCore:
                         else UniprocExecutor)
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
+        kv_tokens = self.executor.num_kv_blocks * cc.block_size
+        if kv_tokens < self.max_model_len:
+            # a request alone must always fit, or it is preempted and re-admitted forever
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: "
+                           "requests are limited to %d tokens", kv_tokens,
+                           self.max_model_len, kv_tokens)
+            self.max_model_len = kv_tokens
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -108,6 +118,7 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self._failed_in_a_row = 0
         self._last_log = time.monotonic()
         # the model, tokenizer and processor live as long as the engine: keep them out of the
         # collector's full passes, which otherwise cost a share of every busy step
@@ -156,30 +167,62 @@ class EngineCore:
 
         `while_waiting()` does one piece of host work each time it is called while the device
         is still busy with the step being read back; it returns False when it has nothing
-        more to do."""
+        more to do.
+
+        A step that raises fails only the request it ran alone; with several, they are
+        recomputed as suspects, each alone (`Scheduler.fail_steps`), and a request found to
+        fail is returned finished with `FINISHED_ERROR`."""
         so = self.scheduler.schedule()
-        self._in_flight.append((so, self.executor.execute_model(so)))
-        self.num_steps += 1
-        keep = 1 if self.async_scheduling and not so.is_empty else 0
-        updated = self._read_back(keep, while_waiting)
+        updated: list[Request] = []
+        try:
+            self._in_flight.append((so, self.executor.execute_model(so)))
+            self.num_steps += 1
+            keep = 1 if self.async_scheduling and not so.is_empty else 0
+            self._read_back(updated, keep, while_waiting)
+        except Exception as e:  # noqa: BLE001 - contained: see the docstring
+            updated += self._fail_steps(so, e)
         if time.monotonic() - self._last_log > LOG_INTERVAL_S:
             self._log_stats()
         return updated
 
     def drain(self) -> list[Request]:
         """Read back every step still in flight (after aborts, nothing else is running)."""
-        return self._read_back(0)
-
-    def _read_back(self, keep: int, while_waiting: Callable[[], bool] | None = None
-                   ) -> list[Request]:
         updated: list[Request] = []
+        try:
+            self._read_back(updated, 0)
+        except Exception as e:  # noqa: BLE001 - as in `step`
+            updated += self._fail_steps(None, e)
+        return updated
+
+    def _read_back(self, updated: list[Request], keep: int,
+                   while_waiting: Callable[[], bool] | None = None) -> None:
         while len(self._in_flight) > keep:
-            done, result = self._in_flight.popleft()
+            done, result = self._in_flight[0]
             while while_waiting is not None and not result.ready() and while_waiting():
                 pass
-            updated.extend(self.scheduler.update_from_output(done, result.get()))
-        self.num_generated_tokens += len(updated)
-        return updated
+            tokens = result.get()
+            self._in_flight.popleft()
+            new = self.scheduler.update_from_output(done, tokens)
+            self.num_generated_tokens += len(new)
+            updated += new
+            if not done.is_empty:
+                self._failed_in_a_row = 0
+
+    def _fail_steps(self, so: SchedulerOutput | None, error: Exception) -> list[Request]:
+        """A step raised: every step in flight is lost (see `step`)."""
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise RuntimeError(f"{self._failed_in_a_row} steps failed in a row; the engine "
+                               "cannot serve") from error
+        outs = [done for done, _ in self._in_flight]
+        if so is not None and all(done is not so for done in outs):
+            outs.append(so)
+        self._in_flight.clear()
+        ids = sorted({rid for done in outs for rid in done.num_scheduled_tokens})
+        logger.error("a step of %d request(s) failed: %r; %s", len(ids), error,
+                     "failing it" if len(ids) == 1 else "running each of them alone",
+                     exc_info=error)
+        return self.scheduler.fail_steps(outs, f"{type(error).__name__}: {error}")
 
     # ---- stats -----------------------------------------------------------------------------
 

@@ -29,12 +29,12 @@ from vlmserve.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.messages import (
     Abort,
-    AddFailed,
     AddRequest,
     Decoder,
     Encoder,
     Hello,
     Ready,
+    RequestFailed,
     Shutdown,
     StepOutputs,
     ToCore,
@@ -131,7 +131,7 @@ class EngineCoreProc:
         try:
             self.core.add_request(req)
         except ValueError as e:  # limits are checked by the front end too: a rare race
-            self._send(identity, AddFailed(msg.request_id, str(e)))
+            self._send(identity, RequestFailed(msg.request_id, str(e)))
             return
         self.owner[msg.request_id] = identity
 
@@ -164,6 +164,11 @@ class EngineCoreProc:
         for req in updated:
             identity = self.owner.get(req.request_id)
             if identity is None:  # aborted meanwhile
+                continue
+            if req.status is RequestStatus.FINISHED_ERROR:
+                del self.owner[req.request_id]
+                self._send(identity, RequestFailed(
+                    req.request_id, f"the request failed in the engine ({req.error})", True))
                 continue
             out = by_client.get(identity)
             if out is None:

@@ -7,7 +7,7 @@ only its dtype, shape and frame index.
 
     front end -> core: Hello, AddRequest, Abort, Utility, Shutdown
     core -> front end: Ready (once, after Hello), StepOutputs (once a step with this front
-                       end's tokens), UtilityResult, AddFailed
+                       end's tokens), UtilityResult, RequestFailed
 """
 
 from __future__ import annotations
@@ -87,16 +87,18 @@ class UtilityResult(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None
 
 
-class AddFailed(msgspec.Struct, tag=True, array_like=True):
-    """The core refused a request the front end had admitted (its limits raced a change,
-    or an id in use)."""
+class RequestFailed(msgspec.Struct, tag=True, array_like=True):
+    """A request ends without output: the core refused it (its limits raced a change, or an
+    id in use: the client's fault) or, with `in_step`, a step that ran it failed (the
+    server's: the reason is in the core's log)."""
 
     request_id: str
     message: str
+    in_step: bool = False
 
 
 ToCore = Hello | AddRequest | Abort | Utility | Shutdown
-FromCore = Ready | StepOutputs | UtilityResult | AddFailed
+FromCore = Ready | StepOutputs | UtilityResult | RequestFailed
 
 
 class Encoder:

@@ -6,6 +6,7 @@ its event loop and streams)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing as mp
 import os
 
@@ -14,22 +15,31 @@ from vlmserve.engine.core import load_model_processor
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.errors import PromptTooLongError
+from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
 from vlmserve.sampling_params import SamplingParams
 
 
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
-                params: SamplingParams, request_id: str, image_loader: ImageLoader
-                ) -> tuple[str | None, list[int], list]:
+                params: SamplingParams, request_id: str, image_loader: ImageLoader,
+                default_max_tokens: int | None = None) -> tuple[str | None, list[int], list]:
     """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
-    raises an `InvalidRequestError`."""
+    raises an `InvalidRequestError`. A max_tokens given must fit the context after the
+    prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
+    or as many as the context leaves room for."""
     params.validate()
     processed = input_processor.process(prompt, image_loader)
-    reason = limits.check(len(processed.prompt_token_ids),
-                          [img.length for img in processed.images])
+    n = len(processed.prompt_token_ids)
+    reason = limits.check(n, [img.length for img in processed.images])
     if reason is not None:
         raise PromptTooLongError(reason)
+    if params.max_tokens is not None:
+        reason = limits.check_max_tokens(n, params.max_tokens)
+        if reason is not None:
+            raise InvalidSamplingParamsError(reason)
+    elif default_max_tokens is not None:  # the server's cap, within what fits
+        params = dataclasses.replace(
+            params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
     msg = AddRequest(
         request_id, processed.prompt_token_ids,
         [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
@@ -50,9 +60,11 @@ def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
 
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
-                          image_loader: ImageLoader) -> tuple[str | None, list[int], list]:
+                          image_loader: ImageLoader, default_max_tokens: int | None = None
+                          ) -> tuple[str | None, list[int], list]:
     assert _worker is not None
-    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader)
+    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
+                                         default_max_tokens)
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 

@@ -16,6 +16,10 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped (shut down, crashed or killed)."""
 
 
+class RequestFailedError(RuntimeError):
+    """A request failed inside the engine (a step that ran it raised); the engine serves on."""
+
+
 @dataclass
 class RequestTiming:
     """Per-request timing (`time.monotonic()` seconds) and token counts, for metrics."""

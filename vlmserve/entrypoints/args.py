@@ -45,6 +45,9 @@ class ServerConfig:
     api_key: str | None = _opt(
         None, "Key clients must send as `Authorization: Bearer KEY` to the /v1 endpoints "
         "(401 otherwise); also read from VLMSERVE_API_KEY.")
+    max_prompt_chars: int | None = _opt(
+        None, "Most characters of text in one request (its messages or prompt), checked "
+        "before tokenizing (default: 32 per token of the context length).")
     default_max_tokens: int | None = _opt(
         None, "Output tokens of a request that gives no max_tokens (default: up to the "
         "model's context length).")

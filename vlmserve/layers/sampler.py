@@ -28,6 +28,7 @@ def sample(
             probs = sorted_logits.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the top one stays)
             drop = (probs.cumsum(-1) - probs) >= p.top_p
+            drop[0] = False  # even when top_p rounds to 0 in float32
             row = row.clone()
             row[order[drop]] = float("-inf")
         probs = row.softmax(-1)

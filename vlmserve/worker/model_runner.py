@@ -161,9 +161,10 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             state = self.requests.pop(rid, None)
-            if rid in so.preempted_request_ids and state is not None:
+            if rid in so.preempted_request_ids:
                 # a resumed request continues its random stream instead of restarting it
-                self._paused_generators[rid] = state.generator
+                if state is not None:
+                    self._paused_generators[rid] = state.generator
             else:
                 self._paused_generators.pop(rid, None)
         self.store.free(so.free_encoder_hashes)
@@ -189,10 +190,11 @@ class ModelRunner:
         start = self.timeline.mark() if self.timeline is not None else None
         self._update_states(so)
         self.store.begin_step()
-        self.encoder.run([self.requests[rid].images[i]
-                          for rid, idxs in so.scheduled_encoder_inputs.items() for i in idxs])
-        self.store.prefetch(so.prefetch)  # overlaps with this step's compute
         try:
+            self.encoder.run([self.requests[rid].images[i]
+                              for rid, idxs in so.scheduled_encoder_inputs.items()
+                              for i in idxs])
+            self.store.prefetch(so.prefetch)  # overlaps with this step's compute
             result = self._run_lm(so)
         finally:
             self.store.end_step()

@@ -12,9 +12,28 @@ from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.sampling_params import SamplingParams
 
 _PART_TYPES = ("text", "image_url")
-# OpenAI parameters we do not implement: a request that sets one gets a 400, not silence.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "best_of",
-                "echo", "suffix", "presence_penalty", "frequency_penalty", "audio")
+# OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
+# request that sets one to anything else gets a 400 naming it, not silence.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+# accepted and without effect on the output (bookkeeping fields of OpenAI's API)
+_NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+
+def _same(value: Any, ok: Any) -> bool:
+    """`value` is `ok` in JSON's terms: 0 and 0.0 alike, but `false` is not 0."""
+    if ok is None or isinstance(ok, bool) or isinstance(value, bool):
+        return value is ok
+    if isinstance(ok, int):
+        return type(value) in (int, float) and value == ok
+    return value == ok
 
 
 def random_id(prefix: str) -> str:
@@ -22,7 +41,10 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Strict types where OpenAI's schema is strict: `true` is no integer, `"yes"` no
+    boolean, a string no number."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -73,6 +95,13 @@ class ChatMessage(OpenAIModel):
                                      f"{', '.join(_PART_TYPES)}")
         return data
 
+    @property
+    def num_chars(self) -> int:
+        """Characters of text (image URLs not counted)."""
+        if isinstance(self.content, list):
+            return sum(len(p.text) for p in self.content if isinstance(p, TextPart))
+        return len(self.content or "")
+
     def to_dict(self) -> dict[str, Any]:
         """The message as `parse_chat_messages` takes it."""
         role = "system" if self.role == "developer" else self.role
@@ -87,6 +116,9 @@ class StreamOptions(OpenAIModel):
 
 
 class _SamplingRequest(OpenAIModel):
+    # an argument OpenAI does not know is refused, as OpenAI does
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -97,33 +129,46 @@ class _SamplingRequest(OpenAIModel):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = False  # extension
-    user: str | None = None
+    # extensions (vLLM's names)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
 
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in _UNSUPPORTED:
-                if data.get(name) not in (None, False, 0, [], {}):
-                    raise ValueError(f"parameter {name!r} is not supported")
+            data = dict(data)
+            for name in list(data):
+                if name in _NO_EFFECT:
+                    data.pop(name)
+                elif name in _UNSUPPORTED:
+                    value = data.pop(name)
+                    if not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
+                        raise ValueError(f"parameter {name!r} is not supported by this "
+                                         f"server, got {value!r}")
         return data
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Raises `InvalidSamplingParamsError` naming a bad value."""
+    def sampling_params(self) -> SamplingParams:
+        """Raises `InvalidSamplingParamsError` naming a bad value. No max_tokens: None (the
+        server's default, or up to the context length)."""
         if self.n not in (None, 1):
             raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos))
+            seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
+            stop_token_ids=self.stop_token_ids or [],
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output))
 
 
 class ChatCompletionRequest(_SamplingRequest):

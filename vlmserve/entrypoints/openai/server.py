@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
+from vlmserve.engine.streams import RequestFailedError
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
 from vlmserve.entrypoints.openai.protocol import (
@@ -56,6 +58,8 @@ from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# a UTF-16 surrogate escape: when the body fails to decode, the likely cause is a lone one
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class ApiError(Exception):
@@ -77,6 +81,8 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     for e in errors[:3]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument"
         parts.append(f"{loc}: {msg}" if loc else msg)
         param = param or loc or None
     return "; ".join(parts), param
@@ -158,7 +164,12 @@ class OpenAIServing:
         try:  # msgspec: several times faster than json on megabytes of base64 images
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
+            if _LONE_SURROGATE.search(body):  # msgspec calls these "truncated"
+                raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (such "
+                                    "as \\ud800), which is not text") from None
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         return data
@@ -168,7 +179,16 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a prompt too long to tokenize at all (before spending the time on it)."""
+        limit = self.cfg.max_prompt_chars or 32 * self.engine.max_model_len
+        if num_chars > limit:
+            raise PromptTooLongError(
+                f"the request holds {num_chars} characters of text, more than the limit of "
+                f"{limit} (--max-prompt-chars)")
+
     async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        self.check_prompt_chars(sum(m.num_chars for m in req.messages))
         hf_messages, sources = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
         if len(sources) > limit:
@@ -214,11 +234,11 @@ class OpenAIServing:
         self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params(self.cfg.default_max_tokens or self.engine.max_model_len)
+        params = req.sampling_params()
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival,
-                                               self.image_loader)
+                                               self.image_loader, self.cfg.default_max_tokens)
         if req.stream:
             return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
         out = await self.last_output(stream, request)
@@ -235,10 +255,13 @@ class OpenAIServing:
         self.check_accepting()
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params(self.cfg.default_max_tokens or self.engine.max_model_len)
+        params = req.sampling_params()
+        if isinstance(req.prompt, str):
+            self.check_prompt_chars(len(req.prompt))
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         rid, created = random_id("cmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid, arrival)
+        stream = await self.engine.add_request(prompt, params, rid, arrival,
+                                               default_max_tokens=self.cfg.default_max_tokens)
         if req.stream:
             return _event_stream(
                 self.completion_events(stream, req, params, rid, created), stream)
@@ -319,7 +342,7 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestFailedError) as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
             yield _sse("[DONE]")
         finally:
@@ -367,6 +390,10 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, str(e), type="server_error")
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(e), type="server_error")
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
