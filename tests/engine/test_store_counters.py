@@ -133,3 +133,29 @@ def test_counters_under_cache_retention_and_eviction(offload):
     cache.retain = False
     c.free(list(cache._lru))  # the retained entries, dropped at the end
     assert store.num_entries == 0 and store.bytes_on_host == 0
+
+
+def held_bytes(tensors) -> int:
+    """Bytes the allocator holds for these tensors: each distinct storage once, whole."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_retained_embeddings_hold_only_their_own_rows(vlmserve_cache) -> None:
+    """Four images encoded in one batch by the real encoder, three freed: what the store
+    still holds (whole storages, as the allocator sees them) is what it counts, not the
+    batch's storage."""
+    from tests.engine.helpers import chat_prompt, make_image
+    from vlmserve import LLM
+
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", mm_embedding_offload=False)
+    prompt = chat_prompt(llm, "Four.", [make_image(56 + 28 * i, 56, i) for i in range(4)])
+    images = llm.engine.input_processor.process(prompt).images
+    runner = llm.engine.core.executor.runner
+    store = runner.store
+    runner.encoder.run(images)
+    assert runner.encoder.num_batches == 1 and store.num_entries == 4
+    store.free([img.mm_hash for img in images[:3]])
+    assert store.num_entries == 1
+    assert held_bytes(store._device.values()) == store.bytes_on_device
+    assert store.bytes_on_device == images[3].length * store._device[images[3].mm_hash][0].nbytes

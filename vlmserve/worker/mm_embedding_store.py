@@ -145,6 +145,10 @@ class MMEmbeddingStore:
         if mm_hash in self._device or mm_hash in self._host:
             self.free([mm_hash])
         if not self.offload:
+            if rows.untyped_storage().nbytes() != _nbytes(rows):
+                # a view into the encoder's batch would keep the whole batch alive while the
+                # counters and the cache's budget charge only these rows
+                rows = rows.clone()
             self._device_bytes += _nbytes(rows)
             self._device[mm_hash] = rows
             self._note_peak()
