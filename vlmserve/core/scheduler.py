@@ -263,35 +263,43 @@ class Scheduler:
         return next(r for r in itertools.chain(self.running, self.waiting)
                     if r.request_id in self._suspects)
 
-    def fail_steps(self, outs: list[SchedulerOutput], error: str) -> list[Request]:
-        """Steps `outs` (those in flight) raised in the worker; their results are lost. If
-        they ran one request, it is the cause: it finishes with `FINISHED_ERROR` and is
-        returned. Otherwise each of their requests is reset to recompute (KV, in-flight
-        tokens and the images encoded for it dropped) and becomes a suspect, run alone from
-        now on until it finishes."""
+    def fail_step(self, failed: SchedulerOutput, lost: list[SchedulerOutput],
+                  error: str) -> list[Request]:
+        """Step `failed` raised in the worker, and the results of the steps `lost` (in flight
+        with it) are gone too. If `failed` ran one request, that is the cause: it finishes
+        with `FINISHED_ERROR` and is returned. Its requests otherwise, and those of the lost
+        steps, are reset to recompute (their KV, in-flight tokens and the images encoded for
+        them dropped); the failed step's become suspects, each run alone from now on until
+        it finishes."""
         self.num_failed_steps += 1
+        outs = [failed, *lost]
         for so in outs:  # the worker may not have taken these in: tell it again
             self._finished_ids |= so.finished_request_ids
             self._preempted_ids |= so.preempted_request_ids
-        ids = {rid for so in outs for rid in so.num_scheduled_tokens}
-        reqs = [self.requests[rid] for rid in ids if rid in self.requests]
-        # images those steps encoded never reached the store: forget them
+        # images those steps encoded may never have reached the store: forget them
         self.encoder_cache.forget([self.requests[rid].images[i].mm_hash
                                    for so in outs
                                    for rid, idxs in so.scheduled_encoder_inputs.items()
                                    if rid in self.requests for i in idxs])
-        if len(ids) == 1:
-            for req in reqs:
+        culprits = [self.requests[rid] for rid in failed.num_scheduled_tokens
+                    if rid in self.requests]
+        errored = []
+        if len(failed.num_scheduled_tokens) == 1:
+            errored = culprits
+            for req in errored:
                 req.error = error
                 self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-            return reqs
-        for req in reqs:
+        else:
+            self._suspects.update(req.request_id for req in culprits)
+        for rid in {rid for so in outs for rid in so.num_scheduled_tokens}:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
             req.num_placeholders = 0  # their tokens never come
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
                 self._preempt(req)
-            self._suspects.add(req.request_id)
-        return []
+        return errored
 
     def _predict_next_rows(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
         """Image rows the next step will probably read, assuming it continues the running

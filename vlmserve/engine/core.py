@@ -176,11 +176,14 @@ class EngineCore:
         updated: list[Request] = []
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
-            self.num_steps += 1
-            keep = 1 if self.async_scheduling and not so.is_empty else 0
-            self._read_back(updated, keep, while_waiting)
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
-            updated += self._fail_steps(so, e)
+            return self._fail_step(so, e)
+        self.num_steps += 1
+        keep = 1 if self.async_scheduling and not so.is_empty else 0
+        try:
+            self._read_back(updated, keep, while_waiting)
+        except Exception as e:  # noqa: BLE001 - the step being read back failed
+            updated += self._fail_step(self._in_flight[0][0], e)
         if time.monotonic() - self._last_log > LOG_INTERVAL_S:
             self._log_stats()
         return updated
@@ -191,7 +194,7 @@ class EngineCore:
         try:
             self._read_back(updated, 0)
         except Exception as e:  # noqa: BLE001 - as in `step`
-            updated += self._fail_steps(None, e)
+            updated += self._fail_step(self._in_flight[0][0], e)
         return updated
 
     def _read_back(self, updated: list[Request], keep: int,
@@ -208,21 +211,20 @@ class EngineCore:
             if not done.is_empty:
                 self._failed_in_a_row = 0
 
-    def _fail_steps(self, so: SchedulerOutput | None, error: Exception) -> list[Request]:
-        """A step raised: every step in flight is lost (see `step`)."""
+    def _fail_step(self, failed: SchedulerOutput, error: Exception) -> list[Request]:
+        """Step `failed` raised; the results of the other steps in flight are lost with it
+        (see `step`)."""
         self._failed_in_a_row += 1
         if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
             raise RuntimeError(f"{self._failed_in_a_row} steps failed in a row; the engine "
                                "cannot serve") from error
-        outs = [done for done, _ in self._in_flight]
-        if so is not None and all(done is not so for done in outs):
-            outs.append(so)
+        lost = [done for done, _ in self._in_flight if done is not failed]
         self._in_flight.clear()
-        ids = sorted({rid for done in outs for rid in done.num_scheduled_tokens})
-        logger.error("a step of %d request(s) failed: %r; %s", len(ids), error,
-                     "failing it" if len(ids) == 1 else "running each of them alone",
+        n = len(failed.num_scheduled_tokens)
+        logger.error("a step of %d request(s) failed: %r; %s", n, error,
+                     "failing it" if n == 1 else "running each of them alone from now on",
                      exc_info=error)
-        return self.scheduler.fail_steps(outs, f"{type(error).__name__}: {error}")
+        return self.scheduler.fail_step(failed, lost, f"{type(error).__name__}: {error}")
 
     # ---- stats -----------------------------------------------------------------------------
 
