@@ -38,12 +38,13 @@ def _free_port() -> int:
 class ServeProc:
     """`python -m vlmserve serve ...` in a process group of its own."""
 
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlmserve", "serve", MODEL, "--port", str(self.port),
-             *FLAGS, *extra], start_new_session=True, stdout=subprocess.DEVNULL)
+             *FLAGS, *extra], start_new_session=True, stdout=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env})
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "the server exited during start-up"

@@ -119,6 +119,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._failed_in_a_row = 0
+        self._last_progress = time.monotonic()  # a step computed tokens, or nothing waited
         self._last_log = time.monotonic()
         # the model, tokenizer and processor live as long as the engine: keep them out of the
         # collector's full passes, which otherwise cost a share of every busy step
@@ -140,6 +141,8 @@ class EngineCore:
         reason = self.scheduler.check_admissible(req)
         if reason is not None:
             raise PromptTooLongError(reason)
+        if not self.scheduler.has_unfinished_requests():  # idle until now: no stall
+            self._last_progress = time.monotonic()
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str,
@@ -173,6 +176,8 @@ class EngineCore:
         recomputed as suspects, each alone (`Scheduler.fail_steps`), and a request found to
         fail is returned finished with `FINISHED_ERROR`."""
         so = self.scheduler.schedule()
+        if so.num_scheduled_tokens or not self.scheduler.has_unfinished_requests():
+            self._last_progress = time.monotonic()
         updated: list[Request] = []
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
@@ -239,6 +244,14 @@ class EngineCore:
             s["num_encoder_cache_hits"], s["num_images_encoded"], s["num_encoder_cache_evictions"],
             s["prefetch_waits"])
 
+    @property
+    def stalled_s(self) -> float:
+        """Seconds the engine has had requests and computed no token for them (0 when it
+        makes progress or has nothing to do)."""
+        if not self.scheduler.has_unfinished_requests():
+            return 0.0
+        return time.monotonic() - self._last_progress
+
     def get_stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         runner = self.executor.runner
@@ -263,6 +276,8 @@ class EngineCore:
             "device_busy_s": timeline.busy_s if timeline is not None else None,
             "device_idle_s": timeline.idle_s if timeline is not None else None,
             "num_steps": self.num_steps,
+            "num_failed_steps": self.scheduler.num_failed_steps,
+            "stalled_s": self.stalled_s,
             "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),
         }

@@ -12,7 +12,9 @@ from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 
 PromptInput = str | dict[str, Any]
-ImageLoader = Callable[[Any], Image.Image]  # a source (PIL image, bytes, URL, path) -> RGB
+# a source (PIL image, bytes, URL, path) -> RGB; a loader with a `load_all(sources)` method
+# (`RestrictedImageLoader`) gets all of a request's sources at once instead
+ImageLoader = Callable[[Any], Image.Image]
 
 
 def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
@@ -26,6 +28,9 @@ def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
     images = mm.get("image", [])
     if not isinstance(images, (list, tuple)):
         images = [images]
+    load_all = getattr(load, "load_all", None)
+    if load_all is not None:  # a server's loader: a request's limits over all its images,
+        return load_all(list(images))  # checked before any is decoded; names them itself
     loaded = []
     for i, img in enumerate(images):
         try:

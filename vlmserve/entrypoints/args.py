@@ -34,17 +34,46 @@ class ServerConfig:
     allowed_local_media_path: str | None = _opt(
         None, "Directory from which requests may read images by path or file:// URL; "
         "local paths are refused when unset.")
-    allow_remote_images: bool = _opt(False, "Fetch http(s) image URLs given in requests.")
-    remote_image_timeout: float = _opt(10.0, "Timeout in seconds for fetching a remote image.")
-    max_remote_image_bytes: int = _opt(32 << 20, "Largest remote image to fetch, in bytes.")
+    allow_remote_images: bool = _opt(
+        False, "Fetch http(s) image URLs given in requests (in the front-end process, public "
+        "addresses only: see --allowed-remote-hosts).")
+    allowed_remote_hosts: str | None = _opt(
+        None, "Comma-separated host names (matched exactly as written in a URL or redirect), "
+        "IP addresses and CIDR networks that remote image URLs may reach although they are "
+        "loopback, private, link-local or otherwise not public; every such address is "
+        "refused otherwise (default: none).")
+    remote_image_timeout: float = _opt(
+        10.0, "Seconds for fetching one remote image in all (name lookup, connects, "
+        "redirects, body), not per read.")
+    max_remote_image_bytes: int = _opt(
+        32 << 20, "Largest remote image to fetch, in bytes (checked against Content-Length "
+        "and while reading).")
+    remote_image_fetch_workers: int = _opt(
+        8, "Remote images each front end fetches at once (more wait their turn); fetching "
+        "never holds up requests without remote images.")
     limit_mm_per_prompt: int = _opt(8, "Most images in one request.")
     max_image_pixels: int | None = _opt(
-        64_000_000, "Largest image (width x height) a request may send; unlimited if unset.")
+        8192 * 4096, "Largest image (width x height, from its header, before decoding) a "
+        "request may send; 8192x4096 holds an 8K frame or a 32 MP photo and decodes to "
+        "about 100 MB of RGB (the model's processor shrinks anything over ~12.8 M pixels "
+        "anyway); unlimited if unset.")
+    max_request_pixels: int | None = _opt(
+        8192 * 8192, "Most pixels of all of one request's images together, checked from "
+        "their headers before any is decoded (about 200 MB of RGB); unlimited if unset.")
+    max_image_bytes: int | None = _opt(
+        96 << 20, "Largest decoded size of one image, from its header: width x height x "
+        "bands x bytes per band, so RGBA counts 4 bytes a pixel and 16-bit gray 2 (the "
+        "default, 96 MiB, is an RGB image at the pixel limit); unlimited if unset.")
     max_request_bytes: int = _opt(64 << 20, "Largest request body in bytes (413 beyond it).")
     log_level: str = _opt("info", "Log level of the server: debug, info, warning, error.")
     api_key: str | None = _opt(
         None, "Key clients must send as `Authorization: Bearer KEY` to the /v1 endpoints "
         "(401 otherwise); also read from VLMSERVE_API_KEY.")
+    health_stall_timeout: float = _opt(
+        60.0, "/health answers 503 when the engine has had requests and computed no token for "
+        "this many seconds, or does not answer within it.")
+    request_body_timeout: float = _opt(
+        30.0, "Seconds a client may take to send a request's body (408 after).")
     max_prompt_chars: int | None = _opt(
         None, "Most characters of text in one request (its messages or prompt), checked "
         "before tokenizing (default: 32 per token of the context length).")

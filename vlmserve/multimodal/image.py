@@ -7,13 +7,14 @@ import binascii
 import io
 import os
 import urllib.parse
-import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageMode, UnidentifiedImageError
 
 from vlmserve.errors import InvalidImageError
+from vlmserve.multimodal.fetch import FetchPolicy, fetch_sync
 
 ImageSource = Image.Image | bytes | bytearray | memoryview | str | os.PathLike
 DEFAULT_MAX_REMOTE_BYTES = 32 << 20
@@ -27,12 +28,15 @@ def load_image(
     allow_remote: bool = False,
     timeout: float = 10.0,
     max_remote_bytes: int = DEFAULT_MAX_REMOTE_BYTES,
+    allowed_remote_hosts: Sequence[str] = (),
 ) -> Image.Image:
     """Load, fully decode and validate an image; return it in RGB mode.
 
     ``src`` is a PIL image, encoded bytes, a ``data:image/...;base64,`` URL, a local path or
     ``file://`` URL (inside ``allowed_local_dir`` when given), or an http(s) URL (only with
-    ``allow_remote``). Any problem raises ``InvalidImageError`` naming it.
+    ``allow_remote``; fetched as `vlmserve.multimodal.fetch` does: public addresses only,
+    unless ``allowed_remote_hosts`` names them, ``timeout`` for the whole fetch). Any problem
+    raises ``InvalidImageError`` naming it.
     """
     if isinstance(src, Image.Image):
         image = src
@@ -43,7 +47,8 @@ def load_image(
             raise InvalidImageError(f"could not decode image: {e}") from e
     else:
         image = _decode(
-            _read_source(src, allowed_local_dir, allow_remote, timeout, max_remote_bytes),
+            _read_source(src, allowed_local_dir, allow_remote,
+                         FetchPolicy(timeout, max_remote_bytes, tuple(allowed_remote_hosts))),
             max_pixels,
         )
     return _to_rgb(image)
@@ -53,8 +58,7 @@ def _read_source(
     src: ImageSource,
     allowed_local_dir: str | None,
     allow_remote: bool,
-    timeout: float,
-    max_remote_bytes: int,
+    fetch_policy: FetchPolicy | None = None,
 ) -> bytes:
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
@@ -68,7 +72,7 @@ def _read_source(
     if scheme in ("http", "https"):
         if not allow_remote:
             raise InvalidImageError("remote image URLs are not allowed")
-        return _fetch(src, timeout, max_remote_bytes)
+        return fetch_sync(src, fetch_policy)
     if scheme == "file":
         parsed = urllib.parse.urlparse(src)
         if parsed.netloc not in ("", "localhost"):
@@ -106,31 +110,48 @@ def _read_file(path: str, allowed_local_dir: str | None) -> bytes:
         raise InvalidImageError(f"could not read image file {path!r}: {e}") from e
 
 
-def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - scheme checked
-            data = resp.read(max_bytes + 1)
-    except Exception as e:  # noqa: BLE001 - network errors come in many types
-        raise InvalidImageError(f"could not fetch image {url!r}: {e}") from e
-    if len(data) > max_bytes:
-        raise InvalidImageError(f"remote image is larger than {max_bytes} bytes")
-    return data
-
-
 def _decode(data: bytes, max_pixels: int | None) -> Image.Image:
+    image = _open(data, None)
+    _check_size(image, max_pixels)  # from the header, before decoding the pixels
+    return _load(image, None)
+
+
+def _undecodable(what: str | None, reason: object) -> InvalidImageError:
+    return InvalidImageError(f"could not decode {what or 'image'}: {reason}")
+
+
+def _open(data: bytes, what: str | None) -> Image.Image:
+    """`data` opened: its header read and checked, its pixels not yet decoded. `what` names
+    the image in messages ("image 2 of the request")."""
     if not data:
-        raise InvalidImageError("image data is empty")
+        raise InvalidImageError(f"{what or 'image'}: image data is empty")
     try:
-        image = Image.open(io.BytesIO(data))
-        _check_size(image, max_pixels)  # from the header, before decoding the pixels
-        image.load()
-    except InvalidImageError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise InvalidImageError(f"image is too large to decode: {e}") from e
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:  # its own message names a BytesIO object, not the image
+        raise _undecodable(what, "not a known image format") from None
+    except Image.DecompressionBombError as e:  # Pillow's guard, still on (MAX_IMAGE_PIXELS)
+        raise InvalidImageError(f"{what or 'image'} is too large to decode: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types on corrupt data
-        raise InvalidImageError(f"could not decode image: {e}") from e
+        raise _undecodable(what, e) from e
+
+
+def _load(image: Image.Image, what: str | None) -> Image.Image:
+    """Decode the pixels of an opened image."""
+    try:
+        image.load()
+    except Image.DecompressionBombError as e:
+        raise InvalidImageError(f"{what or 'image'} is too large to decode: {e}") from None
+    except Exception as e:  # noqa: BLE001 - PIL raises many types on corrupt data
+        raise _undecodable(what, e) from e
     return image
+
+
+def decoded_bytes(image: Image.Image) -> int:
+    """Bytes of `image`'s pixels once decoded, from its header: width x height x bands x
+    bytes per band (RGBA counts 4 a pixel, 16-bit gray 2, 32-bit int or float 4)."""
+    mode = ImageMode.getmode(image.mode)
+    per_band = int(mode.typestr[-1]) if mode.typestr[-1:].isdigit() else 1
+    return image.width * image.height * len(mode.bands) * per_band
 
 
 def _check_size(image: Image.Image, max_pixels: int | None) -> None:
@@ -157,25 +178,71 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True)
 class RestrictedImageLoader:
-    """`load_image` under a server's limits, for sources given as strings (data URLs, paths,
-    ``file://`` and http(s) URLs). Picklable: it runs in the front end's preprocessing
-    processes."""
+    """A server's image loading, under its limits. Sources are strings (data URLs; paths and
+    ``file://`` URLs inside ``allowed_local_dir``) or the encoded bytes the front end's
+    `RemoteImageFetcher` fetched for an http(s) URL: URLs themselves are never fetched here,
+    in the preprocessing processes. `load_all` checks every image of a request from its
+    header (pixels, decoded bytes, the request's total pixels) before decoding any; Pillow's
+    own guard (``Image.MAX_IMAGE_PIXELS``) stays on behind these. Picklable: it runs in the
+    front end's preprocessing processes."""
 
     allowed_local_dir: str | None = None
-    allow_remote: bool = False
-    max_pixels: int | None = None
-    timeout: float = 10.0
-    max_remote_bytes: int = DEFAULT_MAX_REMOTE_BYTES
+    max_pixels: int | None = None  # per image
+    max_request_pixels: int | None = None  # all images of a request together
+    max_image_bytes: int | None = None  # per image, decoded (from the header's size and mode)
 
     def __call__(self, src: ImageSource) -> Image.Image:
+        return self.load_all([src])[0]
+
+    def load_all(self, sources: Sequence[ImageSource]) -> list[Image.Image]:
+        """A request's images (RGB), or an `InvalidImageError` naming the image (1-based)
+        and the limit; nothing is decoded unless every image passes every limit."""
+        opened, total = [], 0
+        for n, src in enumerate(sources, 1):
+            try:
+                data = self._read(src)
+            except InvalidImageError as e:
+                raise InvalidImageError(f"image {n} of the request: {e}") from None
+            image = _open(data, f"image {n} of the request")
+            total += self._check(image, n)
+            opened.append(image)
+        limit = self.max_request_pixels
+        if limit is not None and total > limit:
+            raise InvalidImageError(
+                f"the request's {len(opened)} images hold {total} pixels in all, which exceeds "
+                f"the limit of {limit} (--max-request-pixels)")
+        return [_to_rgb(_load(image, f"image {n} of the request"))
+                for n, image in enumerate(opened, 1)]
+
+    def _read(self, src: ImageSource) -> bytes:
+        if isinstance(src, (bytes, bytearray, memoryview)):  # fetched by the front end
+            return bytes(src)
         if not isinstance(src, str):
             raise InvalidImageError(f"an image must be given as a URL, got {type(src).__name__}")
         scheme = src.split(":", 1)[0].lower() if ":" in src[:16] else ""
         if scheme not in ("", "data", "file", "http", "https"):
             raise InvalidImageError(f"unsupported image URL scheme {scheme!r}")
+        if scheme in ("http", "https"):
+            raise InvalidImageError("remote image URLs are not allowed by this server "
+                                    "(see --allow-remote-images)")
         if scheme in ("", "file") and self.allowed_local_dir is None:
             raise InvalidImageError("local image paths are not allowed by this server "
                                     "(see --allowed-local-media-path)")
-        return load_image(src, allowed_local_dir=self.allowed_local_dir,
-                          allow_remote=self.allow_remote, max_pixels=self.max_pixels,
-                          timeout=self.timeout, max_remote_bytes=self.max_remote_bytes)
+        return _read_source(src, self.allowed_local_dir, allow_remote=False)
+
+    def _check(self, image: Image.Image, n: int) -> int:
+        """Image `n`'s limits from its header; its pixel count."""
+        (width, height), pixels = image.size, image.width * image.height
+        if width <= 0 or height <= 0:
+            raise InvalidImageError(f"image {n} has zero size ({width}x{height})")
+        if self.max_pixels is not None and pixels > self.max_pixels:
+            raise InvalidImageError(
+                f"image {n} is {width}x{height} = {pixels} pixels, which exceeds the limit of "
+                f"{self.max_pixels} (--max-image-pixels)")
+        size = decoded_bytes(image)
+        if self.max_image_bytes is not None and size > self.max_image_bytes:
+            raise InvalidImageError(
+                f"image {n} is {width}x{height} in mode {image.mode}, {size} bytes once "
+                f"decoded, which exceeds the limit of {self.max_image_bytes} "
+                "(--max-image-bytes)")
+        return pixels

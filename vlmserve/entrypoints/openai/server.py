@@ -19,9 +19,11 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
@@ -53,6 +55,7 @@ from vlmserve.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -131,9 +134,14 @@ class OpenAIServing:
         self.draining = False  # shutting down: new requests are refused
         self.api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
         self.image_loader = RestrictedImageLoader(
-            allowed_local_dir=cfg.allowed_local_media_path, allow_remote=cfg.allow_remote_images,
-            max_pixels=cfg.max_image_pixels, timeout=cfg.remote_image_timeout,
-            max_remote_bytes=cfg.max_remote_image_bytes)
+            allowed_local_dir=cfg.allowed_local_media_path, max_pixels=cfg.max_image_pixels,
+            max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes)
+        # http(s) images are fetched here, in the front end, by a bounded fetcher of their
+        # own, and reach the preprocessing processes as bytes
+        self.fetcher = RemoteImageFetcher(FetchPolicy(
+            cfg.remote_image_timeout, cfg.max_remote_image_bytes,
+            FetchPolicy.parse_hosts(cfg.allowed_remote_hosts)),
+            cfg.remote_image_fetch_workers) if cfg.allow_remote_images else None
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -157,10 +165,19 @@ class OpenAIServing:
         if size.isdigit() and int(size) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_large
+
+        timeout = self.cfg.request_body_timeout
+        try:
+            await asyncio.wait_for(read(), timeout)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
+                                "(--request-body-timeout)", code="request_timeout") from None
         try:  # msgspec: several times faster than json on megabytes of base64 images
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
@@ -195,10 +212,32 @@ class OpenAIServing:
             raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
                                       "are allowed (--limit-mm-per-prompt)")
 
-        # the images stay sources: the engine's preprocessing fetches and decodes them, off
-        # the event loop (with `image_loader`, under this server's limits)
-        return {"prompt": self.engine.apply_chat_template(hf_messages),
-                "multi_modal_data": {"image": sources}}
+        # the engine's preprocessing decodes the images, off the event loop (with
+        # `image_loader`, under this server's limits); remote ones are fetched first, here
+        prompt = self.engine.apply_chat_template(hf_messages)
+        return {"prompt": prompt, "multi_modal_data": {"image": await self.fetch_remote(sources)}}
+
+    async def fetch_remote(self, sources: list) -> list:
+        """`sources` with each http(s) URL replaced by its fetched bytes (with
+        --allow-remote-images; otherwise the loader refuses them). The first failure fails
+        the request and cancels its other fetches."""
+        remote = {i: s for i, s in enumerate(sources) if isinstance(s, str)
+                  and s[:8].lower().startswith(("http://", "https://"))}
+        if self.fetcher is None or not remote:
+            return sources
+        tasks = {i: asyncio.create_task(self.fetcher.fetch(url, i + 1))
+                 for i, url in remote.items()}
+        try:
+            done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks.values():  # the first image's failure, in request order
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks.values():
+                if task.done() and not task.cancelled():
+                    task.exception()  # seen: no "exception never retrieved" for the others
+                task.cancel()
+        return [tasks[i].result() if i in tasks else s for i, s in enumerate(sources)]
 
     async def last_output(self, stream: RequestStream, request: Request) -> RequestOutput:
         """Run a non-streamed request to the end; abort it if the client goes away."""
@@ -352,6 +391,75 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
                              headers={"Cache-Control": "no-cache"})
 
 
+_ERROR_STATUSES = {
+    400: "Invalid request: not JSON, an unknown argument, a bad value or image, a prompt too long",
+    401: "Missing or wrong API key (`--api-key`)",
+    404: "Unknown model: this server serves one",
+    413: "Request body larger than `--max-request-bytes`",
+    503: "The server is shutting down, or its engine core is dead",
+}
+
+
+def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
+    """`/openapi.json`: FastAPI's, plus what it cannot see because the endpoints parse their
+    bodies themselves (msgspec, then the pydantic models): request bodies and responses."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)
+    refs, defs = models_json_schema(
+        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
+         (ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
+         (ChatCompletionChunk, "serialization"), (ModelList, "serialization"),
+         (ErrorResponse, "serialization")],
+        ref_template="#/components/schemas/{model}")
+    components = defs.get("$defs", {})
+    for req in (ChatCompletionRequest, CompletionRequest):  # any other model: 404
+        props = components[refs[req, "validation"]["$ref"].rsplit("/", 1)[1]]["properties"]
+        props["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}],
+                          "title": "Model", "default": None}
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+
+    def body(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
+        return {"application/json": {"schema": refs[model, mode]}}
+
+    def events(chunk: type[BaseModel]) -> dict[str, Any]:
+        """Each server-sent event: `data: CHUNK`, an error, or `data: [DONE]` at the end."""
+        return {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {
+                "type": "string", "if": {"const": "[DONE]"}, "else": {
+                    "contentMediaType": "application/json", "contentSchema": {
+                        "anyOf": [refs[chunk, "serialization"],
+                                  refs[ErrorResponse, "serialization"]]}}}}}}}
+
+    errors = {str(status): {"description": text, "content": body(ErrorResponse)}
+              for status, text in _ERROR_STATUSES.items()}
+    paths = schema["paths"]
+    for path, req, resp, chunk in (
+            ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse,
+             ChatCompletionChunk),
+            ("/v1/completions", CompletionRequest, CompletionResponse, CompletionResponse)):
+        paths[path]["post"]["requestBody"] = {"required": True,
+                                              "content": body(req, "validation")}
+        paths[path]["post"]["responses"] = {"200": {
+            "description": "The completion; with `stream: true`, server-sent events of chunks "
+                           "ending in `data: [DONE]`",
+            "content": {**body(resp), **events(chunk)}},
+            **errors}
+    paths["/v1/models"]["get"]["responses"] = {
+        "200": {"description": "The served model", "content": body(ModelList)},
+        "401": errors["401"]}
+    paths["/health"]["get"]["responses"] = {
+        "200": {"description": "Serving", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"const": "ok"}}}}}},
+        "503": errors["503"]}
+    paths["/metrics"]["get"]["responses"] = {"200": {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {
+            "type": "string"}}}}}
+    app.openapi_schema = schema
+    return schema
+
+
 def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; `args` carries `ServerConfig`
     fields (an argparse namespace or a `ServerConfig`)."""
@@ -385,7 +493,9 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
+        response = error_response(e.status_code, str(e.detail))
+        response.headers.update(e.headers or {})  # a 405's `Allow`
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -407,6 +517,15 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
             return error_response(503, "the engine is not running", type="server_error")
         if serving.draining:
             return error_response(503, "the server is shutting down", type="server_error")
+        limit = cfg.health_stall_timeout
+        try:  # a round trip to the core: it answers between steps
+            stalled = (await asyncio.wait_for(engine.get_stats(), limit))["stalled_s"]
+        except TimeoutError:
+            return error_response(503, f"the engine did not answer within {limit:g} s",
+                                  type="server_error")
+        if stalled > limit:
+            return error_response(503, f"the engine has computed no token for {stalled:.0f} s "
+                                       "while requests wait", type="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/stats")
@@ -425,4 +544,5 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
 
     app.post("/v1/chat/completions")(serving.chat)
     app.post("/v1/completions")(serving.completions)
+    app.openapi = functools.partial(_openapi, app, model_name)  # type: ignore[method-assign]
     return app

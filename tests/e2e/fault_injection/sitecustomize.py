@@ -1,0 +1,33 @@
+"""Put on PYTHONPATH of a test server: with VLMSERVE_POISON_SEED set, the engine core's
+sampler raises for any batch holding a request with that seed (a fault inside a step, for
+the containment tests). Every process of the server runs this at start-up."""
+
+import os
+
+if os.environ.get("VLMSERVE_POISON_SEED"):
+    import vlmserve.worker.model_runner as _runner
+
+    _poison = int(os.environ["VLMSERVE_POISON_SEED"])
+    _real = _runner.sample
+
+    def _sample(logits, params, generators):
+        if any(p.seed == _poison for p in params):
+            raise RuntimeError("injected sampler fault")
+        return _real(logits, params, generators)
+
+    _runner.sample = _sample
+
+if os.environ.get("VLMSERVE_STALL_SEED"):
+    # requests with this seed are never scheduled: the engine holds them and makes no
+    # progress on them (for the health check's stall detection)
+    from vlmserve.core.scheduler import Scheduler
+
+    _stall = int(os.environ["VLMSERVE_STALL_SEED"])
+    _plan = Scheduler._plan_chunk
+
+    def _plan_chunk(self, req, budget, enc_budget):
+        if req.sampling_params.seed == _stall:
+            return 0, [], 0
+        return _plan(self, req, budget, enc_budget)
+
+    Scheduler._plan_chunk = _plan_chunk

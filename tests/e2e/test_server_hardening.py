@@ -1,0 +1,236 @@
+"""No request can hurt the server (issue 21): each finding of the probe, reproduced against a
+real `vlmserve serve` process on the tiny model; after each, `/health` is 200 and a normal
+chat request is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_server_procs import MODEL, ServeProc
+
+FAULTS = str(Path(__file__).parent / "fault_injection")
+POISON_SEED = 4242  # the sampler raises for this seed
+STALL_SEED = 4343  # never scheduled
+STALL_S = 5
+
+
+@pytest.fixture(scope="module")
+def srv(vlmserve_cache: Path):
+    proc = ServeProc("--max-prompt-chars", "20000", "--request-body-timeout", "2",
+                     "--health-stall-timeout", str(STALL_S),
+                     env={"PYTHONPATH": FAULTS, "VLMSERVE_POISON_SEED": str(POISON_SEED),
+                          "VLMSERVE_STALL_SEED": str(STALL_SEED)})
+    yield proc
+    proc.kill()
+
+
+def chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello there."}],
+            "max_tokens": 4, **kw}
+
+
+def post(srv: ServeProc, body: dict | bytes, path: str = "/v1/chat/completions",
+         timeout: float = 60) -> httpx.Response:
+    if isinstance(body, dict):
+        return httpx.post(srv.url + path, json=body, timeout=timeout)
+    return httpx.post(srv.url + path, content=body, timeout=timeout,
+                      headers={"content-type": "application/json"})
+
+
+def assert_serving(srv: ServeProc) -> None:
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    r = post(srv, chat_body(temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def assert_400(r: httpx.Response, *words: str) -> None:
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    for w in words:
+        assert w in message, message
+
+
+# finding 1: values that passed the range checks and raised inside the engine step
+@pytest.mark.parametrize("kw", [{"seed": 2**70}, {"seed": -(2**63) - 1}, {"seed": 2**64}])
+def test_seed_outside_64_bits_is_a_400(srv, kw) -> None:
+    assert_400(post(srv, chat_body(**kw)), "seed", "64-bit")
+    assert_serving(srv)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-40}, {"temperature": 5e-324},
+                                {"top_p": 1e-46}, {"top_p": 1e-40, "temperature": 1.0},
+                                {"seed": 2**64 - 1, "temperature": 0.5}, {"seed": -1}])
+def test_edge_values_the_kernels_take_are_served(srv, kw) -> None:
+    r = post(srv, chat_body(**kw))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert_serving(srv)
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(srv) -> None:
+    """A fault inside the engine step (injected into the sampler for one seed) fails that
+    request (500 / an error event) while concurrent streams finish untouched."""
+
+    async def run() -> tuple[list[str], httpx.Response, list[str]]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            async def stream(**kw) -> list[str]:
+                body = chat_body(stream=True, max_tokens=24, ignore_eos=True,
+                                 **{"temperature": 0, **kw})
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    return [line async for line in r.aiter_lines() if line]
+
+            good = [asyncio.create_task(stream()) for _ in range(6)]
+            await asyncio.sleep(0.3)
+            bad = client.post("/v1/chat/completions",
+                              json=chat_body(seed=POISON_SEED, temperature=1.0))
+            bad_stream = stream(seed=POISON_SEED, temperature=1.0)
+            r, events = await asyncio.gather(bad, bad_stream)
+            return [await g for g in good], r, events
+
+    goods, bad, bad_events = asyncio.run(run())
+    assert bad.status_code == 500, bad.text
+    assert "failed in the engine" in bad.json()["error"]["message"]
+    assert "failed in the engine" in bad_events[-2] and bad_events[-1] == "data: [DONE]"
+    for events in goods:
+        assert events[-1] == "data: [DONE]"
+        finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]
+                  if json.loads(e[6:])["choices"]]
+        assert finish[-1] == "length" and len(finish) == 25  # 24 tokens + the finish chunk
+    assert_serving(srv)
+    s = srv.stats()
+    assert s["num_running"] == s["num_waiting"] == 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+# finding 2: 500s for input errors
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+    b'{"model": "\\udc00", "messages": [{"role": "user", "content": "hi"}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+    b'{"url": "/tmp/\\ud800.png"}}]}]}',
+])
+def test_lone_surrogates_are_a_400(srv, raw) -> None:
+    assert_400(post(srv, raw), "surrogate")
+    assert_serving(srv)
+
+
+def test_json_nested_50000_deep_is_a_400(srv) -> None:
+    raw = b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    assert_400(post(srv, raw), "nested too deeply")
+    assert_serving(srv)
+
+
+# finding 3: accepted and ignored, or silently coerced
+@pytest.mark.parametrize("kw, words", [
+    ({"response_format": {"type": "json_object"}}, ["response_format", "not supported"]),
+    ({"tool_choice": "auto"}, ["tool_choice", "not supported"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
+    ({"logprobs": True}, ["logprobs"]),
+    ({"frequency_penalty": 0.5}, ["frequency_penalty"]),
+    ({"max_tokens": True}, ["max_tokens", "integer"]),
+    ({"max_tokens": 2.5}, ["max_tokens", "integer"]),
+    ({"stream": "yes"}, ["stream", "boolean"]),
+    ({"temperature": "0.5"}, ["temperature", "number"]),
+    ({"seed": 1.5}, ["seed", "integer"]),
+    ({"no_such_argument": 1}, ["no_such_argument", "unrecognized"]),
+])
+def test_unsupported_fields_and_loose_types_are_a_400(srv, kw, words) -> None:
+    r = post(srv, chat_body(**kw))
+    assert_400(r, *words)
+    assert_serving(srv)
+
+
+@pytest.mark.parametrize("kw", [
+    {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []},
+    {"logprobs": False}, {"frequency_penalty": 0.0}, {"presence_penalty": 0},
+    {"user": "u1", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True},
+])
+def test_fields_set_to_what_asks_for_nothing_are_accepted(srv, kw) -> None:
+    assert post(srv, chat_body(**kw)).status_code == 200
+
+
+# finding 4: one request stalls everyone
+def test_a_10_mb_prompt_is_refused_before_tokenizing(srv) -> None:
+    start = time.monotonic()
+    r = post(srv, chat_body(messages=[{"role": "user", "content": "word " * 2_000_000}]))
+    assert_400(r, "characters", "--max-prompt-chars")
+    r = post(srv, {"model": MODEL, "prompt": "x" * 10_000_000, "max_tokens": 2},
+             path="/v1/completions")
+    assert_400(r, "characters")
+    assert time.monotonic() - start < 20
+    assert_serving(srv)
+
+
+# finding 9: max_tokens beyond the context is a 400 (as vLLM's), an absent one fills it
+def test_max_tokens_that_cannot_fit_is_a_400(srv) -> None:
+    assert_400(post(srv, chat_body(max_tokens=5000)), "max_tokens", "at most")
+    r = post(srv, {"model": MODEL, "prompt": [1] * 1000, "temperature": 0,
+                   "ignore_eos": True}, path="/v1/completions")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == 1024  # to the context length
+    assert_serving(srv)
+
+
+def test_a_body_that_never_arrives_gets_a_408(srv) -> None:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        reply = b""
+        while b"}}" not in reply:  # the error body, maybe in a later segment
+            chunk = s.recv(4096)
+            assert chunk, reply
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert b"--request-body-timeout" in reply
+    assert_serving(srv)
+
+
+# finding 6: a KV cache smaller than one request's prompt + max_tokens livelocked
+def test_a_kv_cache_smaller_than_the_context_cannot_livelock(vlmserve_cache) -> None:
+    small = ServeProc("--num-kv-blocks", "16", "--block-size", "16")  # 256 tokens of 1024
+    try:
+        models = httpx.get(small.url + "/v1/models").json()
+        assert models["data"][0]["max_model_len"] == 256
+        assert_400(post(small, chat_body(max_tokens=400)), "max_tokens", "256")
+        start = time.monotonic()
+        r = post(small, chat_body(max_tokens=None, temperature=0, ignore_eos=True))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] == 256
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert time.monotonic() - start < 60
+        assert small.stats()["num_preemptions"] == 0
+        assert_serving(small)
+    finally:
+        small.kill()
+
+
+def test_health_reports_an_engine_that_makes_no_progress(srv) -> None:
+    """A request the engine holds and never computes (injected) turns /health to 503 after
+    --health-stall-timeout; once it goes, /health is 200 again."""
+
+    async def run() -> tuple[int, str]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            stuck = asyncio.create_task(client.post(
+                "/v1/chat/completions", json=chat_body(seed=STALL_SEED, temperature=1.0)))
+            await asyncio.sleep(1)
+            assert (await client.get("/health")).status_code == 200
+            await asyncio.sleep(STALL_S + 1)
+            r = await client.get("/health")
+            stuck.cancel()  # the client goes: the request is aborted
+            return r.status_code, r.text
+
+    status, text = asyncio.run(run())
+    assert status == 503 and "computed no token" in text
+    deadline = time.monotonic() + 10
+    while httpx.get(srv.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert_serving(srv)
