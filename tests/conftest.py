@@ -34,3 +34,16 @@ def tiny_qwen2_vl_path(vlmserve_cache: Path) -> Path:
 def tiny_qwen25_vl_path(vlmserve_cache: Path) -> Path:
     """Checkpoint folder of the built-in ``tiny-qwen2.5-vl``."""
     return resolve_model("tiny-qwen2.5-vl")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many inputs the fuzz tests tried (they `record_property("fuzz_inputs", n)`), shown
+    by `pytest -q` too."""
+    counts = [(r.nodeid, value) for reports in terminalreporter.stats.values()
+              for r in reports if getattr(r, "when", None) == "call"
+              for name, value in r.user_properties if name == "fuzz_inputs"]
+    if counts:
+        total = sum(n for _, n in counts)
+        terminalreporter.write_sep("-", f"fuzz: {total} inputs tried")
+        for nodeid, n in counts:
+            terminalreporter.write_line(f"{n:7d}  {nodeid}")

@@ -1,0 +1,500 @@
+"""Fuzzing a live `vlmserve serve` on the tiny model (issue 21).
+
+schemathesis generates requests from the server's own `/openapi.json` (valid and invalid
+ones); hypothesis strategies then send what a schema cannot say: raw JSON tokens (NaN,
+1e400, 2**70), lone surrogates, deep nesting, image bytes. Every answer must be a 2xx or a
+4xx (a stream must not end in a server error), and after each batch the server is healthy
+and answers a normal request. Bounded and reproducible: fixed seeds, no example database, a
+few thousand inputs in about three minutes on 2 cores. `pytest -q` prints how many inputs were
+tried (the `pytest_terminal_summary` hook in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.e2e.test_server import data_url, user
+from tests.e2e.test_server_procs import MODEL, ServeProc
+from tests.engine.helpers import make_image
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_REQUEST_BYTES = 1_000_000
+NORMAL = {"model": MODEL, "messages": user("What is this?", data_url(make_image(56, 84, 0))),
+          "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(vlmserve_cache: Path) -> Iterator[ServeProc]:
+    # small limits: every request is cheap, and the limits themselves get hit
+    srv = ServeProc("--max-model-len", "512", "--default-max-tokens", "4",
+                    "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    yield srv
+    srv.kill()
+
+
+def health_problem(srv: ServeProc) -> str | None:
+    """Why the server is not healthy, or None: `/health` 200, a normal request answered, and
+    then (within 10 s) no request left in the engine and every KV block free."""
+    if srv.proc.poll() is not None:
+        return f"the server exited with {srv.proc.returncode}"
+    try:
+        h = httpx.get(srv.url + "/health", timeout=30)
+        if h.status_code != 200:
+            return f"/health answered {h.status_code}: {h.text[:300]}"
+        r = httpx.post(srv.url + CHAT, json=NORMAL, timeout=60)
+        if r.status_code != 200 or r.json()["choices"][0]["finish_reason"] != "length":
+            return f"a normal request answered {r.status_code}: {r.text[:300]}"
+        deadline = time.monotonic() + 10
+        while True:
+            s = srv.stats()
+            if s["num_running"] == s["num_waiting"] == 0 and (
+                    s["num_free_kv_blocks"] == s["num_kv_blocks"]):
+                return None
+            if time.monotonic() > deadline:
+                return f"requests or KV blocks left behind: {s}"
+            time.sleep(0.1)
+    except httpx.HTTPError as e:
+        return f"the server does not answer: {e!r}"
+
+
+# ---- schemathesis ---------------------------------------------------------------------------
+
+
+def test_fuzz_openapi_schemathesis(server: ServeProc, tmp_path: Path, record_property) -> None:
+    """Every operation of `/openapi.json`: its examples, the coverage phase (boundaries,
+    wrong types, missing fields, undeclared methods) and hypothesis-driven fuzzing, valid and
+    invalid inputs both."""
+    report = tmp_path / "events.ndjson"
+    checks = ("not_a_server_error,status_code_conformance,content_type_conformance,"
+              "response_schema_conformance,unsupported_method")
+    run = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
+         "--checks", checks, "--mode", "all", "--phases", "examples,coverage,fuzzing",
+         "--max-examples", "100", "--seed", "21", "--generation-database", "none",
+         "--workers", "1", "--continue-on-failure", "--request-timeout", "60",
+         "--no-color", "--output-sanitize", "false", "--output-truncate", "true",
+         "--report", "ndjson", "--report-ndjson-path", str(report)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    tried, statuses = 0, {}
+    for line in report.read_text().splitlines() if report.exists() else ():
+        event = json.loads(line).get("ScenarioFinished")
+        for it in (event or {}).get("recorder", {}).get("interactions", {}).values():
+            tried += 1
+            status = (it.get("response") or {}).get("status_code", "no answer")
+            statuses[status] = statuses.get(status, 0) + 1
+    record_property("fuzz_inputs", tried)
+    print(f"fuzz: schemathesis tried {tried} inputs, answers {sorted(statuses.items(), key=str)}")
+    problem = health_problem(server)
+    assert run.returncode == 0 and problem is None, (
+        f"{problem or 'the server stayed healthy'}; schemathesis exited {run.returncode} after "
+        f"{tried} inputs:\n{run.stdout[-20000:]}\n{run.stderr[-3000:]}")
+    assert tried > 500
+
+
+# ---- hypothesis: raw bodies -------------------------------------------------------------------
+
+
+class Raw(str):
+    """A JSON token written as is: NaN, Infinity, 1e400, -0, or not JSON at all."""
+
+
+def dumps(value: Any, ascii_only: bool = True) -> str:
+    """JSON with `Raw` tokens; NaN and infinite floats as the tokens NaN and Infinity."""
+    if isinstance(value, Raw):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{dumps(str(k), ascii_only)}:{dumps(v, ascii_only)}"
+                              for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(dumps(v, ascii_only) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=ascii_only)
+
+
+@st.composite
+def encoded(draw: st.DrawFn, body: Any) -> bytes:
+    """`body` as bytes: all ASCII with \\u escapes (lone surrogates as `\\ud800`), or UTF-8
+    (lone surrogates as the invalid bytes `surrogatepass` writes)."""
+    if draw(st.booleans()):
+        return dumps(body).encode()
+    return dumps(body, ascii_only=False).encode("utf-8", "surrogatepass")
+
+
+class Poster:
+    """Posts raw bodies; keeps the shortest input per kind of 5xx (or of no answer)."""
+
+    def __init__(self, srv: ServeProc) -> None:
+        self.srv, self.tried, self.dead_after = srv, 0, None
+        self.client = httpx.Client(base_url=srv.url, timeout=60,
+                                   limits=httpx.Limits(max_connections=16))
+        self.failures: dict[str, tuple[str, bytes]] = {}
+        self.lock = threading.Lock()  # posts may come from several threads
+
+    def post(self, path: str, body: bytes, hang_up_after: int | None = None) -> None:
+        """POST `body`; with `hang_up_after`, close the connection after that many lines of
+        the answer (a client that goes away mid-stream)."""
+        if self.dead_after is not None:  # one input killed it: the rest would only repeat that
+            return
+        with self.lock:
+            self.tried += 1
+        try:
+            if hang_up_after is not None:
+                with self.client.stream("POST", path, content=body,
+                                        headers={"content-type": "application/json"}) as r:
+                    lines = r.iter_lines()
+                    for _ in zip(range(hang_up_after), lines, strict=False):
+                        pass
+                    if r.status_code >= 500:
+                        self.fail(f"{r.status_code} (hung up)", path, body)
+                return
+            r = self.client.post(path, content=body, headers={"content-type": "application/json"})
+        except httpx.TimeoutException:
+            return self.fail("no answer within 60 s", path, body)
+        except httpx.TransportError as e:
+            try:
+                alive = httpx.get(self.srv.url + "/health", timeout=30).status_code == 200
+            except httpx.HTTPError:
+                alive = False
+            if self.srv.proc.poll() is not None or not alive:
+                self.dead_after = (path, body)
+            return self.fail(f"connection failed: {type(e).__name__}", path, body)
+        if r.status_code >= 500:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text
+            return self.fail(f"{r.status_code}: {message[:160]}", path, body)
+        if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-"):
+            for line in r.text.splitlines():
+                if line.startswith("data: {") and '"server_error"' in line:
+                    return self.fail(f"stream ended in {line[6:166]}", path, body)
+        elif r.status_code == 200:
+            try:
+                r.json()["choices"][0]
+            except (ValueError, KeyError, TypeError, IndexError):
+                return self.fail(f"200 but no completion: {r.text[:160]}", path, body)
+
+    def fail(self, kind: str, path: str, body: bytes) -> None:
+        with self.lock:
+            if kind not in self.failures or len(body) < len(self.failures[kind][1]):
+                self.failures[kind] = (path, body)
+
+    def report(self) -> str:
+        lines = []
+        if self.dead_after is not None:
+            lines.append(f"THE SERVER DIED after {self.dead_after[1][:2000]!r}")
+        for kind, (path, body) in self.failures.items():
+            shown = body[:1500].decode("utf-8", "backslashreplace")
+            if len(body) > 1500:
+                shown += f"... ({len(body)} bytes in all)"
+            lines.append(f"{kind}\n  curl -H 'content-type: application/json' "
+                         f"--data-binary @- {self.srv.url}{path} <<'EOF'\n{shown}\nEOF")
+        return "\n".join(lines)
+
+
+def fuzz(srv: ServeProc, record_property: Callable, cases: st.SearchStrategy,
+         max_examples: int) -> None:
+    """One batch: `max_examples` (path, body) inputs from `cases`, then the server must be
+    healthy and no input may have had a 5xx."""
+    poster = Poster(srv)
+
+    @settings(max_examples=max_examples, derandomize=True, deadline=None, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(cases)
+    def one(case: tuple[str, bytes] | list[tuple[str, bytes, int | None]]) -> None:
+        if isinstance(case, tuple):
+            return poster.post(*case)
+        with ThreadPoolExecutor(len(case)) as pool:  # a list: all at once
+            list(pool.map(lambda c: poster.post(*c), case))
+
+    one()
+    record_property("fuzz_inputs", poster.tried)
+    problem = health_problem(srv)
+    assert not poster.failures and problem is None, (
+        f"{problem or 'the server stayed healthy'}; {len(poster.failures)} kinds of failure in "
+        f"{poster.tried} inputs:\n{poster.report()}")
+
+
+def chat_case(fields: st.SearchStrategy[dict], paths: tuple[str, ...] = (CHAT, COMPLETIONS)
+              ) -> st.SearchStrategy[tuple[str, bytes]]:
+    """A request to one of `paths` with a normal prompt and `fields` over it."""
+
+    @st.composite
+    def case(draw: st.DrawFn) -> tuple[str, bytes]:
+        path = draw(st.sampled_from(paths))
+        body: dict = {"messages": user("Hi.")} if path == CHAT else {"prompt": "Hi."}
+        body.update(draw(fields))
+        return path, draw(encoded(body))
+
+    return case()
+
+
+# ---- numbers ----------------------------------------------------------------------------------
+
+RAW_NUMBERS = [Raw(t) for t in (
+    "NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "-0", "-0.0", "0e0", "1E2",
+    "1.0", "2.0e0", "5e-324", "2.5e-324", "1e-40", "-1e-40", "1e-310", "1.7976931348623157e308",
+    "9007199254740993", "18446744073709551616", "-9223372036854775809", "1" + "0" * 400,
+    "01", "+1", ".5", "1.", "0x10", "1_0")]
+EDGE_VALUES = [
+    0, 1, -1, 2, 0.0, -0.0, 1.0, 0.5, 1e-40, 5e-324, 2.2250738585072014e-308, 1e308,
+    float("nan"), float("inf"), -float("inf"), 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1,
+    2**63, 2**64 - 1, 2**64, 2**70, -2**63, -2**63 - 1, -2**64, -2**70, 10**100, True, False,
+    None, "1", "0.5", "", "NaN", [], [1], {}, {"value": 1}]
+NUMBER = st.one_of(st.sampled_from(RAW_NUMBERS + EDGE_VALUES), st.integers(), st.floats(),
+                   st.integers(-2**70, 2**70), st.floats(-1e-300, 1e-300))
+NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens",
+                  "n", "presence_penalty", "frequency_penalty", "top_logprobs", "best_of")
+
+
+def test_fuzz_sampling_numbers(server: ServeProc, record_property) -> None:
+    # a few fields at a time, so that many requests pass validation and reach the engine
+    fields = st.tuples(
+        st.dictionaries(st.sampled_from(NUMERIC_FIELDS), NUMBER, min_size=1, max_size=3),
+        st.fixed_dictionaries({}, optional={
+            "stop_token_ids": st.lists(NUMBER, max_size=3), "stream": st.booleans(),
+            "ignore_eos": st.sampled_from([True, False, 0, 1, "true", None])}),
+    ).map(lambda t: {**t[0], **t[1]})
+    fuzz(server, record_property, chat_case(fields), 400)
+
+
+def test_fuzz_token_ids(server: ServeProc, record_property) -> None:
+    ids = st.one_of(st.integers(0, 447), st.sampled_from([441, 443, 444, 445, 446, 447, 448]),
+                    NUMBER)
+    prompt = st.one_of(st.lists(ids, max_size=8), st.lists(st.integers(0, 447), max_size=600),
+                       st.lists(st.lists(ids, max_size=4), max_size=2),
+                       st.lists(st.one_of(ids, st.text(max_size=4)), max_size=3))
+    fields = st.fixed_dictionaries({"prompt": prompt}, optional={
+        "stop_token_ids": st.lists(ids, max_size=3), "max_tokens": st.integers(-1, 600),
+        "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0])})
+    fuzz(server, record_property, chat_case(fields, (COMPLETIONS,)), 200)
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+SPECIAL_TEXT = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>",
+                "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "\x00", "\ud800", "\udfff",
+                "\udc00\ud800", "\ud83d\ude00", "\U0001f600", "\ufeff", "\u202e", "\u0301",
+                "\uffff", "\r\n", "{{ messages }}", "{% endfor %}", "user\n", "A" * 3000]
+# st.characters() with no arguments: every code point, lone surrogates included
+TEXT = st.one_of(
+    st.text(st.characters(), max_size=40),
+    st.lists(st.one_of(st.sampled_from(SPECIAL_TEXT), st.text(st.characters(), max_size=6)),
+             max_size=8).map("".join),
+    st.sampled_from([100, 5000, 16384, 16385, 200_000]).map(lambda n: ("xy z" * n)[:n]))
+ROLE = st.one_of(st.sampled_from(["system", "developer", "user", "assistant", "tool", "function",
+                                  "", "USER"]), st.text(st.characters(), max_size=5))
+MESSAGE = st.fixed_dictionaries(
+    {"role": ROLE, "content": st.one_of(
+        TEXT, st.none(),
+        st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=3))},
+    optional={"name": TEXT, "tool_call_id": TEXT})
+
+
+def test_fuzz_unicode_text(server: ServeProc, record_property) -> None:
+    @st.composite
+    def case(draw: st.DrawFn) -> tuple[str, bytes]:
+        if draw(st.booleans()):
+            body = {"messages": draw(st.lists(MESSAGE, min_size=1, max_size=4))}
+            path = CHAT
+        else:
+            body, path = {"prompt": draw(TEXT)}, COMPLETIONS
+        body.update(draw(st.fixed_dictionaries({}, optional={
+            "stop": st.one_of(TEXT, st.lists(TEXT, max_size=5)),
+            "model": st.one_of(st.just(MODEL), TEXT), "user": TEXT, "stream": st.booleans(),
+            "temperature": st.just(0)})))
+        return path, draw(encoded(body))
+
+    fuzz(server, record_property, case(), 400)
+
+
+# ---- JSON structure ---------------------------------------------------------------------------
+
+JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | NUMBER | st.text(st.characters(), max_size=10),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(st.characters(), max_size=6), inner, max_size=3),
+    max_leaves=10)
+FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed",
+          "stop", "n", "stream", "stream_options", "ignore_eos", "stop_token_ids", "user",
+          "metadata", "tools", "tool_choice", "response_format", "logit_bias", "logprobs",
+          "skip_special_tokens", "include_stop_str_in_output", "max_completion_tokens")
+
+
+def nested(depth: int, kind: str) -> str:
+    return {"[": "[" * depth + "]" * depth, "{": '{"a":' * depth + "null" + "}" * depth,
+            "mixed": '[{"a":' * (depth // 2) + "1" + "}]" * (depth // 2)}[kind]
+
+
+@st.composite
+def structure_case(draw: st.DrawFn) -> tuple[str, bytes]:
+    path = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    base = {"messages": user("Hi.")} if path == CHAT else {"prompt": "Hi."}
+    kind = draw(st.sampled_from(["deep", "fields", "top", "bytes", "cut", "dupe", "big"]))
+    if kind == "deep":  # nesting as the body, or as the value of one field
+        text = nested(draw(st.sampled_from([32, 200, 1000, 10_000, 50_000, 200_000])),
+                      draw(st.sampled_from(["[", "{", "mixed"])))
+        field = draw(st.sampled_from([None, "messages", "prompt", "temperature", "stop",
+                                      "metadata", "content", "image_url"]))
+        if field is None:
+            return path, text.encode()
+        if field in ("content", "image_url"):
+            inner = ('{"type":"image_url","image_url":' + text + "}") if field == "image_url" \
+                else text
+            return CHAT, ('{"messages":[{"role":"user","content":' + inner + "}]}").encode()
+        return path, (dumps(base)[:-1] + f',"{field}":{text}}}').encode()
+    if kind == "fields":  # any JSON value in any field, known or not
+        body = {**base, **draw(st.dictionaries(
+            st.sampled_from(FIELDS) | st.text(st.characters(), max_size=6), JSON_VALUE,
+            min_size=1, max_size=4))}
+        return path, draw(encoded(body))
+    if kind == "top":  # a body that is not an object
+        return path, draw(encoded(draw(JSON_VALUE)))
+    if kind == "bytes":
+        return path, draw(st.binary(max_size=300))
+    body = dumps({**base, "max_tokens": 4}).encode()
+    if kind == "cut":  # a valid body cut short, or with something before or after it
+        cut = draw(st.integers(0, len(body) - 1))
+        return path, draw(st.sampled_from([body[:cut], b"\xef\xbb\xbf" + body, body + b"}",
+                                           body + b"\x00", b" \n\t" + body + b"\n"]))
+    if kind == "dupe":  # a key twice
+        key = draw(st.sampled_from(["max_tokens", "messages", "prompt", "temperature"]))
+        value = draw(JSON_VALUE)
+        return path, body[:-1] + f',"{key}":{dumps(value)}}}'.encode()
+    size = draw(st.sampled_from([MAX_REQUEST_BYTES - 200, MAX_REQUEST_BYTES + 1]))
+    return path, dumps({**base, "user": "u" * size}).encode()  # near and over the limit
+
+
+def test_fuzz_json_structure(server: ServeProc, record_property) -> None:
+    fuzz(server, record_property, structure_case(), 400)
+
+
+# ---- images -----------------------------------------------------------------------------------
+
+SIZES = [(1, 1), (1, 2000), (2000, 1), (2, 3), (27, 29), (28, 28), (56, 84), (300, 7)]
+MODES = ["RGB", "RGBA", "L", "LA", "1", "P", "I", "F", "CMYK", "I;16"]
+FORMATS = ["PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "ICO", "PPM"]
+
+
+@functools.cache
+def image_bytes(size: tuple[int, int], mode: str, fmt: str) -> bytes:
+    """An image file, or b"" where PIL cannot write this mode in this format."""
+    img = make_image(*size, seed=size[0] * 7 + size[1])
+    try:
+        img = img.convert(mode)
+        buf = io.BytesIO()
+        img.save(buf, format=fmt)
+        return buf.getvalue()
+    except (OSError, ValueError, KeyError, TypeError):
+        return b""
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header claims `width` x `height` (CRC fixed)."""
+    png = bytearray(image_bytes((1, 1), "RGB", "PNG"))
+    png[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    png[29:33] = zlib.crc32(bytes(png[12:29])).to_bytes(4, "big")
+    return bytes(png)
+
+
+def b64_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+BAD_URLS = [
+    "", " ", "data:", "data:,", "data:image/png;base64,", "data:image/png;base64,!!!!",
+    "data:image/png;base64,iVBORw0KGgo", "data:image/png;base64,====", "data:image/png;base64",
+    "data:text/plain;base64,aGVsbG8=", "data:image/svg+xml;utf8,<svg xmlns='x'/>",
+    "data:image/png,%89PNG%0D%0A", "DATA:IMAGE/PNG;BASE64,iVBORw0KGgo=", "data:;base64,AAAA",
+    "file:///etc/passwd", "file:///dev/zero", "file:///proc/self/mem", "/etc/passwd",
+    "../../../etc/passwd", "C:\\Windows\\win.ini", "ftp://127.0.0.1/x.png",
+    "http://127.0.0.1:1/x.png", "https://example.invalid/x.png", "gopher://127.0.0.1:1/",
+    "javascript:alert(1)", "http://[::1", "\x00", "\ud800", "x" * 5000]
+
+
+@st.composite
+def image_url(draw: st.DrawFn) -> str:
+    kind = draw(st.sampled_from(["valid", "cut", "flipped", "random", "claims", "bad", "b64"]))
+    size, mode = draw(st.sampled_from(SIZES)), draw(st.sampled_from(MODES))
+    fmt = draw(st.sampled_from(FORMATS))
+    data = image_bytes(size, mode, fmt) or image_bytes(size, "RGB", "PNG")
+    if kind == "valid":
+        return b64_url(data, f"image/{fmt.lower()}")
+    if kind == "cut":
+        return b64_url(data[:draw(st.integers(0, len(data) - 1))])
+    if kind == "flipped":
+        out = bytearray(data)
+        for i, v in draw(st.lists(st.tuples(st.integers(0, len(out) - 1), st.integers(0, 255)),
+                                  min_size=1, max_size=8)):
+            out[i] = v
+        return b64_url(bytes(out))
+    if kind == "random":
+        head = draw(st.sampled_from([b"", b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF89a",
+                                     b"RIFF\x00\x00\x00\x00WEBPVP8 ", b"BM", b"II*\x00"]))
+        return b64_url(head + draw(st.binary(max_size=200)))
+    if kind == "claims":
+        return b64_url(png_claiming(*draw(st.sampled_from(
+            [(0, 0), (0, 1), (1, 0), (65535, 65535), (100_000, 100_000), (2**31 - 1, 1),
+             (2**31 - 1, 2**31 - 1), (2**32 - 1, 2**32 - 1), (1, 2**20)]))))
+    if kind == "bad":
+        return draw(st.sampled_from(BAD_URLS))
+    text = base64.b64encode(data).decode()  # base64 as people get it wrong
+    return "data:image/png;base64," + draw(st.sampled_from([
+        text.rstrip("="), text + "=", text.replace("+", "-").replace("/", "_"),
+        "\n".join(text[i:i + 76] for i in range(0, len(text), 76)), " " + text, text + "%3D"]))
+
+
+IMAGE_PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
+        {"url": image_url()}, optional={"detail": st.sampled_from(
+            ["auto", "low", "high", "ultra", None, 5])})}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "image", "input_image"]),
+                           "image_url": st.one_of(image_url(), JSON_VALUE)}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
+        {"url": JSON_VALUE})}))
+
+
+def test_fuzz_images(server: ServeProc, record_property) -> None:
+    @st.composite
+    def case(draw: st.DrawFn) -> tuple[str, bytes]:
+        images = draw(st.lists(IMAGE_PART, min_size=1, max_size=10))
+        parts = draw(st.permutations([*images, {"type": "text", "text": "What is this?"}]))
+        body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2,
+                "stream": draw(st.booleans())}
+        return CHAT, draw(encoded(body))
+
+    fuzz(server, record_property, case(), 300)
+
+
+# ---- several at once, clients that hang up ---------------------------------------------------
+
+
+def test_fuzz_concurrent_and_hang_ups(server: ServeProc, record_property) -> None:
+    """Bad requests next to good ones in the same engine steps, streams and requests whose
+    client goes away after 0-3 lines: the engine ends with nothing left behind."""
+    good = st.fixed_dictionaries({"max_tokens": st.integers(1, 24), "stream": st.booleans(),
+                                  "ignore_eos": st.just(True), "temperature": st.just(0)})
+    numbers = st.dictionaries(st.sampled_from(NUMERIC_FIELDS), NUMBER, max_size=2)
+    images = st.lists(IMAGE_PART, min_size=1, max_size=3).map(lambda parts: dumps(
+        {"messages": [{"role": "user", "content": parts}], "max_tokens": 8, "stream": True}))
+    one = st.one_of(chat_case(good), chat_case(numbers), structure_case(),
+                    st.tuples(st.just(CHAT), images.map(str.encode)))
+    batch = st.lists(st.tuples(one, st.sampled_from([None, None, 0, 1, 3])).map(
+        lambda t: (*t[0], t[1])), min_size=2, max_size=8)
+    fuzz(server, record_property, batch, 100)
