@@ -57,6 +57,9 @@ class CacheConfig:
         None, "Keep image embeddings in pinned host memory and prefetch each chunk's rows; "
         "default: on with chunked prefill on CUDA."
     )
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse the KV blocks of a prompt's prefix computed for an earlier request (keyed "
+        "by tokens and image content); images inside a reused prefix are not encoded.")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        # prefix caching: keys of its full blocks so far, and how many are registered
+        self.block_keys: list[bytes] = []
+        self.num_registered_blocks = 0
 
     @property
     def num_prompt_tokens(self) -> int:

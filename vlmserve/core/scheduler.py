@@ -25,7 +25,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager, block_keys
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
 from vlmserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from vlmserve.request import Request, RequestStatus
@@ -44,6 +44,10 @@ class SchedulerStats:
     num_images_encoded: int
     num_encoder_cache_hits: int
     num_encoder_cache_evictions: int
+    prefix_cache_queried_tokens: int  # prompt tokens looked up at admission
+    prefix_cache_hit_tokens: int  # of which found cached
+    prefix_cache_hit_rate: float
+    num_cached_kv_blocks: int
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class Scheduler:
         encoder_cache_rows: int | None = None,
         retain_encoder_outputs: bool = False,
         plan_prefetch: bool = True,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.plan_prefetch = plan_prefetch  # only the offloading worker reads the plan
@@ -111,7 +116,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
-        self.kv = KVCacheManager(num_kv_blocks, block_size)
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(
             encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens),
             retain=retain_encoder_outputs)
@@ -227,14 +232,20 @@ class Scheduler:
             req = next((r for r in self.waiting if eligible(r)), None)
             if req is None:
                 break
+            hit = self._take_cached_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
-            if not self.enable_chunked_prefill and remaining > budget:
+            num_new, enc_ids, enc_cost = 0, [], 0
+            if self.enable_chunked_prefill or remaining <= budget:
+                num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
+            if num_new == 0 or not self.kv.allocate_slots(
+                    req.request_id, req.num_computed_tokens + num_new):
+                if hit:  # not admitted after all: give the prefix back
+                    self.kv.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break
-            num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
-            if num_new == 0:
-                break
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
-                break
+            if self.kv.enable_prefix_caching:
+                self.kv.num_queried_tokens += req.num_tokens
+                self.kv.num_hit_tokens += hit
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -249,6 +260,51 @@ class Scheduler:
         if self.plan_prefetch:
             out.prefetch = self._predict_next_rows(out)
         return out
+
+    # ---- prefix caching --------------------------------------------------------------------
+
+    def _extend_keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's block keys, computed up to `num_blocks` full blocks of known
+        tokens."""
+        have = len(req.block_keys)
+        if num_blocks > have:
+            req.block_keys += block_keys(
+                req.all_token_ids, req.images, self.kv.block_size,
+                req.block_keys[-1] if have else b"", have, num_blocks - have)
+        return req.block_keys
+
+    def _take_cached_prefix(self, req: Request) -> int:
+        """A request being admitted with nothing computed takes the longest cached prefix of
+        its tokens (never all of them: the last is computed for its logits); returns the
+        tokens it covers, now counted as computed."""
+        if not self.kv.enable_prefix_caching or req.num_computed_tokens:
+            return 0
+        req.num_registered_blocks = 0
+        known = req.num_prompt_tokens + len(req.output_token_ids)
+        limit = (min(known, req.num_tokens - 1)) // self.kv.block_size
+        blocks = self.kv.cached_prefix(self._extend_keys(req, limit)[:limit])
+        if not blocks:
+            return 0
+        self.kv.take_cached_prefix(req.request_id, blocks)
+        req.num_computed_tokens = len(blocks) * self.kv.block_size
+        req.num_registered_blocks = len(blocks)
+        return req.num_computed_tokens
+
+    def _register_blocks(self, req: Request, end: int) -> None:
+        """Key the request's blocks that a finished step has filled (up to position
+        `end`), so later requests can share them."""
+        full = end // self.kv.block_size
+        first = req.num_registered_blocks
+        if full <= first:
+            return
+        keys = self._extend_keys(req, full)
+        self.kv.cache_blocks(req.request_id, keys[first:full], first)
+        req.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+        for req in self.requests.values():  # what they hold now stays unkeyed
+            req.num_registered_blocks = req.num_computed_tokens // self.kv.block_size
 
     def _pick_suspect(self) -> Request | None:
         """The suspect to run alone this step, or None for a step of the others: suspects
@@ -444,6 +500,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and end - out.num_scheduled_tokens[rid] \
                     < req.images_end:
                 self._release_consumed_images(req, end)
+            if self.kv.enable_prefix_caching and req.status is RequestStatus.RUNNING:
+                self._register_blocks(req, end)
             token = sampled.get(rid)
             if token is None:
                 continue
@@ -508,4 +566,8 @@ class Scheduler:
             num_images_encoded=self.encoder_cache.num_encoded,
             num_encoder_cache_hits=self.encoder_cache.num_hits,
             num_encoder_cache_evictions=self.encoder_cache.num_evictions,
+            prefix_cache_queried_tokens=self.kv.num_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.num_hit_tokens,
+            prefix_cache_hit_rate=self.kv.num_hit_tokens / max(self.kv.num_queried_tokens, 1),
+            num_cached_kv_blocks=self.kv.num_cached_blocks,
         )

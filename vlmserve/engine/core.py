@@ -106,6 +106,7 @@ class EngineCore:
             encoder_cache_rows=self.executor.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,
+            enable_prefix_caching=cc.enable_prefix_caching,
         )
         warmup = mc.kernel_warmup
         if warmup is None:
@@ -155,6 +156,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for benchmarks: the next requests start cold)."""
+        self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (no-op for one process)."""

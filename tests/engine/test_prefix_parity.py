@@ -1,0 +1,80 @@
+"""Greedy output identical to transformers when prefix caching hits (issue 15), both tiny
+models: the same prompts again, a two-turn chat about one image, a cached prefix ending
+inside an image's placeholder run, preemption of requests holding cached blocks, and chunk
+budgets of 7, 23 and 64 tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from tests.engine.test_parity import DEVICE, MAX_TOKENS, check, setup  # noqa: F401
+from vlmserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def fresh(llm: LLM, **kw) -> LLM:
+    return LLM(llm.engine.config.model_config.model, dtype="float32", device=DEVICE, **kw)
+
+
+@pytest.mark.parametrize("budget", [7, 23, 64])
+def test_the_same_prompts_again_hit_and_match(setup, budget):  # noqa: F811
+    _, llm, oracle = setup
+    llm = fresh(llm, max_num_batched_tokens=budget, max_num_seqs=4)
+    prompts = mixed_prompts(llm)[:5]
+    check(llm, oracle, prompts)
+    encoded = llm.engine.get_stats()["num_images_encoded"]
+    check(llm, oracle, prompts)
+    s = llm.engine.get_stats()
+    assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
+        len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
+    assert s["num_images_encoded"] == encoded  # every image lay inside a hit
+
+
+def test_two_turn_chat_about_one_image(setup):  # noqa: F811
+    _, llm, oracle = setup
+    llm = fresh(llm, max_num_batched_tokens=23)
+    image = make_image(140, 112, 7)
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": image},
+                                          {"type": "text", "text": "What is this?"}]}]
+    first = llm.generate(llm.chat_prompt(turn1), GREEDY, use_tqdm=False)[0]
+    turn2 = turn1 + [{"role": "assistant", "content": first.outputs[0].text},
+                     {"role": "user", "content": "And what colour is it?"}]
+    before = llm.engine.get_stats()
+    check(llm, oracle, [llm.chat_prompt(turn2)])
+    after = llm.engine.get_stats()
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= len(
+        first.prompt_token_ids) - 16
+    assert after["num_images_encoded"] == before["num_images_encoded"]
+
+
+def test_a_cached_prefix_ending_inside_an_image(setup):  # noqa: F811
+    """A request aborted after a chunk that ended inside its image leaves the blocks before
+    the cut cached; the same prompt again starts inside the image, encodes it and reads
+    only its uncached rows."""
+    _, llm, oracle = setup
+    llm = fresh(llm, max_num_batched_tokens=40, enable_mm_cache=False)
+    prompt = chat_prompt(llm, "Look.", [make_image(224, 168, 8)])
+    image = llm.engine.input_processor.process(prompt).images[0]
+    assert image.offset < 40 < image.offset + image.length
+    engine = llm.engine
+    engine.add_request(prompt, GREEDY, request_id="cut")
+    engine.step()  # the first chunk: 40 tokens, through part of the image
+    engine.step()  # its step is read back: its full blocks are keyed
+    engine.abort_request("cut")
+    engine.step()
+    check(llm, oracle, [prompt])
+    s = engine.get_stats()
+    hit = s["prefix_cache_hit_tokens"]
+    assert image.offset < hit < image.offset + image.length
+    assert s["num_images_encoded"] == 2
+
+
+def test_preemption_of_requests_holding_cached_blocks(setup):  # noqa: F811
+    _, llm, oracle = setup
+    llm = fresh(llm, num_kv_blocks=24, block_size=8, max_num_batched_tokens=64)
+    prompts = mixed_prompts(llm)
+    check(llm, oracle, prompts[:4] + prompts[:4])
+    s = llm.engine.get_stats()
+    assert s["num_preemptions"] > 0 and s["prefix_cache_hit_tokens"] > 0
