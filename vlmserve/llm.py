@@ -31,6 +31,10 @@ class LLM:
         "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
                   for f in EngineConfig.option_fields()))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the next prompts are computed from scratch."""
+        self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -381,3 +381,20 @@ def test_default_max_tokens(server: Server) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         r = client.post("/v1/chat/completions", json=body | {"max_tokens": 5})
         assert r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_prefix_cache_metrics_and_reset(server: Server) -> None:
+    messages = user("The same question, twice.", data_url(make_image(84, 56, 31)))
+    chat(server, messages, 4)
+    before = server.metrics()
+    resp = chat(server, messages, 4)
+    after = server.metrics()
+    hits = after["vlmserve_prefix_cache_hit_tokens"] - before["vlmserve_prefix_cache_hit_tokens"]
+    assert resp.usage.prompt_tokens - 16 <= hits < resp.usage.prompt_tokens
+    assert after["vlmserve_prefix_cache_queried_tokens"] - before[
+        "vlmserve_prefix_cache_queried_tokens"] == resp.usage.prompt_tokens
+    r = httpx.post(server.url + "/reset_prefix_cache")
+    assert r.status_code == 200
+    chat(server, messages, 4)
+    assert server.metrics()["vlmserve_prefix_cache_hit_tokens"] == after[
+        "vlmserve_prefix_cache_hit_tokens"]

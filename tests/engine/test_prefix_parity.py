@@ -78,3 +78,15 @@ def test_preemption_of_requests_holding_cached_blocks(setup):  # noqa: F811
     check(llm, oracle, prompts[:4] + prompts[:4])
     s = llm.engine.get_stats()
     assert s["num_preemptions"] > 0 and s["prefix_cache_hit_tokens"] > 0
+
+
+def test_reset_prefix_cache(setup):  # noqa: F811
+    _, llm, oracle = setup
+    llm = fresh(llm)
+    prompt = chat_prompt(llm, "Again and again.", [make_image(56, 56, 9)])
+    check(llm, oracle, [prompt])
+    llm.reset_prefix_cache()
+    check(llm, oracle, [prompt])
+    assert llm.engine.get_stats()["prefix_cache_hit_tokens"] == 0
+    check(llm, oracle, [prompt])
+    assert llm.engine.get_stats()["prefix_cache_hit_tokens"] > 0

@@ -228,14 +228,22 @@ class AsyncLLM:
         """End every unfinished request with `error` and abort it in the core."""
         self._post(("fail_all", error))
 
-    async def get_stats(self) -> dict[str, Any]:
-        """The engine core's stats now (between two of its steps), plus this front end's."""
+    async def _call(self, method: str) -> Any:
+        """Call a method of the engine core (between two of its steps); its result."""
         self._check_alive()
-        fut: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
-        self._post(("send", self._encoder.encode(Utility(call_id, "get_stats"))))
-        stats = await asyncio.wrap_future(fut)
+        self._post(("send", self._encoder.encode(Utility(call_id, method))))
+        return await asyncio.wrap_future(fut)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for benchmarks)."""
+        await self._call("reset_prefix_cache")
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine core's stats now (between two of its steps), plus this front end's."""
+        stats = await self._call("get_stats")
         stats.update(num_streams=self.num_streams, frontend_pid=os.getpid(),
                      engine_core_pid=self.core_pid)
         return stats

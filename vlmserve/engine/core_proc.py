@@ -136,10 +136,12 @@ class EngineCoreProc:
         self.owner[msg.request_id] = identity
 
     def _utility(self, identity: bytes, msg: Utility) -> None:
+        methods = {"get_stats": self.core.get_stats,
+                   "reset_prefix_cache": self.core.reset_prefix_cache}
         try:
-            if msg.method != "get_stats":
+            if msg.method not in methods:
                 raise ValueError(f"unknown utility method {msg.method!r}")
-            self._send(identity, UtilityResult(msg.call_id, self.core.get_stats()))
+            self._send(identity, UtilityResult(msg.call_id, methods[msg.method]()))
         except Exception as e:  # noqa: BLE001 - reported to the caller
             self._send(identity, UtilityResult(msg.call_id, error=repr(e)))
 

@@ -110,5 +110,8 @@ class LLMEngine:
         self.core.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         req.status = RequestStatus.FINISHED_STOPPED  # also when a length limit ended it too
 
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
     def get_stats(self) -> dict[str, Any]:
         return self.core.get_stats()

@@ -43,6 +43,10 @@ class ServerMetrics:
                               "Image-embedding rows held by the encoder cache.", **core)
         self.enc_entries = Gauge("vlmserve_encoder_cache_entries",
                                  "Images held by the encoder cache.", **core)
+        self.prefix_queried = Gauge("vlmserve_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up in the prefix cache.", **core)
+        self.prefix_hits = Gauge("vlmserve_prefix_cache_hit_tokens",
+                                 "Prompt tokens found in the prefix cache.", **core)
         self.prompt_tokens = Counter("vlmserve_prompt_tokens",
                                      "Prompt tokens of finished requests (images included).",
                                      registry=r)
@@ -102,6 +106,8 @@ class ServerMetrics:
         self.kv_usage.set(s.get("kv_cache_usage", 0.0))
         self.enc_rows.set(s.get("encoder_cache_rows", 0))
         self.enc_entries.set(s.get("encoder_cache_entries", 0))
+        self.prefix_queried.set(s.get("prefix_cache_queried_tokens", 0))
+        self.prefix_hits.set(s.get("prefix_cache_hit_tokens", 0))
         if self.multiproc_dir is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()

@@ -528,6 +528,12 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
                                        "while requests wait", type="server_error")
         return JSONResponse({"status": "ok"})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        serving.check_auth(request)
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/stats")
     async def stats() -> JSONResponse:
         return JSONResponse(await engine.get_stats())

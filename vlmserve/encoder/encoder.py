@@ -1,0 +1,247 @@
+"""`MultimodalEncoder`: the vision tower of a checkpoint as a service of its own.
+
+It loads only the tower's weights (``visual.*``: patch embedding, blocks, merger), preprocesses
+prompts exactly as the engine's admission does (same token ids, content hashes, grids, mRoPE
+positions), runs every image of every given request through the tower in one forward, and
+returns per request an `EncoderOutput` whose images carry embedding handles (see handles.py)
+recorded in a `HandleLedger` until the consumer releases them or their lease runs out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from vlmserve.config import EngineConfig
+from vlmserve.encoder.handles import EmbeddingHandle
+from vlmserve.encoder.ledger import HandleLedger, LedgerStats
+from vlmserve.engine.processor import InputProcessor, PromptInput
+from vlmserve.executor.uniproc import resolve_device, resolve_dtype
+from vlmserve.layers.fused import FusedOps
+from vlmserve.layers.vision_attention import get_vision_attention_backend
+from vlmserve.models.builtin import resolve_model
+from vlmserve.models.loader import load_hf_config
+from vlmserve.models.registry import resolve_model_class
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, pixel_values
+
+# checkpoint key prefixes of the vision tower: the hub layout and transformers 5.x's (as the
+# full model's `load_weights` maps them)
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass
+class EncodedImage:
+    """One image of a prompt: its placeholder run ``prompt_token_ids[offset:offset+length]``
+    and, in ``handle``, its ``length`` embedding rows (None where this rank does not
+    deliver results)."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
+    handle: EmbeddingHandle | None
+
+
+@dataclass
+class EncoderOutput:
+    """A request encoded: everything the LLM's admission would compute, plus the rows."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]  # image placeholders expanded
+    images: list[EncodedImage] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, len(prompt_token_ids)] int64
+    mrope_delta: int = 0  # token i >= len(prompt) sits at i + mrope_delta
+
+    def release(self) -> None:
+        """Release every handle not opened or released yet (a consumer that gives up)."""
+        from vlmserve.encoder.ledger import consumer_ledger
+
+        seen = consumer_ledger()
+        for img in self.images:
+            if img.handle is not None:
+                try:
+                    img.handle.release(seen)
+                except RuntimeError:  # already opened or released here
+                    pass
+
+
+@dataclass
+class EncoderStats:
+    requests: int = 0
+    images: int = 0  # images in the requests
+    encoded_images: int = 0  # distinct images through the tower
+    batches: int = 0  # tower forwards
+    handles_not_exported: int = 0  # images of requests this rank does not deliver
+    ledger: LedgerStats = field(default_factory=LedgerStats)
+
+
+def iter_vision_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name relative to the tower, tensor)`` of the checkpoint's vision weights; no other
+    tensor is read from disk."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name.startswith(VISION_PREFIXES):
+                    yield name.split("visual.", 1)[1], fh.get_tensor(name)
+
+
+def build_vision_tower(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model class's vision tower alone, uninitialised, on ``device``."""
+    model_cls = resolve_model_class(hf_config)
+    vision_cls = getattr(model_cls, "vision_cls", None)
+    if vision_cls is None:
+        raise ValueError(f"{model_cls.__name__} has no vision tower to serve")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            tower = vision_cls(hf_config.vision_config)
+    finally:
+        torch.set_default_dtype(old)
+    return tower.eval()
+
+
+class MultimodalEncoder:
+    """The vision tower of ``model`` with the engine's preprocessing.
+
+    Takes `LLM`'s option names (``model``, ``dtype``, ``device``, ``seed``,
+    ``vision_attention_backend``, ``fused_ops``, ...; the language model's options are
+    accepted and unused). Encoder options:
+
+        transport: default handle kind: ``auto`` (CUDA IPC on CUDA, shared memory on the
+            CPU), ``shm``, ``cuda`` or ``bytes`` (for a consumer on another host).
+        lease_s: seconds a consumer has to open and release a handle before it is reclaimed.
+        ledger_address: zmq endpoint for release messages (default: a fresh ``ipc://``).
+        rank: this process's tensor-parallel rank; only rank 0 delivers results, so only it
+            exports handles (``encode(export=...)`` overrides per call).
+        export_only_delivered: False switches that rule off: every rank exports (the negative
+            control: a follower's handles are never opened and wait for their lease).
+    """
+
+    def __init__(self, model: str = "tiny-qwen2-vl", *, transport: str = "auto",
+                 lease_s: float = 30.0, ledger_address: str | None = None, rank: int = 0,
+                 export_only_delivered: bool = True, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        mc = self.config.model_config
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            raise NotImplementedError("a tensor-parallel encoder is not built yet; "
+                                      "use tensor_parallel_size=1")
+        self.model_path = resolve_model(mc.model)
+        self.hf_config = load_hf_config(self.model_path)
+        model_cls = resolve_model_class(self.hf_config)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        torch.manual_seed(mc.seed)
+        self.vision = build_vision_tower(self.hf_config, self.dtype, self.device)
+        loaded = self.vision.load_weights(iter_vision_weights(self.model_path))
+        missing = {n for n, _ in self.vision.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {self.model_path} lacks vision weights: "
+                             f"{sorted(missing)[:8]}")
+        ops = FusedOps.for_device(mc.fused_ops, self.device)
+        for module in self.vision.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+        self.vision.set_attention_backend(
+            get_vision_attention_backend(mc.vision_attention_backend, self.device))
+        self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config)
+        text = getattr(self.hf_config, "text_config", None) or self.hf_config
+        self.input_processor = InputProcessor(self.model_processor, text.vocab_size)
+        self.transport = transport
+        self.rank = rank
+        self.export_only_delivered = export_only_delivered
+        self.ledger = HandleLedger(ledger_address, lease_s=lease_s)
+        self._stats = EncoderStats()
+
+    @property
+    def delivers(self) -> bool:
+        """Whether this rank's results reach the caller (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def hidden_size(self) -> int:
+        return self.vision.out_hidden_size
+
+    def process(self, prompt: PromptInput) -> ProcessedPrompt:
+        """The engine's admission preprocessing (raises `InvalidRequestError` on bad input)."""
+        return self.input_processor.process(prompt)
+
+    @torch.inference_mode()
+    def encode(self, requests: Sequence[PromptInput | ProcessedPrompt],
+               transport: str | None = None, export: bool | None = None
+               ) -> list[EncoderOutput]:
+        """Preprocess ``requests``, run all their images through the tower in ONE forward
+        and return an `EncoderOutput` per request, in order.
+
+        Each image occurrence gets a handle of its own (``transport``, default the encoder's)
+        when ``export`` (default: `delivers`) holds, or always with
+        ``export_only_delivered=False``; else its ``handle`` is None and nothing is held.
+        """
+        processed = [r if isinstance(r, ProcessedPrompt) else self.process(r) for r in requests]
+        if export is None:
+            export = self.delivers
+        export = export or not self.export_only_delivered
+        transport = transport or self.transport
+        rows = self._run_tower([img for p in processed for img in p.images])
+        outputs = []
+        s = self._stats
+        for p in processed:
+            images = []
+            for img in p.images:
+                handle = self.ledger.export(rows[img.mm_hash], transport) if export else None
+                s.handles_not_exported += handle is None
+                images.append(EncodedImage(img.mm_hash, img.offset, img.length,
+                                           tuple(img.grid_thw), handle))
+            outputs.append(EncoderOutput(p.prompt, list(p.prompt_token_ids), images,
+                                         p.mrope_positions, p.mrope_delta))
+            s.requests += 1
+            s.images += len(images)
+        return outputs
+
+    def _run_tower(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Rows of every distinct image (by content hash), from one forward: largest first,
+        equal sizes together (as the engine's encoder runner orders them), the grid on the
+        host, uint8 pixels to the device in one copy, then rescaled, normalized and
+        patchified there."""
+        unique = list({img.mm_hash: img for img in images}.values())
+        if not unique:
+            return {}
+        unique.sort(key=lambda img: (-img.length, img.pixels.shape))
+        parts = [img.pixels for img in unique]
+        if self.device.type != "cpu":
+            sizes = [p.numel() for p in parts]
+            flat = torch.cat([p.reshape(-1) for p in parts])
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+            parts = [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
+        grid = torch.tensor([img.grid_thw for img in unique], dtype=torch.int64)
+        pixels = pixel_values(unique, parts, self.dtype)  # [sum(t*h*w), C*T*P*P]
+        out = self.vision(pixels, grid)  # [sum(length), hidden]
+        lengths = [img.length for img in unique]
+        assert out.shape[0] == sum(lengths), (
+            f"vision tower returned {out.shape[0]} rows for {lengths}")
+        self._stats.encoded_images += len(unique)
+        self._stats.batches += 1
+        return {img.mm_hash: part for img, part in zip(unique, out.split(lengths))}
+
+    def get_stats(self) -> EncoderStats:
+        s = self._stats
+        return EncoderStats(s.requests, s.images, s.encoded_images, s.batches,
+                            s.handles_not_exported, self.ledger.stats())
+
+    def shutdown(self) -> None:
+        """Reclaim every live handle and stop the ledger."""
+        self.ledger.close()
+
+    def __enter__(self) -> MultimodalEncoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,429 @@
+"""The lifetime ledgers of embedding handles, one on each side.
+
+Producer (`HandleLedger`): every exported handle is recorded (exported, opened, released
+times) until its backing storage is freed, which happens exactly once: when the consumer
+releases it, or when its lease runs out (a consumer that died or never came), or at `close`.
+Consumers report on a zmq PULL socket (``ipc://`` or ``tcp://``) with one-line messages
+``"opened <handle_id> <pid>"`` and ``"released <handle_id> <pid>"``, read by a background
+thread (or by `poll` in the producer's own loop). A handle opened twice is recorded.
+
+Consumer (`ConsumerLedger`, one per process: `consumer_ledger()`): refuses a second open of a
+handle id in this process, sends the messages, counts what was opened and released.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import secrets
+import tempfile
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from multiprocessing import util as mp_util
+from typing import Any
+
+import torch
+import zmq
+
+from vlmserve.encoder.handles import (
+    EmbeddingHandle,
+    HandleOpenedTwiceError,
+    make_bytes,
+    make_cuda,
+    make_shm,
+)
+
+TRANSPORTS = ("auto", "shm", "cuda", "bytes")
+_REMEMBER_IDS = 1 << 16  # ids kept after they are freed, to tell a late open from a stray one
+
+
+@dataclass
+class HandleRecord:
+    handle_id: str
+    kind: str  # shm, cuda, bytes
+    nbytes: int
+    held_bytes: int  # what the producer keeps for it (0 for bytes handles)
+    exported_at: float  # time.monotonic()
+    deadline: float  # time.monotonic() at which the lease runs out
+    backing: Any
+    opened_at: float | None = None
+    released_at: float | None = None
+    consumer_pid: int | None = None
+    opens: int = 0
+
+
+@dataclass
+class LedgerStats:
+    live_handles: int = 0  # exported, not freed yet
+    live_bytes: int = 0  # bytes the producer holds for them (shared memory, GPU blocks)
+    exported: int = 0
+    exported_bytes: int = 0
+    opened: int = 0
+    released: int = 0  # freed on the consumer's release
+    reclaimed: int = 0  # freed at the lease (or at close) without a release
+    double_opens: int = 0  # opens of a handle already opened, released or reclaimed
+    late_releases: int = 0  # releases of handles already reclaimed
+    unknown_messages: int = 0
+    free_errors: int = 0
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` (on this host) still runs; a zombie counts as dead."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class HandleLedger:
+    """The producer's ledger. ``export(rows)`` makes a handle and records it.
+
+    Args:
+        address: zmq endpoint to bind for release messages; default a fresh ``ipc://``
+            socket in the temp folder (``tcp://host:*`` picks a free port).
+        lease_s: a handle not released this long after its export (or after its open) is
+            reclaimed; the handle's ``expires_at`` tells the consumer when it may no longer
+            open it, and the producer waits ``grace_s`` more before reclaiming.
+        background: read messages and reclaim on a thread of the ledger's own; if False,
+            the producer calls `poll` in its loop.
+        advertise: the address written into handles, if not the bound one (e.g. this
+            host's name for ``tcp://0.0.0.0:*``).
+    """
+
+    def __init__(self, address: str | None = None, lease_s: float = 30.0,
+                 grace_s: float = 0.5, background: bool = True,
+                 advertise: str | None = None, poll_interval_s: float = 0.05) -> None:
+        if lease_s <= 0:
+            raise ValueError("lease_s must be > 0")
+        self.token = f"{os.getpid()}x{secrets.token_hex(3)}"
+        self.lease_s, self.grace_s = lease_s, grace_s
+        self.poll_interval_s = poll_interval_s
+        if address is None:
+            address = f"ipc://{tempfile.gettempdir()}/vlmserve-ledger-{self.token}.sock"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = advertise or bound
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._live: dict[str, HandleRecord] = {}
+        self._freed: OrderedDict[str, str] = OrderedDict()  # id -> "released" / "reclaimed"
+        self._stats = LedgerStats()
+        self.errors: deque[str] = deque(maxlen=256)  # recent contract violations
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="handle-ledger",
+                                            daemon=True)
+            self._thread.start()
+
+    # ---- export ----------------------------------------------------------------------------
+
+    def segment_prefix(self) -> str:
+        """Names of this ledger's shared-memory segments start with this."""
+        return f"vlms-{self.token}-"
+
+    def export(self, rows: torch.Tensor, transport: str = "auto") -> EmbeddingHandle:
+        """A handle to a copy of ``rows`` ([num_rows, hidden]), recorded as live.
+
+        ``transport``: ``auto`` (CUDA IPC for CUDA tensors, else shared memory), ``shm``,
+        ``cuda`` or ``bytes``."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS}")
+        if self._closed:
+            raise RuntimeError("the ledger is closed")
+        if transport == "auto":
+            transport = "cuda" if rows.is_cuda else "shm"
+        handle_id = f"{self.token}-{next(self._ids)}"
+        expires_at = time.time() + self.lease_s
+        exported_at = time.monotonic()
+        if transport == "shm":
+            handle, backing = make_shm(rows, handle_id, self.address, expires_at,
+                                       segment=f"vlms-{handle_id}")
+        elif transport == "cuda":
+            handle, backing = make_cuda(rows, handle_id, self.address, expires_at)
+        else:
+            handle, backing = make_bytes(rows, handle_id, self.address, expires_at)
+        held = 0 if transport == "bytes" else handle.nbytes
+        rec = HandleRecord(handle_id, transport, handle.nbytes, held, exported_at,
+                           exported_at + self.lease_s, backing)
+        with self._lock:
+            self._live[handle_id] = rec
+            s = self._stats
+            s.exported += 1
+            s.exported_bytes += handle.nbytes
+            s.live_handles += 1
+            s.live_bytes += held
+        return handle
+
+    # ---- messages and leases ---------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Read the release messages that arrived (waiting up to ``timeout_s`` for the first)
+        and reclaim expired handles; returns the messages read. Only without a background
+        thread."""
+        if self._thread is not None:
+            raise RuntimeError("this ledger polls on its own thread")
+        return self._poll(timeout_s)
+
+    def _poll(self, timeout_s: float) -> int:
+        n = 0
+        if self._sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    msg = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self._on_message(msg)
+                except Exception as e:  # the thread must outlive a bad message
+                    with self._lock:
+                        self._stats.unknown_messages += 1
+                        self.errors.append(f"message {msg[:80]!r}: {e!r}")
+                n += 1
+        self.reclaim_expired()
+        return n
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll(self.poll_interval_s)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+
+    def _on_message(self, msg: bytes) -> None:
+        try:
+            event, handle_id, pid = msg.decode().split()
+            pid_n = int(pid)
+        except ValueError:
+            with self._lock:
+                self._stats.unknown_messages += 1
+            return
+        now = time.monotonic()
+        free = None
+        with self._lock:
+            s = self._stats
+            rec = self._live.get(handle_id)
+            if event == "opened":
+                if rec is None:
+                    if handle_id in self._freed:
+                        s.double_opens += 1
+                        self.errors.append(f"handle {handle_id} opened after it was "
+                                           f"{self._freed[handle_id]} (pid {pid_n})")
+                    else:
+                        s.unknown_messages += 1
+                    return
+                rec.opens += 1
+                if rec.opens > 1:
+                    s.double_opens += 1
+                    self.errors.append(f"handle {handle_id} opened {rec.opens} times "
+                                       f"(pid {rec.consumer_pid}, then {pid_n})")
+                    return
+                s.opened += 1
+                rec.opened_at, rec.consumer_pid = now, pid_n
+                rec.deadline = max(rec.deadline, now + self.lease_s)  # time to copy
+            elif event == "released":
+                if rec is None:
+                    if self._freed.get(handle_id) == "reclaimed":
+                        s.late_releases += 1
+                    else:
+                        s.unknown_messages += 1
+                    return
+                rec.released_at = now
+                s.released += 1
+                free = self._forget(rec, "released")
+            else:
+                s.unknown_messages += 1
+                return
+        if free is not None:
+            self._free(free, opened=free.opens > 0, consumer_alive=True)
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        """Free every handle whose lease (plus the grace) ran out; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [r for r in self._live.values() if now > r.deadline + self.grace_s]
+            for rec in expired:
+                self._forget(rec, "reclaimed")
+                self._stats.reclaimed += 1
+        for rec in expired:
+            self._free(rec, opened=rec.opens > 0, consumer_alive=_pid_alive(rec.consumer_pid))
+        return len(expired)
+
+    def _forget(self, rec: HandleRecord, fate: str) -> HandleRecord:
+        """Move ``rec`` out of the live table (under the lock)."""
+        del self._live[rec.handle_id]
+        self._freed[rec.handle_id] = fate
+        if len(self._freed) > _REMEMBER_IDS:
+            self._freed.popitem(last=False)
+        self._stats.live_handles -= 1
+        self._stats.live_bytes -= rec.held_bytes
+        return rec
+
+    def _free(self, rec: HandleRecord, *, opened: bool, consumer_alive: bool) -> None:
+        try:
+            rec.backing.free(opened=opened, consumer_alive=consumer_alive)
+        except Exception as e:  # a ledger that stops freeing would leak everything after
+            with self._lock:
+                self._stats.free_errors += 1
+                self.errors.append(f"handle {rec.handle_id}: freeing failed: {e!r}")
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def stats(self) -> LedgerStats:
+        with self._lock:
+            return LedgerStats(**vars(self._stats))
+
+    def record(self, handle_id: str) -> HandleRecord | None:
+        """The live record of a handle (None once freed)."""
+        with self._lock:
+            return self._live.get(handle_id)
+
+    def close(self) -> None:
+        """Stop reading, read what arrived, reclaim every live handle, close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._poll(0.0)
+        self.reclaim_expired(now=float("inf"))
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> HandleLedger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class ConsumerStats:
+    opened: int = 0
+    released: int = 0  # releases sent: after an open, or of a handle given up unread
+    discarded: int = 0  # given up unread (`EmbeddingHandle.release`)
+    refused: int = 0  # second opens refused in this process
+    failed: int = 0  # opens whose read failed (expired, segment gone)
+    copied_bytes: int = 0
+    live: int = 0  # opened, not released yet (a copy in progress)
+
+
+class ConsumerLedger:
+    """The consumer's side: one PUSH socket per producer address, the handle ids this
+    process has opened or released (the latest ``remember`` of them), counters.
+    Thread-safe."""
+
+    def __init__(self, remember: int = _REMEMBER_IDS, linger_ms: int = 2000) -> None:
+        self.pid = os.getpid()
+        self._remember, self._linger_ms = remember, linger_ms
+        self._lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._live: set[str] = set()
+        self._stats = ConsumerStats()
+        self.dropped_messages = 0  # a producer that is gone or not reading
+
+    def begin(self, handle: EmbeddingHandle) -> None:
+        """Before reading ``handle``: refuse a second open, tell the producer."""
+        with self._lock:
+            self._claim(handle)
+            self._live.add(handle.handle_id)
+            self._stats.opened += 1
+            self._send(handle, "opened")
+
+    def finish(self, handle: EmbeddingHandle, copied: bool) -> None:
+        """After reading ``handle`` (``copied``: successfully): release it."""
+        with self._lock:
+            self._live.discard(handle.handle_id)
+            self._stats.released += 1
+            if copied:
+                self._stats.copied_bytes += handle.nbytes
+            else:
+                self._stats.failed += 1
+            self._send(handle, "released")
+
+    def discard(self, handle: EmbeddingHandle) -> None:
+        """Release ``handle`` unread."""
+        with self._lock:
+            self._claim(handle)
+            self._stats.released += 1
+            self._stats.discarded += 1
+            self._send(handle, "released")
+
+    def _claim(self, handle: EmbeddingHandle) -> None:
+        if handle.handle_id in self._seen:
+            self._stats.refused += 1
+            raise HandleOpenedTwiceError(f"handle {handle.handle_id} was already opened or "
+                                         "released in this process")
+        self._seen[handle.handle_id] = None
+        if len(self._seen) > self._remember:
+            self._seen.popitem(last=False)
+
+    def _send(self, handle: EmbeddingHandle, event: str) -> None:
+        address = handle.release_address
+        if address is None:
+            return
+        sock = self._sockets.get(address)
+        if sock is None:
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, self._linger_ms)
+            sock.connect(address)
+            self._sockets[address] = sock
+        try:  # never block on a producer that is gone: its lease reclaims instead
+            sock.send(f"{event} {handle.handle_id} {self.pid}".encode(), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_messages += 1
+
+    def stats(self) -> ConsumerStats:
+        with self._lock:
+            return ConsumerStats(**{**vars(self._stats), "live": len(self._live)})
+
+    def close(self) -> None:
+        """Flush the messages (up to the linger time) and close the sockets."""
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+
+
+_consumer: ConsumerLedger | None = None
+_consumer_lock = threading.Lock()
+
+
+def consumer_ledger() -> ConsumerLedger:
+    """This process's consumer ledger (a new one after a fork)."""
+    global _consumer
+    with _consumer_lock:
+        if _consumer is None or _consumer.pid != os.getpid():
+            _consumer = ConsumerLedger()
+            # flushed at exit: atexit for the main process, multiprocessing's finalizers for
+            # its children (which leave through os._exit after a fork)
+            atexit.register(_consumer.close)
+            mp_util.Finalize(None, _consumer.close, exitpriority=10)
+        return _consumer
