@@ -398,3 +398,17 @@ def test_prefix_cache_metrics_and_reset(server: Server) -> None:
     chat(server, messages, 4)
     assert server.metrics()["vlmserve_prefix_cache_hit_tokens"] == after[
         "vlmserve_prefix_cache_hit_tokens"]
+
+
+def test_multiturn_bench_reuses_each_turns_prefix(server: Server) -> None:
+    from vlmserve.benchmarks.multiturn import main
+
+    before = server.metrics()["vlmserve_prefix_cache_hit_tokens"]
+    r = main(["--base-url", server.url, "--conversations", "3", "--turns", "3", "--images", "2",
+              "--image-sizes", "56,84", "--words", "8", "--output-len", "4"])
+    assert r["conversations"] == 3 and len(r["mean_ttft_ms_by_turn"]) == 3
+    prompts = r["mean_prompt_tokens_by_turn"]
+    assert prompts[0] < prompts[1] < prompts[2]  # each turn adds the reply and a question
+    assert r["ttft_turns_2_up"]["mean_ms"] > 0 and r["total_tokens_per_s"] > 0
+    hits = server.metrics()["vlmserve_prefix_cache_hit_tokens"] - before
+    assert hits >= 3 * (prompts[0] + prompts[1]) - 3 * 2 * 16  # turns 2, 3: all but a block
