@@ -26,6 +26,9 @@
 #   coldstart: the first 64 W1 requests of fresh processes (cold Triton cache, warm, no warm-up)
 #   warmtests: the warm-up's GPU test and the attention / CUDA graph tests
 #   servesbs: `vlmserve serve` vs vLLM's server (peers kit): concurrency 16/64/192, Poisson 8/16
+#   multiturn: 64 conversations x 4 turns (2 images first), prefix caching: vlmserve serve,
+#             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
+#   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -160,6 +163,28 @@ w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old
   (cd .cache/old && PYTHONPATH=$PWD BS1=0 step w1_512_old 150 python3 "../../$S" vlmserve \
     qwen2-vl-2b-random 512 $W)
   BS1=0 step w1_512_new2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
+multiturn)  # the multi-turn client against each server in turn (peers kit set up first)
+  mt() { PYTHONPATH=$PWD:/tmp/deps step "multiturn_$1" 300 python3 -m vlmserve.benchmarks.multiturn \
+           --base-url "http://127.0.0.1:$2" --conversations 64 --turns 4 --images 2 \
+           --output-len 64 --out "$OUT/multiturn_$1.json"; }
+  up() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; sleep 1; done; return 1; }
+  if [ "${MT_SIDE:-ours}" != vllm ]; then
+    PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
+      ${VLMSERVE_ARGS:-} > "$OUT/ours_server.log" 2>&1 &
+    pid=$!; up 8001 && mt "ours${MT_TAG:-}" 8001; kill $pid; wait $pid
+  fi
+  if [ "${MT_SIDE:-vllm}" != ours ]; then
+    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vsite:/tmp/deps python3 -m \
+      vllm.entrypoints.openai.api_server --model /tmp/q2vl2b --port 8002 --max-model-len 4096 \
+      --limit-mm-per-prompt '{"image":2}' > "$OUT/vllm_server.log" 2>&1 &
+    pid=$!; up 8002 && mt vllm 8002; kill $pid; wait $pid
+  fi ;;
+w1prefix)  # W1 offline (sbs.py, 512 requests, no shared prefixes): prefix caching on, off, on
+  S=${SBS:-.cache/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
+  BS1=0 step w1_prefix_on 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W
+  BS1=0 step w1_prefix_off 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W \
+    enable_prefix_caching=False
+  BS1=0 step w1_prefix_on2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
 *) echo "unknown section $section" ;;
 esac
 done
