@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
+from vlmserve import __version__
 from vlmserve.entrypoints.args import add_engine_options, add_server_options, engine_kwargs
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -71,7 +71,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="vlmserve", description="A serving engine for vision-language models.",
         allow_abbrev=False)
     parser.add_argument("--version", action="version",
-                        version=f"vlmserve {importlib.metadata.version('vlmserve')}")
+                        version=f"vlmserve {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="Show the full traceback of an error (also VLMSERVE_DEBUG=1).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
