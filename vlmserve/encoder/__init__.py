@@ -1,0 +1,26 @@
+"""The vision encoder as a service: `MultimodalEncoder`, embedding handles, their ledgers."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MultimodalEncoder": "vlmserve.encoder.encoder",
+    "EncoderOutput": "vlmserve.encoder.encoder",
+    "EncodedImage": "vlmserve.encoder.encoder",
+    "EmbeddingHandle": "vlmserve.encoder.handles",
+    "ShmHandle": "vlmserve.encoder.handles",
+    "CudaIpcHandle": "vlmserve.encoder.handles",
+    "BytesHandle": "vlmserve.encoder.handles",
+    "HandleLedger": "vlmserve.encoder.ledger",
+    "ConsumerLedger": "vlmserve.encoder.ledger",
+    "consumer_ledger": "vlmserve.encoder.ledger",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:  # imported on first use: a consumer needs no model code
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

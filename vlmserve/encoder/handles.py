@@ -303,7 +303,7 @@ def make_bytes(rows: torch.Tensor, handle_id: str, address: str | None, expires_
                ) -> tuple[BytesHandle, BytesBacking]:
     from safetensors.torch import save
 
-    rows = rows.detach().to("cpu").contiguous()
+    rows = rows.detach().to("cpu").clone()  # its own storage, not the batch's
     handle = BytesHandle(handle_id, tuple(rows.shape), dtype_name(rows.dtype), address,
                          expires_at, data=save({"rows": rows}))
     return handle, BytesBacking()

@@ -14,6 +14,7 @@ handle id in this process, sends the messages, counts what was opened and releas
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import secrets
@@ -64,7 +65,8 @@ class LedgerStats:
     opened: int = 0
     released: int = 0  # freed on the consumer's release
     reclaimed: int = 0  # freed at the lease (or at close) without a release
-    double_opens: int = 0  # opens of a handle already opened, released or reclaimed
+    double_opens: int = 0  # opens of a handle already opened or released
+    late_opens: int = 0  # opens of a handle already reclaimed (past its lease)
     late_releases: int = 0  # releases of handles already reclaimed
     unknown_messages: int = 0
     free_errors: int = 0
@@ -116,6 +118,7 @@ class HandleLedger:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
+        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = advertise or bound
         self._ids = itertools.count()
@@ -223,10 +226,14 @@ class HandleLedger:
             rec = self._live.get(handle_id)
             if event == "opened":
                 if rec is None:
-                    if handle_id in self._freed:
-                        s.double_opens += 1
-                        self.errors.append(f"handle {handle_id} opened after it was "
-                                           f"{self._freed[handle_id]} (pid {pid_n})")
+                    fate = self._freed.get(handle_id)
+                    if fate is not None:
+                        if fate == "released":
+                            s.double_opens += 1
+                        else:
+                            s.late_opens += 1
+                        self.errors.append(f"handle {handle_id} opened after it was {fate} "
+                                           f"(pid {pid_n})")
                     else:
                         s.unknown_messages += 1
                     return
@@ -309,6 +316,9 @@ class HandleLedger:
         self.reclaim_expired(now=float("inf"))
         self._sock.close(linger=0)
         self._ctx.term()
+        if self._ipc_path is not None:  # libzmq leaves the socket file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
 
     def __enter__(self) -> HandleLedger:
         return self

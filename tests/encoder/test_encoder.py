@@ -1,0 +1,114 @@
+"""`MultimodalEncoder` against the engine: the rows it exports are bit-for-bit those the
+engine's own encoder stores (float32, CPU), token ids, hashes, grids and mRoPE positions are
+the engine's admission's; only the vision weights are loaded; one tower forward for all the
+requests; only delivering ranks export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.encoder.helpers import segments, wait_until
+from tests.engine.helpers import chat_prompt, make_image
+from vlmserve import LLM
+from vlmserve.encoder.encoder import VISION_PREFIXES, MultimodalEncoder
+from vlmserve.encoder.handles import BytesHandle, ShmHandle
+
+MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
+
+
+def _prompts(llm) -> list[dict]:
+    img = make_image
+    return [
+        chat_prompt(llm, "Two, one repeated later.", [img(56, 84, 1), img(112, 56, 2)]),
+        chat_prompt(llm, "No image at all.", []),
+        chat_prompt(llm, "Three.", [img(140, 140, 3), img(56, 84, 1), img(84, 112, 4)]),
+    ]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_exported_rows_equal_the_engine_encoder(vlmserve_cache, model):
+    llm = LLM(model, dtype="float32", device="cpu", mm_embedding_offload=False)
+    prompts = _prompts(llm)
+    with MultimodalEncoder(model, dtype="float32", device="cpu") as enc:
+        outputs = enc.encode(prompts)
+        stats = enc.get_stats()
+        assert (stats.batches, stats.encoded_images, stats.images) == (1, 4, 5)
+        processed = [llm.engine.input_processor.process(p) for p in prompts]
+        runner = llm.engine.core.executor.runner
+        runner.encoder.run([img for p in processed for img in p.images])
+        assert runner.encoder.num_batches == 1
+        for out, ref in zip(outputs, processed, strict=True):
+            assert out.prompt_token_ids == ref.prompt_token_ids
+            assert torch.equal(out.mrope_positions, ref.mrope_positions)
+            assert out.mrope_delta == ref.mrope_delta
+            assert len(out.images) == len(ref.images)
+            for img, want in zip(out.images, ref.images, strict=True):
+                assert (img.mm_hash, img.offset, img.length, img.grid_thw) == (
+                    want.mm_hash, want.offset, want.length, tuple(want.grid_thw))
+                assert isinstance(img.handle, ShmHandle)
+                assert img.handle.shape == (want.length, enc.hidden_size)
+                rows = img.handle.open()
+                engine_rows = runner.store.gather([(want.mm_hash, 0, want.length)])
+                assert torch.equal(rows, engine_rows)  # bit for bit
+        assert wait_until(lambda: enc.get_stats().ledger.live_handles == 0, 5)
+        assert not segments(enc.ledger.segment_prefix())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_only_the_vision_weights_are_loaded(vlmserve_cache, model):
+    llm = LLM(model, dtype="float32", device="cpu")
+    with MultimodalEncoder(model, dtype="float32", device="cpu") as enc:
+        ckpt = {}
+        for f in enc.model_path.glob("*.safetensors"):
+            with safe_open(str(f), framework="pt") as fh:
+                ckpt.update({n: fh.get_slice(n).get_shape() for n in fh.keys()})
+        vision_numel = sum(torch.Size(s).numel() for n, s in ckpt.items()
+                           if n.startswith(VISION_PREFIXES))
+        total_numel = sum(torch.Size(s).numel() for s in ckpt.values())
+        params = dict(enc.vision.named_parameters())
+        assert sum(p.numel() for p in params.values()) == vision_numel < total_numel / 2
+        full = llm.engine.core.executor.runner.model
+        assert params.keys() == dict(full.visual.named_parameters()).keys()
+        for name, p in full.visual.named_parameters():
+            assert torch.equal(params[name], p), name
+        assert not hasattr(enc, "language_model") and not hasattr(enc.vision, "lm_head")
+
+
+def test_bytes_transport(vlmserve_cache):
+    with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu") as enc:
+        prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Hi.",
+                  "multi_modal_data": {"image": [make_image(84, 56, 0)]}}
+        shm, = enc.encode([prompt])[0].images
+        raw, = enc.encode([prompt], transport="bytes")[0].images
+        assert isinstance(raw.handle, BytesHandle)
+        assert len(segments(enc.ledger.segment_prefix())) == 1  # the shared-memory handle's
+        assert torch.equal(raw.handle.open(), shm.handle.open())
+        assert wait_until(lambda: enc.get_stats().ledger.live_handles == 0, 5)
+
+
+def test_only_delivering_ranks_export(vlmserve_cache):
+    """A follower rank (rank 1) finishes its requests with no handle; with the rule off (the
+    negative control) it exports handles that nobody opens: they stay live until the lease."""
+    prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Hi.",
+              "multi_modal_data": {"image": [make_image(56, 56, 0)]}}
+    with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu", rank=1) as follower:
+        assert not follower.delivers
+        outs = follower.encode([prompt] * 4)
+        assert all(img.handle is None for o in outs for img in o.images)
+        s = follower.get_stats()
+        assert (s.handles_not_exported, s.ledger.exported, s.ledger.live_handles) == (4, 0, 0)
+        assert not segments(follower.ledger.segment_prefix())
+        assert outs[0].prompt_token_ids and outs[0].images[0].length == 4
+        forced = follower.encode([prompt], export=True)  # an explicit call still exports
+        assert forced[0].images[0].handle is not None
+        forced[0].release()
+    with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu", rank=1,
+                           export_only_delivered=False, lease_s=60) as leaky:
+        for _ in range(3):
+            leaky.encode([prompt] * 4)  # the caller never sees these
+        s = leaky.get_stats().ledger
+        assert (s.exported, s.live_handles) == (12, 12)  # the leak the rule prevents
+        assert len(segments(leaky.ledger.segment_prefix())) == 12
+        assert s.live_bytes == 12 * 4 * leaky.hidden_size * 4

@@ -1,0 +1,143 @@
+"""Embedding handles and the ledgers in one process: round trips, release, a second open
+refused, a handle never opened reclaimed at its lease."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from tests.encoder.helpers import segments, wait_until
+from vlmserve.encoder.handles import BytesHandle, HandleExpiredError, HandleOpenedTwiceError
+from vlmserve.encoder.ledger import ConsumerLedger, HandleLedger
+
+
+@pytest.fixture
+def ledger():
+    with HandleLedger(lease_s=30.0) as led:
+        yield led
+
+
+def rows(n: int = 7, hidden: int = 16, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hidden, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytes_handle_round_trip(ledger, dtype):
+    x = rows(dtype=dtype)
+    h = pickle.loads(pickle.dumps(ledger.export(x, transport="bytes")))
+    assert isinstance(h, BytesHandle)
+    assert (h.shape, h.dtype, h.nbytes) == ((7, 16), str(dtype)[6:], x.nbytes)
+    assert h.data[:8] != b"\0" * 8 and not segments(ledger.segment_prefix())
+    consumer = ConsumerLedger()
+    assert torch.equal(h.open(ledger=consumer), x)
+    assert wait_until(lambda: ledger.stats().released == 1, 5)
+    s = ledger.stats()
+    assert (s.live_handles, s.exported, s.opened, s.live_bytes) == (0, 1, 1, 0)
+    c = consumer.stats()
+    assert (c.opened, c.released, c.live, c.copied_bytes) == (1, 1, 0, x.nbytes)
+    consumer.close()
+
+
+def test_shm_handle_round_trip_and_second_open_refused(ledger):
+    x = rows()
+    h = ledger.export(x)
+    assert h.kind == "shm" and segments(ledger.segment_prefix()) == [h.segment]
+    assert ledger.stats().live_bytes == x.nbytes
+    consumer = ConsumerLedger()
+    with pytest.raises(ValueError):  # wrong destination: refused before anything happens
+        h.copy_into(torch.empty(7, 15), ledger=consumer)
+    dst = torch.full((7, 16), float("nan"))
+    assert h.copy_into(dst, ledger=consumer) is dst and torch.equal(dst, x)
+    with pytest.raises(HandleOpenedTwiceError):
+        h.open(ledger=consumer)
+    with pytest.raises(HandleOpenedTwiceError):
+        h.release(ledger=consumer)
+    assert wait_until(lambda: ledger.stats().live_handles == 0, 5)
+    assert not segments(ledger.segment_prefix())
+    c, s = consumer.stats(), ledger.stats()
+    assert (c.opened, c.released, c.refused) == (1, 1, 2)
+    assert (s.opened, s.released, s.reclaimed, s.double_opens) == (1, 1, 0, 0)
+    consumer.close()
+
+
+def test_release_unread_frees_at_once(ledger):
+    handles = [ledger.export(rows(seed=i)) for i in range(3)]
+    consumer = ConsumerLedger()
+    for h in handles:
+        h.release(ledger=consumer)
+    assert wait_until(lambda: ledger.stats().live_handles == 0, 5)
+    assert not segments(ledger.segment_prefix())
+    assert consumer.stats().discarded == 3 and ledger.stats().released == 3
+    consumer.close()
+
+
+def test_handle_never_opened_is_reclaimed_at_its_lease():
+    with HandleLedger(lease_s=0.5, grace_s=0.1) as ledger:
+        start = time.monotonic()
+        h = ledger.export(rows())
+        kept = ledger.export(rows(seed=1), transport="bytes")
+        assert segments(ledger.segment_prefix()) == [h.segment]
+        time.sleep(0.3)
+        assert ledger.stats().live_handles == 2  # within the lease: kept
+        assert wait_until(lambda: ledger.stats().live_handles == 0, 3)
+        took = time.monotonic() - start
+        assert 0.6 <= took < 1.5, took
+        assert not segments(ledger.segment_prefix())
+        s = ledger.stats()
+        assert (s.reclaimed, s.released, s.live_bytes) == (2, 0, 0)
+        consumer = ConsumerLedger()
+        with pytest.raises(HandleExpiredError):  # too late: refused, the producer told
+            h.open(ledger=consumer)
+        assert wait_until(lambda: ledger.stats().late_releases == 1, 5)
+        assert ledger.stats().late_opens == 1
+        assert consumer.stats().failed == 1
+        with pytest.raises(HandleExpiredError):
+            kept.open(ledger=consumer)
+        consumer.close()
+
+
+def test_expired_segment_gone_is_an_error_not_garbage():
+    """A consumer that gets past the expiry check just before the producer unlinks finds no
+    segment: an error, never other rows."""
+    with HandleLedger(lease_s=30.0) as ledger:
+        h = ledger.export(rows())
+        ledger.reclaim_expired(now=float("inf"))
+        assert not segments(ledger.segment_prefix())
+        consumer = ConsumerLedger()
+        with pytest.raises(HandleExpiredError, match="is gone"):
+            h.open(ledger=consumer)
+        consumer.close()
+
+
+def test_polled_ledger_without_thread():
+    with HandleLedger(lease_s=30.0, background=False) as ledger:
+        x = rows()
+        h = ledger.export(x)
+        consumer = ConsumerLedger()
+        assert torch.equal(h.open(ledger=consumer), x)
+        assert ledger.record(h.handle_id) is not None  # nobody read the messages yet
+        assert wait_until(lambda: ledger.poll(0.05) >= 0 and ledger.record(h.handle_id)
+                          is None, 5)
+        assert ledger.stats().released == 1 and not segments(ledger.segment_prefix())
+        consumer.close()
+
+
+def test_close_reclaims_everything():
+    ledger = HandleLedger(lease_s=30.0)
+    prefix = ledger.segment_prefix()
+    for i in range(5):
+        ledger.export(rows(seed=i))
+    assert len(segments(prefix)) == 5
+    sock = ledger.address.removeprefix("ipc://")
+    assert os.path.exists(sock)
+    ledger.close()
+    assert not segments(prefix) and not os.path.exists(sock)
+    s = ledger.stats()
+    assert (s.live_handles, s.reclaimed) == (0, 5)
+    with pytest.raises(RuntimeError):
+        ledger.export(rows())
