@@ -234,3 +234,22 @@ def test_health_reports_an_engine_that_makes_no_progress(srv) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert_serving(srv)
+
+
+def test_eight_8000x8000_pngs_are_refused_from_their_headers(srv) -> None:
+    """Finding 4: one-colour 8000x8000 PNGs (small to send, 192 MB each to decode) are
+    refused before any is decoded, quickly, and the server stays lean."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8000, 8000), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}} for _ in range(8)]
+    start = time.monotonic()
+    r = post(srv, chat_body(messages=[{"role": "user", "content": content}]))
+    assert_400(r, "8000x8000", "--max-image-pixels")
+    assert time.monotonic() - start < 10
+    assert_serving(srv)

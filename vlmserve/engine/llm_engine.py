@@ -29,8 +29,9 @@ class LLMEngine:
         self.eos_token_ids = self.core.eos_token_ids
         model_processor = self.core.model_processor
         self.tokenizer = model_processor.tokenizer
-        self.input_processor = InputProcessor(model_processor,
-                                              text_config(self.hf_config).vocab_size)
+        text = text_config(self.hf_config)
+        self.input_processor = InputProcessor(model_processor, text.vocab_size,
+                                              text.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

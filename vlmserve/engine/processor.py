@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.image import load_image
-from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 
 PromptInput = str | dict[str, Any]
 # a source (PIL image, bytes, URL, path) -> RGB; a loader with a `load_all(sources)` method
@@ -43,15 +44,56 @@ def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
 class InputProcessor:
     """Wraps the model's own input processor (tokenizer + HF image processor)."""
 
-    def __init__(self, model_processor, vocab_size: int) -> None:
+    def __init__(self, model_processor, vocab_size: int, hidden_size: int | None = None) -> None:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size  # of image embeddings given encoded (None: unchecked)
+
+    def _encoded(self, prompt: dict[str, Any]) -> ProcessedPrompt:
+        """A prompt whose images an encoder service encoded (`vlmserve.MultimodalEncoder`):
+        its token ids, positions and embedding rows, taken as they are. Each handle is
+        opened here, once: its rows are copied to this process and the producer frees
+        them."""
+        out = prompt["multi_modal_embeddings"]
+        unknown = set(prompt) - {"prompt", "multi_modal_embeddings"}
+        if unknown:
+            raise InvalidRequestError(f"with multi_modal_embeddings, unexpected prompt "
+                                      f"field(s): {sorted(unknown)}")
+        if not hasattr(out, "prompt_token_ids") or not hasattr(out, "images"):
+            raise InvalidRequestError("multi_modal_embeddings must be an EncoderOutput of "
+                                      "vlmserve.MultimodalEncoder")
+        if prompt.get("prompt") is not None and prompt["prompt"] != out.prompt:
+            out.release()
+            raise InvalidRequestError("prompt differs from the prompt multi_modal_embeddings "
+                                      "were encoded for")
+        images = []
+        try:
+            for i, img in enumerate(out.images):
+                if img.handle is None:
+                    raise InvalidRequestError(f"image {i} has no embeddings (an encoder rank "
+                                              "that does not deliver results)")
+                rows, hidden = tuple(img.handle.shape)
+                if rows != img.length or (self.hidden_size and hidden != self.hidden_size):
+                    raise InvalidRequestError(
+                        f"image {i}: embeddings of shape {tuple(img.handle.shape)}, expected "
+                        f"({img.length}, {self.hidden_size or hidden})")
+                images.append(ImageInput(img.mm_hash, img.offset, img.length,
+                                         torch.empty(0, dtype=torch.uint8),
+                                         tuple(img.grid_thw), None,
+                                         embeds=img.handle.open("cpu")))
+        except Exception:
+            out.release()  # the handles not opened yet go back
+            raise
+        return ProcessedPrompt(out.prompt, list(out.prompt_token_ids), images,
+                               out.mrope_positions, out.mrope_delta)
 
     def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
         """Validate and preprocess; `load` turns each image source into a decoded image (a
         server passes one with its limits on paths, URLs and sizes)."""
         if isinstance(prompt, str):
             text, token_ids, images = prompt, None, []
+        elif isinstance(prompt, dict) and "multi_modal_embeddings" in prompt:
+            return self._checked(self._encoded(prompt))
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
             if unknown:
@@ -67,8 +109,10 @@ class InputProcessor:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt must be a string")
-        processed = self.model_processor.process(
-            text, list(token_ids) if token_ids is not None else None, images)
+        return self._checked(self.model_processor.process(
+            text, list(token_ids) if token_ids is not None else None, images))
+
+    def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         if not processed.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in processed.prompt_token_ids if not 0 <= t < self.vocab_size]

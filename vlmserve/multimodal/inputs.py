@@ -28,7 +28,10 @@ class ImageInput:
     length: int  # number of placeholder tokens == embedding rows
     pixels: torch.Tensor  # [H, W, 3] uint8, resized as the model's image processor would
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before spatial merge
-    transform: PixelTransform  # rescale / normalize / patchify of `pixels`
+    transform: PixelTransform | None  # rescale / normalize / patchify of `pixels`
+    # the image's embedding rows [length, hidden] on the host, encoded elsewhere (an encoder
+    # service): stored as they are instead of running the vision tower; `pixels` then empty
+    embeds: torch.Tensor | None = None
 
 
 def pixel_values(

@@ -59,6 +59,10 @@ class EncoderRunner:
         (the tower plans its launches from it without a device sync).
         """
         unique = {img.mm_hash: img for img in images if img.mm_hash not in self.store}
+        for h, img in list(unique.items()):
+            if img.embeds is not None:  # encoded elsewhere: only the copy is left
+                self.store.put(h, img.embeds.to(self.device, self.dtype))
+                del unique[h]
         if not unique:
             return
         images = sorted(unique.values(), key=lambda img: (-img.length, img.pixels.shape))

@@ -532,7 +532,7 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     async def reset_prefix_cache(request: Request) -> Response:
         serving.check_auth(request)
         await engine.reset_prefix_cache()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
