@@ -75,3 +75,40 @@ def test_a_handle_is_opened_once_and_bad_input_is_refused(vlmserve_cache):
         assert not llm.engine.has_unfinished_requests()
     finally:
         enc.shutdown()
+
+
+def test_the_engine_core_process_takes_embeddings_too(vlmserve_cache):
+    """Through the server's path: a front end (`AsyncLLM`, preprocessing processes) opens the
+    handles and sends the rows to the engine-core process as frames."""
+    import asyncio
+
+    from vlmserve.engine.async_llm import AsyncLLM
+
+    opts = dict(model="tiny-qwen2-vl", dtype="float32", device="cpu", max_model_len=512,
+                max_num_batched_tokens=37)
+    llm = LLM(**opts)
+    ps = prompts(llm)
+    expected = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    enc = MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu", lease_s=30)
+    engine = AsyncLLM.from_kwargs(**opts)
+
+    async def run(p) -> list[int]:
+        final = None
+        async for out in engine.generate(p, GREEDY):
+            final = out
+        return final.outputs[0].token_ids
+
+    async def all_of_them() -> list[list[int]]:
+        return await asyncio.gather(*(run({"multi_modal_embeddings": e})
+                                      for e in enc.encode(ps)))
+
+    try:
+        assert asyncio.run(all_of_them()) == expected
+        deadline = time.monotonic() + 10
+        while enc.get_stats().ledger.live_handles and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert enc.get_stats().ledger.live_handles == 0
+        assert enc.get_stats().ledger.released == 4
+    finally:
+        engine.shutdown()
+        enc.shutdown()

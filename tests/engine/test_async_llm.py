@@ -133,7 +133,13 @@ def test_messages_carry_tensors_as_frames_without_copies() -> None:
     assert torch.equal(got.images[0].pixels, pixels) and torch.equal(got.mrope_positions,
                                                                       positions)
     assert (got.request_id, got.mrope_delta, got.eos_token_ids) == ("r1", -4, (7, 8))
-    assert got.images[0].grid_thw == (1, 4, 6)
+    assert got.images[0].grid_thw == (1, 4, 6) and got.images[0].embeds is None
+    # embedding rows from an encoder service, bfloat16 included (numpy has no such dtype)
+    rows = torch.randn(6, 16).to(torch.bfloat16)
+    msg.images = [ImageData("h", 3, 6, (1, 4, 6), torch.empty(0, dtype=torch.uint8), rows)]
+    got = Decoder(ToCore).decode([bytearray(f) for f in Encoder().encode(msg)])
+    assert got.images[0].embeds.dtype == torch.bfloat16
+    assert torch.equal(got.images[0].embeds, rows)
 
 
 def test_stop_strings_end_requests_in_the_front_end_and_free_them_in_the_core(

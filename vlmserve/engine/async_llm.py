@@ -96,8 +96,9 @@ class AsyncLLM:
         self.core = core
         try:
             _, hf_config, model_processor = load_model_processor(config.model_config.model)
-            self.input_processor = InputProcessor(model_processor,
-                                                  text_config(hf_config).vocab_size)
+            text = text_config(hf_config)
+            self.input_processor = InputProcessor(model_processor, text.vocab_size,
+                                                  text.hidden_size)
             self.output_processor = OutputProcessor(model_processor.tokenizer)
             self.model_name: str = config.model_config.model
             self._encoder = Encoder()

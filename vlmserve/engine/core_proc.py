@@ -124,7 +124,8 @@ class EngineCoreProc:
 
     def _add(self, identity: bytes, msg: AddRequest) -> None:
         images = [ImageInput(img.mm_hash, img.offset, img.length, img.pixels,
-                             tuple(img.grid_thw), self.transform) for img in msg.images]
+                             tuple(img.grid_thw), self.transform, img.embeds)
+                  for img in msg.images]
         prompt = ProcessedPrompt(None, msg.prompt_token_ids, images, msg.mrope_positions,
                                  msg.mrope_delta)
         req = Request(msg.request_id, prompt, msg.sampling_params, tuple(msg.eos_token_ids))

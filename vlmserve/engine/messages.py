@@ -32,6 +32,7 @@ class ImageData(msgspec.Struct, array_like=True):
     length: int
     grid_thw: tuple[int, int, int]
     pixels: Any  # torch.Tensor [H, W, 3] uint8
+    embeds: Any = None  # torch.Tensor [length, hidden]: encoded elsewhere (pixels empty)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
@@ -120,9 +121,11 @@ class Encoder:
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             frames = self._local.frames
-            arr = obj.detach().cpu().contiguous().numpy()
+            t = obj.detach().cpu().contiguous()
+            bf16 = t.dtype == torch.bfloat16  # numpy has no bfloat16: its bits as int16
+            arr = (t.view(torch.int16) if bf16 else t).numpy()
             frames.append(memoryview(arr).cast("B") if arr.size else b"")
-            meta = (str(arr.dtype), list(arr.shape), len(frames) - 1)
+            meta = ("bfloat16" if bf16 else str(arr.dtype), list(arr.shape), len(frames) - 1)
             return msgspec.msgpack.Ext(_TENSOR_EXT, msgspec.msgpack.encode(meta))
         raise NotImplementedError(f"cannot send {type(obj)} to the engine core")
 
@@ -146,4 +149,7 @@ class Decoder:
         dtype, shape, index = msgspec.msgpack.decode(data)
         frame = self._frames[index]
         buf = frame.buffer if hasattr(frame, "buffer") else frame
+        if dtype == "bfloat16":
+            return torch.from_numpy(np.frombuffer(buf, dtype=np.int16).reshape(shape)).view(
+                torch.bfloat16)
         return torch.from_numpy(np.frombuffer(buf, dtype=dtype).reshape(shape))

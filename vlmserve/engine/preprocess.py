@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 
 from vlmserve.core.scheduler import AdmissionLimits
-from vlmserve.engine.core import load_model_processor
+from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
@@ -42,7 +42,7 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
             params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
     msg = AddRequest(
         request_id, processed.prompt_token_ids,
-        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels)
+        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels, img.embeds)
          for img in processed.images],
         processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
     return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
@@ -55,8 +55,9 @@ def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...]) -> None:
     global _worker
     die_with_parent()
-    _, _, model_processor = load_model_processor(model)
-    _worker = (InputProcessor(model_processor, vocab_size), limits, eos_token_ids, Encoder())
+    _, hf_config, model_processor = load_model_processor(model)
+    _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size),
+               limits, eos_token_ids, Encoder())
 
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
