@@ -393,6 +393,7 @@ def test_prefix_cache_metrics_and_reset(server: Server) -> None:
     assert resp.usage.prompt_tokens - 16 <= hits < resp.usage.prompt_tokens
     assert after["vlmserve_prefix_cache_queried_tokens"] - before[
         "vlmserve_prefix_cache_queried_tokens"] == resp.usage.prompt_tokens
+    assert 0 < after["vlmserve_prefix_cache_hit_rate"] < 1
     r = httpx.post(server.url + "/reset_prefix_cache")
     assert r.status_code == 200
     chat(server, messages, 4)

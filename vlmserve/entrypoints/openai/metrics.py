@@ -47,6 +47,9 @@ class ServerMetrics:
                                     "Prompt tokens looked up in the prefix cache.", **core)
         self.prefix_hits = Gauge("vlmserve_prefix_cache_hit_tokens",
                                  "Prompt tokens found in the prefix cache.", **core)
+        self.prefix_hit_rate = Gauge("vlmserve_prefix_cache_hit_rate",
+                                     "Share of looked-up prompt tokens found cached (0-1).",
+                                     **core)
         self.prompt_tokens = Counter("vlmserve_prompt_tokens",
                                      "Prompt tokens of finished requests (images included).",
                                      registry=r)
@@ -108,6 +111,7 @@ class ServerMetrics:
         self.enc_entries.set(s.get("encoder_cache_entries", 0))
         self.prefix_queried.set(s.get("prefix_cache_queried_tokens", 0))
         self.prefix_hits.set(s.get("prefix_cache_hit_tokens", 0))
+        self.prefix_hit_rate.set(s.get("prefix_cache_hit_rate", 0.0))
         if self.multiproc_dir is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
