@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from vlmserve.config import EngineConfig
 from vlmserve.encoder.handles import EmbeddingHandle
@@ -25,7 +24,7 @@ from vlmserve.executor.uniproc import resolve_device, resolve_dtype
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.builtin import resolve_model
-from vlmserve.models.loader import load_hf_config
+from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, pixel_values
 
@@ -83,14 +82,8 @@ class EncoderStats:
 def iter_vision_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name relative to the tower, tensor)`` of the checkpoint's vision weights; no other
     tensor is read from disk."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                if name.startswith(VISION_PREFIXES):
-                    yield name.split("visual.", 1)[1], fh.get_tensor(name)
+    for name, tensor in iter_safetensors(path, VISION_PREFIXES):
+        yield name.split("visual.", 1)[1], tensor
 
 
 def build_vision_tower(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

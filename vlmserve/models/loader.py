@@ -19,14 +19,18 @@ def load_hf_config(path: str | Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = ()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint's weights; with `prefixes`, only the names starting
+    with one of them (no other tensor is read from disk)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                if not prefixes or name.startswith(prefixes):
+                    yield name, fh.get_tensor(name)
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
