@@ -64,10 +64,14 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _opt(64, "Most requests running at once.")
-    max_num_batched_tokens: int = _opt(
-        2048, "Token budget per engine step (prefill chunks + decodes)."
-    )
+    max_num_seqs: int | None = _opt(
+        None, "Most requests running at once (default: sized to the device, see "
+        "`sized_scheduler_limits`: 512 on a GPU of 70 GiB or more, 256 on a smaller one, 64 "
+        "on the CPU).")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Token budget per engine step, prefill chunks + decodes (default: sized to the "
+        "device: on a GPU of 70 GiB or more 16,384 offline and 8,192 serving, on a smaller "
+        "one 8,192 and 4,096; 2,048 on the CPU).")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.")
     max_num_encoder_tokens: int | None = _opt(
         None, "Image-embedding rows the vision tower may produce per step (default: step budget)."
@@ -121,9 +125,9 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c = self.scheduler_config, self.cache_config
-        if s.max_num_seqs < 1:
+        if s.max_num_seqs is not None and s.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if s.max_num_batched_tokens < 1:
+        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if c.block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -131,3 +135,26 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+
+
+def sized_scheduler_limits(device_type: str, device_memory: int | None, serving: bool
+                           ) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) when the user sets neither, as vLLM sizes its
+    defaults: large batches on a large GPU; a server takes half the step budget of an offline
+    run, so that prefill chunks hold up its streams less."""
+    if device_type != "cuda":
+        return 64, 2048
+    if device_memory is not None and device_memory >= 70 * 2**30:
+        return 512, 8192 if serving else 16384
+    return 256, 4096 if serving else 8192
+
+
+def with_sized_limits(config: EngineConfig, device_type: str, device_memory: int | None,
+                      serving: bool) -> EngineConfig:
+    """`config` with the scheduler limits the user left unset sized to the device."""
+    sc = config.scheduler_config
+    seqs, tokens = sized_scheduler_limits(device_type, device_memory, serving)
+    sized = dataclasses.replace(
+        sc, max_num_seqs=sc.max_num_seqs or seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens or tokens)
+    return dataclasses.replace(config, scheduler_config=sized)

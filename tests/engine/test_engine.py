@@ -317,3 +317,26 @@ def test_device_timeline_counts_busy_and_idle_time(monkeypatch):
     timeline.restart_idle()
     timeline.add(timeline.mark())
     assert (timeline.busy_s, timeline.idle_s) == pytest.approx((0.018, 0.003))
+
+
+def test_batch_limits_are_sized_to_the_device_unless_given(llm, caplog):
+    from vlmserve.config import sized_scheduler_limits
+
+    h200, l4 = 140 * 2**30, 24 * 2**30
+    assert sized_scheduler_limits("cuda", h200, serving=False) == (512, 16384)
+    assert sized_scheduler_limits("cuda", h200, serving=True) == (512, 8192)
+    assert sized_scheduler_limits("cuda", l4, serving=False) == (256, 8192)
+    assert sized_scheduler_limits("cuda", l4, serving=True) == (256, 4096)
+    assert sized_scheduler_limits("cpu", None, serving=True) == (64, 2048)
+    sc = llm.engine.config.scheduler_config  # the fixture set only the step budget
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (64, 64)
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vlmserve.engine.core"):
+        other = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_seqs=3)
+    sc = other.engine.config.scheduler_config
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (3, 2048)
+    line = next(r.getMessage() for r in caplog.records if "engine ready" in r.getMessage())
+    for word in ("tiny-qwen2-vl", "cpu", "float32", "max_model_len", "KV cache",
+                 "max_num_seqs 3", "max_num_batched_tokens 2048 (sized to the device)"):
+        assert word in line, line

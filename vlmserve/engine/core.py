@@ -16,14 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import GenerationConfig
 
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, with_sized_limits
 from vlmserve.core.scheduler import AdmissionLimits, Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.errors import PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
-from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.registry import resolve_model_class
@@ -76,7 +77,16 @@ class EngineCore:
     """Scheduler and executor. `step()` schedules and launches a step and returns the
     requests that got a token (a step late with async scheduling)."""
 
-    def __init__(self, config: EngineConfig, model_processor=None) -> None:
+    def __init__(self, config: EngineConfig, model_processor=None, serving: bool = False
+                 ) -> None:
+        """`serving`: for a server (the batch limits the user left unset are sized for one:
+        `config.sized_scheduler_limits`)."""
+        device = resolve_device(config.model_config.device)
+        memory = (torch.cuda.get_device_properties(device).total_memory
+                  if device.type == "cuda" else None)
+        given = config.scheduler_config
+        sized = given.max_num_seqs is None or given.max_num_batched_tokens is None
+        config = with_sized_limits(config, device.type, memory, serving)
         self.config = config
         mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
         self.model_path, self.hf_config, processor = load_model_processor(mc.model)
@@ -114,6 +124,15 @@ class EngineCore:
         if warmup:
             self.executor.warmup(self.model_processor)
         self.eos_token_ids = _eos_ids(self.model_path, self.model_processor.tokenizer)
+        ex = self.executor
+        logger.info(
+            "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens (%d blocks of "
+            "%d), max_num_seqs %d, max_num_batched_tokens %d%s, prefix caching %s",
+            mc.model, ex.device, str(ex.dtype).removeprefix("torch."), self.max_model_len,
+            kv_tokens, ex.num_kv_blocks, cc.block_size, sc.max_num_seqs,
+            sc.max_num_batched_tokens,
+            " (sized to the device)" if sized else "",
+            "on" if cc.enable_prefix_caching else "off")
         self.async_scheduling = sc.async_scheduling
         # steps launched and not read back yet (at most one with async scheduling)
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()

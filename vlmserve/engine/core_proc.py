@@ -62,7 +62,7 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
         self.parent_pid = parent_pid
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, serving=True)
         self.transform = self.core.model_processor.pixel_transform
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -21,8 +21,8 @@ class LLMEngine:
     `Request`s (`process_request`) and tokens to text (`step` returns `RequestOutput`s)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.core = EngineCore(config)
+        self.config = self.core.config  # with the batch limits sized to the device
         self.scheduler, self.executor = self.core.scheduler, self.core.executor
         self.model_path, self.hf_config = self.core.model_path, self.core.hf_config
         self.max_model_len = self.core.max_model_len
