@@ -1,16 +1,31 @@
-"""vlmserve: a serving engine for vision-language models."""
+"""vlmserve: a serving engine for vision-language models.
 
-from vlmserve.llm import LLM
-from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.sampling_params import SamplingParams
+The public names load on first use, so `vlmserve --help` and `import vlmserve` need no torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "MultimodalEncoder"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+_EXPORTS = {
+    "LLM": "vlmserve.llm",
+    "SamplingParams": "vlmserve.sampling_params",
+    "RequestOutput": "vlmserve.outputs",
+    "CompletionOutput": "vlmserve.outputs",
+    "MultimodalEncoder": "vlmserve.encoder.encoder",
+}
+__all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):  # the encoder service's class, imported on first use
-    if name == "MultimodalEncoder":
-        from vlmserve.encoder.encoder import MultimodalEncoder
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'vlmserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
 
-        return MultimodalEncoder
-    raise AttributeError(f"module 'vlmserve' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

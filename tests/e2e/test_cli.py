@@ -174,3 +174,23 @@ def test_help_of_llm_lists_every_engine_option() -> None:
     text = pydoc.render_doc(LLM, renderer=pydoc.plaintext)
     for f in EngineConfig.option_fields():
         assert f"{f.name} (default {f.default!r})" in text, f.name
+
+
+def test_help_and_import_need_no_torch() -> None:
+    """`vlmserve --help` (and `serve --help`, `generate --help`, `import vlmserve`) load
+    neither torch nor transformers: they answer at once."""
+    code = """
+import sys
+import vlmserve
+from vlmserve.entrypoints.cli import main
+for argv in (["--help"], ["serve", "--help"], ["generate", "--help"], ["--version"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
+    assert "bench" in out.stdout and "--max-num-seqs" in out.stdout

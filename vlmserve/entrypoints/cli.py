@@ -66,7 +66,9 @@ def _bench(args: argparse.Namespace) -> None:
     module.main(args)
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The parser; without `with_benchmarks`, the benchmarks are listed but their modules
+    (and torch) are not imported for their options."""
     parser = argparse.ArgumentParser(
         prog="vlmserve", description="A serving engine for vision-language models.",
         allow_abbrev=False)
@@ -109,6 +111,9 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, (module_name, help_text) in _BENCHMARKS.items():
+        if not with_benchmarks:
+            bench_sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(f"vlmserve.benchmarks.{module_name}")
         bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
                                   allow_abbrev=False,
@@ -133,7 +138,8 @@ def _one_line(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """The CLI. A mistake (a missing file, a bad option value, ...) prints one line on stderr
     and exits 1; `--debug` (or VLMSERVE_DEBUG=1) shows the traceback instead."""
-    parser = make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser(with_benchmarks="bench" in argv)
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("VLMSERVE_DEBUG", "") not in ("", "0")
     if args.command in ("serve", "generate"):
