@@ -340,3 +340,19 @@ def test_batch_limits_are_sized_to_the_device_unless_given(llm, caplog):
     for word in ("tiny-qwen2-vl", "cpu", "float32", "max_model_len", "KV cache",
                  "max_num_seqs 3", "max_num_batched_tokens 2048 (sized to the device)"):
         assert word in line, line
+
+
+def test_periodic_stats_line_reports_token_rates(llm, caplog, monkeypatch):
+    import logging
+
+    import vlmserve.engine.core as core
+
+    monkeypatch.setattr(core, "LOG_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="vlmserve.engine.core"):
+        llm.generate(chat_prompt(llm, "Rates.", [make_image(56, 56, 3)]), greedy(6),
+                     use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if "tokens/s" in r.getMessage()]
+    assert lines and all("prompt" in ln and "generation" in ln and "prefix cache hit rate" in ln
+                         for ln in lines)
+    assert any(not ln.startswith("prompt 0 ") for ln in lines)  # the prefill was counted
+    assert any("generation 0 " not in ln for ln in lines)

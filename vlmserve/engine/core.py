@@ -138,6 +138,8 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # scheduled into steps: prompt chunks and decodes
+        self._logged = (time.monotonic(), 0, 0)  # (time, computed, generated) at the last log
         self._failed_in_a_row = 0
         self._last_progress = time.monotonic()  # a step computed tokens, or nothing waited
         self._last_log = time.monotonic()
@@ -202,6 +204,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.num_scheduled_tokens or not self.scheduler.has_unfinished_requests():
             self._last_progress = time.monotonic()
+            self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
         updated: list[Request] = []
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
@@ -258,12 +261,20 @@ class EngineCore:
     # ---- stats -----------------------------------------------------------------------------
 
     def _log_stats(self) -> None:
-        self._last_log = time.monotonic()
+        now = self._last_log = time.monotonic()
+        then, computed, generated = self._logged
+        self._logged = (now, self.num_computed_tokens, self.num_generated_tokens)
+        dt = max(now - then, 1e-9)
+        generated = self.num_generated_tokens - generated
+        # a decode computes one token for each it generates: the rest were prompt tokens
+        prompt = self.num_computed_tokens - computed - generated
         s = self.get_stats()
         logger.info(
-            "running %d, waiting %d, KV cache %.1f%%, image embeddings %.1f MiB on device / "
+            "prompt %.0f tokens/s, generation %.0f tokens/s, running %d, waiting %d, KV cache "
+            "%.1f%%, prefix cache hit rate %.1f%%, image embeddings %.1f MiB on device / "
             "%.1f MiB on host, encoder cache hits %d misses %d evictions %d, prefetch waits %d",
-            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+            max(prompt, 0) / dt, generated / dt, s["num_running"], s["num_waiting"],
+            100 * s["kv_cache_usage"], 100 * s["prefix_cache_hit_rate"],
             s["mm_embedding_bytes_device"] / 2**20, s["mm_embedding_bytes_host"] / 2**20,
             s["num_encoder_cache_hits"], s["num_images_encoded"], s["num_encoder_cache_evictions"],
             s["prefetch_waits"])

@@ -130,6 +130,9 @@ class Qwen2VLInputProcessor:
             hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.hf_config = hf_config
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        # the engine checks prompt lengths itself (admission): no tokenizer warning about a
+        # "sequence length longer than the maximum" in the server's log
+        self.tokenizer.model_max_length = 1 << 62
         self._tokenizer_lock = threading.Lock()
         self.image_processor = _load_image_processor(self.model_path)
         self.image_token_id: int = hf_config.image_token_id
