@@ -54,3 +54,17 @@ def test_kernels_bench_counts_the_weights_a_decode_step_reads(vlmserve_cache, mo
     body = sum(p.numel() for layer in lm.layers for p in layer.parameters())
     assert lm_weights(m) == (body + lm.norm.weight.numel(), m.lm_head.weight.numel())
     assert m.tie_word_embeddings == (model == "tiny-qwen2-vl")
+
+
+def test_bench_serve_prints_a_table_to_read() -> None:
+    from vlmserve.benchmarks.serve import summary_table
+
+    run = dict(request_rate=float("inf"), concurrency=16, completed=9, failed=1,
+               requests_per_s=13.1, output_tokens_per_s=1677.2, goodput_requests_per_s=12.0,
+               mean_ttft_ms=631.6, p99_ttft_ms=1010.6, mean_tpot_ms=3.21, p99_tpot_ms=5.3,
+               median_itl_ms=2.9, p99_itl_ms=65.6)
+    lines = summary_table([run, {**run, "request_rate": 8.0, "concurrency": 1000}]).splitlines()
+    assert len(lines) == 4 and "TTFT mean" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert lines[2].split()[:3] == ["inf/s", "@", "16"] and "632" in lines[2]
+    assert lines[3].split()[:3] == ["8/s", "@", "1000"]
+    assert len({len(ln) for ln in lines}) == 1  # aligned columns

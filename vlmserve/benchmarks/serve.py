@@ -164,6 +164,24 @@ def summarize(results: list[dict], elapsed: float, concurrency: int, rate: float
     return out
 
 
+_COLUMNS = (("requests/s", "requests_per_s", "{:.2f}"), ("output tok/s", "output_tokens_per_s",
+            "{:.0f}"), ("goodput/s", "goodput_requests_per_s", "{:.2f}"),
+            ("TTFT mean", "mean_ttft_ms", "{:.0f}"), ("TTFT p99", "p99_ttft_ms", "{:.0f}"),
+            ("TPOT mean", "mean_tpot_ms", "{:.2f}"), ("TPOT p99", "p99_tpot_ms", "{:.2f}"),
+            ("ITL median", "median_itl_ms", "{:.2f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"))
+
+
+def summary_table(runs: list[dict]) -> str:
+    """The runs as a table to read (latencies in ms), as `vllm bench serve` prints them."""
+    head = ["run", "done", "failed", *(c for c, _, _ in _COLUMNS)]
+    rows = [[f"{r['request_rate']:g}/s @ {r['concurrency']}", str(r["completed"]),
+             str(r["failed"]), *(f.format(r[k]) for _, k, f in _COLUMNS)] for r in runs]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = "  ".join("-" * w for w in widths)
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), line, *(fmt.format(*row) for row in rows)])
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None, help="served model name (default: the first)")
@@ -176,11 +194,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", default=None, metavar="RATE@CONCURRENCY,...",
                     help="explicit runs instead of the concurrency sweep, e.g. "
                     "'inf@16,inf@64,8@1000' (rate in requests/s, inf: all at once)")
-    ap.add_argument("--image-sizes", default="448,672,896")
-    ap.add_argument("--images-per-request", type=int, default=1)
-    ap.add_argument("--prompt-words", type=int, default=30)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image-sizes", default="448,672,896",
+                    help="square image sides in pixels, drawn at random per image")
+    ap.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    ap.add_argument("--prompt-words", type=int, default=30, help="random words of text each")
+    ap.add_argument("--output-len", type=int, default=128,
+                    help="output tokens each (ignore_eos)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random requests")
     ap.add_argument("--warmup-requests", type=int, default=16,
                     help="untimed requests (other images) sent before the timed runs")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
@@ -201,7 +221,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
                                                    "num_requests": args.warmup_requests}))
         asyncio.run(run_once(args, warm, max(levels)))
     runs = [asyncio.run(run_once(args, convs, c, rate)) for rate, c in plan]
-    for r in runs:
+    print(summary_table(runs))
+    for r in runs:  # one machine-readable line per run (scripts grep for them)
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("s_ms")}))
     if args.out_dir:
         from vlmserve.benchmarks.plots import latency_distributions, throughput_vs_concurrency
