@@ -1,0 +1,76 @@
+"""The README's examples, run as written (ports and file names aside), so they stay true:
+the Python API, the openai client against a live server, the demo, and the benchmark
+command lines (parsed: they need a GPU to run). The curl example runs in
+tests/e2e/test_server_procs.py."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tests.e2e.test_server_procs import serve  # noqa: F401 - the fixture
+from vlmserve.entrypoints.cli import make_parser
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def photo(folder: Path, name: str) -> None:
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)).save(folder / name)
+
+
+def run_python(code: str, cwd: Path) -> str:
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_python_api_example(vlmserve_cache, tmp_path: Path) -> None:
+    (code,) = [b for b in blocks("python") if "from vlmserve import LLM" in b]
+    photo(tmp_path, "photo.jpg")
+    out = run_python(code + "\nprint('OUTS', len(outs), len(outs[0].outputs[0].token_ids))",
+                     tmp_path)
+    assert "OUTS 1 32" in out
+
+
+def test_openai_client_example(serve, tmp_path: Path) -> None:  # noqa: F811
+    (code,) = [b for b in blocks("python") if "from openai import OpenAI" in b]
+    srv = serve()
+    photo(tmp_path, "photo.png")
+    out = run_python(code.replace("localhost:8000", f"127.0.0.1:{srv.port}"), tmp_path)
+    assert "completion_tokens=64" in out
+
+
+def test_demo_of_the_quick_start_runs(vlmserve_cache) -> None:
+    quick = blocks("bash")[0]
+    assert "python -m vlmserve.examples.demo" in quick
+    r = subprocess.run([sys.executable, "-m", "vlmserve.examples.demo"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+
+
+def test_test_command_of_the_quick_start_is_the_ci_command() -> None:
+    quick = blocks("bash")[1]
+    ci = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    assert quick.split("&& pytest", 1)[1].strip() in ci
+
+
+def test_benchmark_command_lines_parse() -> None:
+    (block,) = [b for b in blocks("bash") if "vlmserve bench throughput" in b]
+    commands = re.sub(r"\\\n\s*", " ", block).splitlines()
+    parser = make_parser()
+    for line in commands:
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("vlmserve "):
+            parser.parse_args(shlex.split(line)[1:])  # exits 2 on an unknown flag
