@@ -194,3 +194,13 @@ print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
                          timeout=120)
     assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
     assert "bench" in out.stdout and "--max-num-seqs" in out.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU's answer")
+@pytest.mark.parametrize("name", ["kernels", "attention"])
+def test_gpu_benchmarks_without_a_gpu_say_so_in_one_line(name) -> None:
+    r = subprocess.run([sys.executable, "-m", "vlmserve", "bench", name], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "need a CUDA device" in lines[0], r.stderr[-2000:]

@@ -324,6 +324,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace | None = None) -> None:
     args = parse_args(args, add_args, __doc__)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel benchmarks need a CUDA device (they time the GPU's kernels "
+                         "against its bandwidth and matmul ceilings)")
     from vlmserve import LLM
     from vlmserve.models.builtin import resolve_model
 
