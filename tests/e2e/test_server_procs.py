@@ -204,8 +204,10 @@ def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, coun
     # the stream ended with an error event (the openai client raises it) before [DONE]
     assert isinstance(result, openai.APIError) and "engine core" in str(result)
     killed = time.monotonic()
-    assert srv.wait(5) not in (None, 0)
-    assert time.monotonic() - killed < 5
+    # 1 s of 503s, then each process tears down (torch, preprocessing processes): 3-5 s in
+    # all with two front ends on 2 busy cores
+    assert srv.wait(10) not in (None, 0)
+    assert time.monotonic() - killed < 10
 
 
 @pytest.mark.parametrize("count", ["1", "2"])

@@ -243,12 +243,17 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
     try:
         assert asyncio.run(main()) < 1.0
         assert not eng.is_running and len(dead) == 1
+        # a front end still starting when the core died registers late: told at once
+        eng.add_dead_callback(dead.append)
+        assert len(dead) == 2 and dead[1] is dead[0]
+        with pytest.raises(EngineDeadError):  # a utility call fails, it does not wait
+            asyncio.run(asyncio.wait_for(eng.get_stats(), 5))
     finally:
         eng.shutdown()
     eng2 = AsyncLLM.from_kwargs(**OPTS)
     core = eng2._proc
     eng2.shutdown()
-    assert not eng2.is_running and core.exitcode == 0 and not dead[1:]
+    assert not eng2.is_running and core.exitcode == 0 and len(dead) == 2
     with pytest.raises(EngineDeadError):
         asyncio.run(eng2.add_request("x", greedy(2)))
 

@@ -109,6 +109,8 @@ class AsyncLLM:
             self._call_ids = itertools.count()
             self._finish_callbacks: list[Callable[[RequestTiming], None]] = []
             self._dead_callbacks: list[Callable[[BaseException], None]] = []
+            self._dead_lock = threading.Lock()
+            self._died_of: BaseException | None = None  # set once, before the callbacks run
             self._step_callbacks: list[Callable[[float], None]] = []
             self._error: BaseException | None = None
             self._stopping = False
@@ -157,8 +159,13 @@ class AsyncLLM:
         self._step_callbacks.append(fn)
 
     def add_dead_callback(self, fn: Callable[[BaseException], None]) -> None:
-        """`fn(error)` runs on the I/O thread once, when the engine core is found dead."""
-        self._dead_callbacks.append(fn)
+        """`fn(error)` runs on the I/O thread once, when the engine core is found dead (here
+        and now if it already has been: a front end still starting when it died)."""
+        with self._dead_lock:
+            if self._died_of is None:
+                self._dead_callbacks.append(fn)
+                return
+        fn(self._died_of)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.input_processor.model_processor.apply_chat_template(messages)
@@ -236,6 +243,9 @@ class AsyncLLM:
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
         self._post(("send", self._encoder.encode(Utility(call_id, method))))
+        if not self.is_running:  # died meanwhile: the I/O thread may have failed the calls
+            _fail_future(fut, EngineDeadError(  # before this one came
+                f"the engine is not running ({self._error or 'shut down'})"))
         return await asyncio.wrap_future(fut)
 
     async def reset_prefix_cache(self) -> None:
@@ -353,6 +363,8 @@ class AsyncLLM:
         finally:
             self._error = error
             if not self._stopping and ready.done() and ready.exception() is None:
+                with self._dead_lock:
+                    self._died_of = error
                 for fn in self._dead_callbacks:  # before the streams learn of it
                     fn(error)
             self._fail_everything(error)
@@ -477,9 +489,8 @@ class AsyncLLM:
 
     def _fail_everything(self, error: BaseException) -> None:
         self._fail_streams(error)
-        for fut in self._calls.values():
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
+        for fut in list(self._calls.values()):
+            _fail_future(fut, error)
         self._calls.clear()
         while True:  # callers' messages the thread will not see
             try:
@@ -492,3 +503,12 @@ class AsyncLLM:
 
 def _mark_stopped(req: Request) -> None:
     req.status = RequestStatus.FINISHED_STOPPED
+
+
+def _fail_future(fut: concurrent.futures.Future, error: BaseException) -> None:
+    """End `fut` with `error` unless another thread has already ended (or cancelled) it."""
+    try:
+        if fut.set_running_or_notify_cancel():
+            fut.set_exception(error)
+    except (RuntimeError, concurrent.futures.InvalidStateError):
+        pass
