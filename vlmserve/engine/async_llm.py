@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import zmq
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.encoder.client import EncoderClient
 from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
 from vlmserve.engine.messages import (
@@ -87,8 +88,13 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
-                 log_level: str = "info", preprocess_workers: int = 0) -> None:
+                 log_level: str = "info", preprocess_workers: int = 0,
+                 encoder_urls: Sequence[str] = (), encoder_transport: str = "auto") -> None:
         self.config = config
+        # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
+        self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
+        self._encoder_client = (EncoderClient(encoder_urls, encoder_transport)
+                                if encoder_urls and preprocess_workers == 0 else None)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._proc: mp.process.BaseProcess | None = None
         if core is None:
@@ -177,7 +183,7 @@ class AsyncLLM:
         raises an `InvalidRequestError` naming the problem."""
         text, token_ids, frames = preprocess(
             self.input_processor, self.limits, self.eos_token_ids, self._encoder, prompt,
-            params, request_id, image_loader, default_max_tokens)
+            params, request_id, image_loader, default_max_tokens, self._encoder_client)
         return Request(request_id, ProcessedPrompt(text, token_ids), params,
                        self.eos_token_ids), frames
 
@@ -280,7 +286,7 @@ class AsyncLLM:
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
         return start_pool(self._preprocess_workers, self.config.model_config.model,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
-                           wait)
+                           wait, self.encoder_urls, self.encoder_transport)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -23,6 +23,7 @@ from vlmserve.config import EngineConfig, with_sized_limits
 from vlmserve.core.scheduler import AdmissionLimits, Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.errors import PromptTooLongError
+from vlmserve.encoder.ledger import consumer_ledger
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.models.builtin import resolve_model
@@ -316,3 +317,5 @@ class EngineCore:
             "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),
         }
+            # embedding handles from encoder servers opened in this process
+            **{f"encoder_handles_{k}": v for k, v in vars(consumer_ledger().stats()).items()},

@@ -26,6 +26,8 @@ from typing import Any
 import zmq
 
 from vlmserve.config import EngineConfig
+from vlmserve.encoder.handles import HandleError
+from vlmserve.encoder.wire import open_handles
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.messages import (
     Abort,
@@ -123,9 +125,16 @@ class EngineCoreProc:
         return True
 
     def _add(self, identity: bytes, msg: AddRequest) -> None:
+        try:
+            embeds = open_handles(msg.images, self.core.executor.device)
+        except HandleError as e:
+            self._send(identity, RequestFailed(
+                msg.request_id, f"an image's embeddings could not be read from the encoder "
+                f"server ({e})"))
+            return
         images = [ImageInput(img.mm_hash, img.offset, img.length, img.pixels,
-                             tuple(img.grid_thw), self.transform, img.embeds)
-                  for img in msg.images]
+                             tuple(img.grid_thw), self.transform, rows)
+                  for img, rows in zip(msg.images, embeds, strict=True)]
         prompt = ProcessedPrompt(None, msg.prompt_token_ids, images, msg.mrope_positions,
                                  msg.mrope_delta)
         req = Request(msg.request_id, prompt, msg.sampling_params, tuple(msg.eos_token_ids))

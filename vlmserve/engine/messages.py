@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import torch
 
+from vlmserve.encoder.wire import HandleWire
 from vlmserve.sampling_params import SamplingParams
 
 _TENSOR_EXT = 1
@@ -33,6 +34,8 @@ class ImageData(msgspec.Struct, array_like=True):
     grid_thw: tuple[int, int, int]
     pixels: Any  # torch.Tensor [H, W, 3] uint8
     embeds: Any = None  # torch.Tensor [length, hidden]: encoded elsewhere (pixels empty)
+    # or its rows held by an encoder server, for the core to open (pixels empty)
+    handle: HandleWire | None = None
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

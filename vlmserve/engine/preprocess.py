@@ -10,7 +10,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 
+import torch
+
 from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
@@ -22,11 +25,13 @@ from vlmserve.sampling_params import SamplingParams
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
                 params: SamplingParams, request_id: str, image_loader: ImageLoader,
-                default_max_tokens: int | None = None) -> tuple[str | None, list[int], list]:
+                default_max_tokens: int | None = None,
+                encoder_client: EncoderClient | None = None) -> tuple[str | None, list[int], list]:
     """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
     raises an `InvalidRequestError`. A max_tokens given must fit the context after the
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
-    or as many as the context leaves room for."""
+    or as many as the context leaves room for. With `encoder_client`, the images are encoded
+    by encoder servers: an image sent there travels as an embedding handle, without pixels."""
     params.validate()
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
@@ -40,32 +45,47 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
     elif default_max_tokens is not None:  # the server's cap, within what fits
         params = dataclasses.replace(
             params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
+    images = [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels,
+                        img.embeds) for img in processed.images]
+    if encoder_client is not None and images:
+        for data, enc in zip(images, encoder_client.encode(processed.images), strict=True):
+            if enc is None:
+                continue
+            hidden = input_processor.hidden_size
+            if hidden is not None and enc.handle.shape[1:] != (hidden,):
+                raise EncoderUnavailableError(
+                    f"the encoder server returned rows of width {enc.handle.shape[1:]} for a "
+                    f"model whose embeddings have {hidden}: does it serve the same model?")
+            data.pixels, data.handle = _NO_PIXELS, enc.handle
     msg = AddRequest(
-        request_id, processed.prompt_token_ids,
-        [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels, img.embeds)
-         for img in processed.images],
+        request_id, processed.prompt_token_ids, images,
         processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
     return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
 
 
-_worker: tuple | None = None  # (input processor, limits, eos ids, encoder) in a pool process
+_NO_PIXELS = torch.empty((0, 0, 3), dtype=torch.uint8)
+# (input processor, limits, eos ids, message encoder, encoder client) in a pool process
+_worker: tuple | None = None
 
 
 def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], encoder_urls: tuple[str, ...] = (),
+                 encoder_transport: str = "auto") -> None:
     global _worker
     die_with_parent()
     _, hf_config, model_processor = load_model_processor(model)
+    client = EncoderClient(encoder_urls, encoder_transport) if encoder_urls else None
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size),
-               limits, eos_token_ids, Encoder())
+               limits, eos_token_ids, Encoder(), client)
 
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
                           image_loader: ImageLoader, default_max_tokens: int | None = None
                           ) -> tuple[str | None, list[int], list]:
     assert _worker is not None
-    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
-                                         default_max_tokens)
+    *common, client = _worker
+    text, token_ids, frames = preprocess(*common, prompt, params, request_id, image_loader,
+                                         default_max_tokens, client)
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 
@@ -74,13 +94,14 @@ def _ready() -> int:
 
 
 def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
-                eos_token_ids: tuple[int, ...], wait: bool = True
+                eos_token_ids: tuple[int, ...], wait: bool = True,
+                encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto"
                 ) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
     model's processor (so the first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(model, vocab_size, limits, eos_token_ids))
+        initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport))
     if not wait:
         return pool
     pids: set[int] = set()

@@ -87,6 +87,23 @@ class ServerConfig:
         2, "Processes per front end that fetch, decode, resize and hash images and tokenize "
         "prompts (0: threads of the front end, which then share its interpreter lock with "
         "HTTP and streaming).")
+    role: str = _opt(
+        "llm", "What this server runs: `llm` (the whole model, OpenAI API) or `encoder` (the "
+        "vision tower alone: POST /v1/encode returns embedding handles for LLM servers "
+        "started with --encoder-url).")
+    encoder_url: str | None = _opt(
+        None, "Comma-separated base URLs of encoder servers (`--role encoder`): requests' "
+        "images are encoded there (round-robin; the next URL when one fails), except "
+        "images encoded recently (the encoder cache holds them).")
+    encoder_transport: str = _opt(
+        "auto", "Embedding handles to ask encoder servers for: auto (CUDA IPC or shared "
+        "memory from a server on this host, bytes from another host), shm, cuda or bytes.")
+    encoder_lease: float = _opt(
+        30.0, "With --role encoder: seconds an LLM server has to open an embedding handle "
+        "before its rows are reclaimed.")
+    encoder_ledger_address: str | None = _opt(
+        None, "With --role encoder: zmq endpoint where consumers report opened and released "
+        "handles (default: an ipc:// socket, this host only; tcp://HOST:PORT for others).")
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")

@@ -32,6 +32,7 @@ import uvicorn
 from prometheus_client.multiprocess import mark_process_dead
 
 from vlmserve.config import EngineConfig
+from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
@@ -104,7 +105,9 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
     """Run one HTTP front end on `sock` until it stops; its exit code. Without `core`, it
     starts the engine core itself."""
     engine = AsyncLLM(config, core=core, log_level=cfg.log_level,
-                      preprocess_workers=cfg.preprocess_workers)
+                      preprocess_workers=cfg.preprocess_workers,
+                      encoder_urls=[u for u in (cfg.encoder_url or "").split(",") if u],
+                      encoder_transport=cfg.encoder_transport)
     try:
         app = build_app(engine, cfg)
         server = _Server(
@@ -116,6 +119,28 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
         return server.exit_code
     finally:
         engine.shutdown()
+
+
+def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
+    """`vlmserve serve --role encoder`: the vision tower behind POST /v1/encode, until
+    SIGTERM or Ctrl-C; every live handle is reclaimed as it stops."""
+    from vlmserve.encoder.encoder import MultimodalEncoder
+    from vlmserve.entrypoints.openai.encoder_server import build_encoder_app, encoder_kwargs
+
+    sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails now
+    encoder = MultimodalEncoder(**encoder_kwargs(cfg, kwargs))
+    try:
+        app = build_encoder_app(encoder, cfg)
+        logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
+                    kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
+                    cfg.encoder_lease)
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level)).run(sockets=[sock])
+        finally:
+            app.state.batcher.close()
+        return 0
+    finally:
+        encoder.shutdown()
 
 
 def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
@@ -216,7 +241,13 @@ def run_server(args: Any) -> None:
     cfg = ServerConfig.from_args(args)
     if cfg.api_server_count < 1:
         raise SystemExit("error: --api-server-count must be >= 1")
+    if cfg.role not in ("llm", "encoder"):
+        raise SystemExit(f"error: --role must be llm or encoder, not {cfg.role!r}")
+    if cfg.encoder_transport not in TRANSPORTS:
+        raise SystemExit(f"error: --encoder-transport must be one of {', '.join(TRANSPORTS)}")
     _setup_logging(cfg)
+    if cfg.role == "encoder":
+        sys.exit(serve_encoder(cfg, engine_kwargs(args)))
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     sock = bind_socket(cfg.host, cfg.port)
     if cfg.api_server_count == 1:

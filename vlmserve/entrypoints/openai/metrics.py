@@ -50,6 +50,13 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("vlmserve_prefix_cache_hit_rate",
                                      "Share of looked-up prompt tokens found cached (0-1).",
                                      **core)
+        # embedding handles from encoder servers (--encoder-url), opened by the engine core
+        self.handles = {k: Gauge(f"vlmserve_encoder_handles_{k}", text, **core) for k, text in (
+            ("opened", "Embedding handles from encoder servers opened."),
+            ("released", "Embedding handles released to their encoder server."),
+            ("failed", "Embedding handles that could not be read (expired, gone)."),
+            ("refused", "Second opens of a handle, refused."),
+            ("live", "Embedding handles opened and not released yet."))}
         self.prompt_tokens = Counter("vlmserve_prompt_tokens",
                                      "Prompt tokens of finished requests (images included).",
                                      registry=r)
@@ -112,6 +119,8 @@ class ServerMetrics:
         self.prefix_queried.set(s.get("prefix_cache_queried_tokens", 0))
         self.prefix_hits.set(s.get("prefix_cache_hit_tokens", 0))
         self.prefix_hit_rate.set(s.get("prefix_cache_hit_rate", 0.0))
+        for k, gauge in self.handles.items():
+            gauge.set(s.get(f"encoder_handles_{k}", 0))
         if self.multiproc_dir is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlmserve.encoder.client import EncoderUnavailableError
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.streams import RequestFailedError
@@ -523,6 +524,10 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
         except TimeoutError:
             return error_response(503, f"the engine did not answer within {limit:g} s",
                                   type="server_error")
+    @app.exception_handler(EncoderUnavailableError)
+    async def _no_encoder(_: Request, e: EncoderUnavailableError) -> JSONResponse:
+        return error_response(503, str(e), type="server_error")
+
         if stalled > limit:
             return error_response(503, f"the engine has computed no token for {stalled:.0f} s "
                                        "while requests wait", type="server_error")

@@ -1,0 +1,111 @@
+"""Encode / prefill-decode as real servers on loopback ports: `vlmserve serve --role encoder`
+and `vlmserve serve --encoder-url ...`. The LLM server's answers equal a single process's;
+every embedding handle is opened once and released (none live, no shared-memory segment
+left); images encoded recently are not sent again; a dead encoder URL fails over to the
+next; bad input to /v1/encode is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+import pytest
+
+from tests.e2e.test_server import data_url, greedy, user
+from tests.e2e.test_server_procs import MODEL, ServeProc, _free_port, _stream
+from tests.encoder.helpers import segments, wait_until
+from tests.engine.helpers import make_image
+from vlmserve import LLM
+from vlmserve.encoder.wire import EncodeResponse, from_wire
+
+IMAGES = [make_image(56, 56, 1), make_image(84, 56, 2), make_image(56, 112, 3)]
+
+
+@pytest.fixture(scope="module")
+def epd(vlmserve_cache):
+    """An encoder server and an LLM server using it (a dead URL first: it fails over)."""
+    enc = ServeProc("--role", "encoder", "--encoder-lease", "20")
+    dead = f"http://127.0.0.1:{_free_port()}"
+    try:
+        llm = ServeProc("--encoder-url", f"{dead},{enc.url}", "--preprocess-workers", "1")
+    except BaseException:
+        enc.kill()
+        raise
+    yield enc, llm
+    llm.kill()
+    enc.kill()
+
+
+def _conversations() -> list[list[dict]]:
+    urls = [data_url(img) for img in IMAGES]
+    return [user("Describe.", urls[0]), user("Compare.", urls[1], urls[2]),
+            user("Again.", urls[0], urls[1]), user("No image here."),
+            user("Twice.", urls[2], urls[2])]
+
+
+def test_epd_answers_like_one_process_and_frees_every_handle(epd) -> None:
+    enc, llm = epd
+    convs = _conversations()
+    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    expected = [o.outputs[0].text for o in ref.chat(convs, greedy(12), use_tqdm=False)]
+
+    async def run_all() -> list[str]:
+        async with llm.client() as client:
+            out = [await _stream(client, convs[0], 12)]  # image 0 alone first
+            return out + list(await asyncio.gather(*(_stream(client, m, 12)
+                                                     for m in convs[1:])))
+
+    assert asyncio.run(run_all()) == expected
+    stats = httpx.get(enc.url + "/stats", timeout=10).json()
+    # the three distinct images, each sent once: image 0 was encoded for the first request
+    # and not sent again; a repeated image in one request is sent once
+    assert stats["encoded_images"] == 3
+    assert wait_until(lambda: httpx.get(enc.url + "/stats").json()["ledger"]["live_handles"]
+                      == 0, 10)
+    ledger = httpx.get(enc.url + "/stats").json()["ledger"]
+    assert ledger["exported"] == ledger["released"] == 3 and ledger["reclaimed"] == 0
+    assert ledger["double_opens"] == 0
+    assert segments(f"vlms-{enc.proc.pid}x") == []
+    core = llm.stats()
+    assert core["encoder_handles_opened"] == core["encoder_handles_released"] == 3
+    assert core["encoder_handles_live"] == core["encoder_handles_failed"] == 0
+    metrics = httpx.get(enc.url + "/metrics").text
+    assert "vlmserve_encoder_live_handles 0.0" in metrics
+    assert "vlmserve_encoder_handles_opened 3.0" in httpx.get(llm.url + "/metrics").text
+
+
+def test_encode_endpoint_json_and_its_errors(epd) -> None:
+    enc, _ = epd
+    r = httpx.post(enc.url + "/v1/encode", json={"images": [data_url(make_image(56, 84, 9))],
+                                                  "transport": "bytes"}, timeout=60)
+    assert r.status_code == 200, r.text
+    img = msgspec.json.decode(r.content, type=EncodeResponse).images[0]
+    assert img.length == 6 and img.grid_thw == (1, 6, 4)  # 84x56 px: 6x4 patches, merged 2x2
+    rows = from_wire(img.handle).open()
+    assert rows.shape[0] == img.length and rows.abs().sum() > 0
+    for body, needle in [({"images": []}, "at least one image"),
+                         ({"images": ["data:image/png;base64,AAAA"]}, "image 1"),
+                         ({"images": ["/etc/passwd"]}, "local image paths are not allowed"),
+                         ({"images": [data_url(IMAGES[0])], "transport": "pigeon"},
+                          "transport"),
+                         ({"imgs": []}, "imgs")]:
+        r = httpx.post(enc.url + "/v1/encode", json=body, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+    assert httpx.get(enc.url + "/health").status_code == 200
+
+
+def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    llm = ServeProc("--encoder-url", dead, "--preprocess-workers", "0")
+    try:
+        r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": user("Hi.", data_url(IMAGES[0])), "max_tokens": 2})
+        assert r.status_code == 503 and "no encoder server" in r.json()["error"]["message"]
+        # text-only requests do not need the encoder
+        r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": user("Hi."), "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        llm.kill()

@@ -1,0 +1,133 @@
+"""An LLM server's client of encoder servers (`vlmserve serve --encoder-url URL[,URL...]`).
+
+A front end has preprocessed a request (images decoded, resized and hashed, prompt expanded);
+`EncoderClient.encode` sends the images' pixels to an encoder server (`POST /v1/encode`,
+msgpack), round-robin over the URLs, trying the next one when a server cannot be reached or
+answers with a server error, and returns an embedding handle per image for the engine core to
+open. Images whose content hash this client had encoded recently are not sent again: the
+engine core's encoder cache very likely still holds them, and their pixels travel with the
+request so that the core encodes them itself if it does not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import urllib.parse
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+
+from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, PixelImage
+from vlmserve.errors import InvalidRequestError
+from vlmserve.multimodal.inputs import ImageInput
+
+logger = logging.getLogger(__name__)
+MSGPACK = "application/msgpack"
+
+
+class EncoderUnavailableError(RuntimeError):
+    """No encoder server could encode a request's images."""
+
+
+def _is_local(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return all(info[4][0].startswith("127.") or info[4][0] == "::1"
+                   for info in socket.getaddrinfo(host, None))
+    except OSError:
+        return False
+
+
+class EncoderClient:
+    """Args:
+        urls: base URLs of encoder servers (``http://host:port``).
+        transport: handle kind to ask for; ``auto``: the server's own (CUDA IPC or shared
+            memory) for a server on this host, ``bytes`` for one on another host.
+        timeout: seconds for one server to answer.
+        remember: content hashes of images encoded recently to keep (not sent again).
+    """
+
+    def __init__(self, urls: Sequence[str], transport: str = "auto", timeout: float = 60.0,
+                 remember: int = 4096) -> None:
+        import httpx
+
+        self.urls = [u.rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError("no encoder URL given")
+        self.transports = [transport if transport != "auto" or _is_local(u) else "bytes"
+                           for u in self.urls]
+        self._http = httpx.Client(timeout=timeout)
+        self._next = itertools.count()
+        self._remember = remember
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._decoder = msgspec.msgpack.Decoder(EncodeResponse)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.sent_images = self.skipped_images = self.failovers = 0
+
+    def encode(self, images: Sequence[ImageInput]) -> list[EncodedImageWire | None]:
+        """A handle per image, None for the images not sent (encoded recently). Raises
+        `EncoderUnavailableError` when no server could encode them, `InvalidRequestError`
+        when a server refused them as bad input."""
+        with self._lock:
+            send = [img for img in images if img.mm_hash not in self._recent]
+        out: dict[str, EncodedImageWire] = {}
+        if send:
+            unique = list({img.mm_hash: img for img in send}.values())
+            for img, enc in zip(unique, self._post(unique), strict=True):
+                out[img.mm_hash] = enc
+        with self._lock:
+            for img in images:
+                self._recent[img.mm_hash] = None
+                self._recent.move_to_end(img.mm_hash)
+            while len(self._recent) > self._remember:
+                self._recent.popitem(last=False)
+            self.sent_images += len(out)
+            self.skipped_images += len(images) - len(send)
+        # each occurrence needs a handle of its own: a repeated image within the request is
+        # opened once by the core, the other occurrences go with their pixels
+        result: list[EncodedImageWire | None] = []
+        for img in images:
+            result.append(out.pop(img.mm_hash, None))
+        return result
+
+    def _post(self, images: list[ImageInput]) -> list[EncodedImageWire]:
+        start = next(self._next)
+        errors = []
+        for k in range(len(self.urls)):
+            i = (start + k) % len(self.urls)
+            body = self._encoder.encode(EncodeRequest(images=[
+                PixelImage(mm_hash=img.mm_hash, grid_thw=tuple(img.grid_thw),
+                           height=img.pixels.shape[0], width=img.pixels.shape[1],
+                           pixels=img.pixels.contiguous().numpy().tobytes())
+                for img in images], transport=self.transports[i]))
+            try:
+                r = self._http.post(self.urls[i] + "/v1/encode", content=body,
+                                    headers={"content-type": MSGPACK, "accept": MSGPACK})
+            except Exception as e:  # noqa: BLE001 - unreachable, timed out: the next one
+                errors.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
+            else:
+                if r.status_code == 200:
+                    got = self._decoder.decode(r.content).images
+                    if [g.mm_hash for g in got] != [img.mm_hash for img in images]:
+                        raise EncoderUnavailableError(
+                            f"encoder server {self.urls[i]} answered for other images")
+                    return got
+                if 400 <= r.status_code < 500:
+                    raise InvalidRequestError(f"the encoder server refused the images: "
+                                              f"{r.text[:300]}")
+                errors.append(f"{self.urls[i]}: HTTP {r.status_code}: {r.text[:200]}")
+            with self._lock:
+                self.failovers += 1
+            logger.warning("encoder server failed (%s); trying the next one", errors[-1])
+        raise EncoderUnavailableError("no encoder server could encode the request's images: "
+                                      + "; ".join(errors))
+
+    def close(self) -> None:
+        self._http.close()

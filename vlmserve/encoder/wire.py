@@ -1,0 +1,159 @@
+"""Embedding handles on the wire: typed msgspec structs (msgpack between processes, JSON over
+HTTP with bytes as base64), never pickle, so a handle from an encoder server can be read by a
+front end and forwarded to the engine core without running code that came with it.
+
+    to_wire(handle) -> ShmWire | CudaWire | BytesWire      from_wire(wire) -> EmbeddingHandle
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from vlmserve.encoder.handles import (
+    BytesHandle,
+    CudaIpcHandle,
+    EmbeddingHandle,
+    HandleError,
+    ShmHandle,
+)
+
+
+class _Common(msgspec.Struct, tag_field="kind", kw_only=True):
+    handle_id: str
+    shape: tuple[int, ...]
+    dtype: str
+    release_address: str | None
+    expires_at: float
+
+
+class ShmWire(_Common, tag="shm"):
+    segment: str
+
+
+class BytesWire(_Common, tag="bytes"):
+    data: bytes
+
+
+class CudaWire(_Common, tag="cuda"):
+    """The fields of ``reduce_tensor``'s rebuild arguments that are data (the classes and the
+    rebuild function are fixed on the consumer's side)."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    typed_storage: bool
+    device: int
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+HandleWire = ShmWire | BytesWire | CudaWire
+
+
+def to_wire(h: EmbeddingHandle) -> HandleWire:
+    common = dict(handle_id=h.handle_id, shape=tuple(h.shape), dtype=h.dtype,
+                  release_address=h.release_address, expires_at=h.expires_at)
+    if isinstance(h, ShmHandle):
+        return ShmWire(**common, segment=h.segment)
+    if isinstance(h, BytesHandle):
+        return BytesWire(**common, data=h.data)
+    if isinstance(h, CudaIpcHandle):
+        (_, size, stride, offset, storage_cls, _, device, ipc_handle, size_bytes, offset_bytes,
+         _, rc_handle, rc_offset, event_handle, event_sync) = h.args
+        return CudaWire(**common, size=tuple(size), stride=tuple(stride), offset=offset,
+                        typed_storage=storage_cls is torch.storage.TypedStorage,
+                        device=int(device), ipc_handle=ipc_handle,
+                        storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
+                        ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
+                        event_handle=event_handle, event_sync_required=event_sync)
+    raise TypeError(f"no wire form for {type(h).__name__}")
+
+
+def from_wire(w: HandleWire) -> EmbeddingHandle:
+    common = (w.handle_id, tuple(w.shape), w.dtype, w.release_address, w.expires_at)
+    if not hasattr(torch, w.dtype) or not isinstance(getattr(torch, w.dtype), torch.dtype):
+        raise HandleError(f"handle {w.handle_id}: unknown dtype {w.dtype!r}")
+    if isinstance(w, ShmWire):
+        return ShmHandle(*common, segment=w.segment)
+    if isinstance(w, BytesWire):
+        return BytesHandle(*common, data=w.data)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    storage_cls = torch.storage.TypedStorage if w.typed_storage else torch.UntypedStorage
+    args = (torch.Tensor, torch.Size(w.size), tuple(w.stride), w.offset, storage_cls,
+            getattr(torch, w.dtype), w.device, w.ipc_handle, w.storage_size_bytes,
+            w.storage_offset_bytes, False, w.ref_counter_handle, w.ref_counter_offset,
+            w.event_handle, w.event_sync_required)
+    return CudaIpcHandle(*common, rebuild=rebuild_cuda_tensor, args=args)
+
+
+# ---- POST /v1/encode -----------------------------------------------------------------------
+
+
+class PixelImage(msgspec.Struct, kw_only=True):
+    """An image already preprocessed by an LLM server's front end: its content hash, its
+    patch grid and its resized ``[height, width, 3]`` uint8 pixels (the encoder does not
+    decode, resize or hash it again)."""
+
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+    height: int
+    width: int
+    pixels: bytes
+
+
+class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``images``: image URLs (``data:`` URLs; http(s) and local paths where the encoder
+    server allows them) or `PixelImage`s. ``transport``: the handle kind, ``auto`` (CUDA IPC on
+    a CUDA encoder, shared memory on a CPU one: both need the consumer on the same host),
+    ``shm``, ``cuda`` or ``bytes`` (inline, for a consumer on another host)."""
+
+    images: list[str | PixelImage]
+    transport: str = "auto"
+
+
+class EncodedImageWire(msgspec.Struct, kw_only=True):
+    mm_hash: str
+    length: int  # embedding rows == the image's placeholder tokens
+    grid_thw: tuple[int, int, int]
+    handle: HandleWire
+
+
+class EncodeResponse(msgspec.Struct, kw_only=True):
+    images: list[EncodedImageWire]
+
+
+def open_handles(images: Sequence[Any], device: torch.device) -> list[torch.Tensor | None]:
+    """Each image's rows: its ``embeds``, or its ``handle`` opened once (on ``device`` for a
+    CUDA handle, on the host otherwise) and released. If one fails (`HandleError`), the
+    handles not opened yet are released unread before the error is raised."""
+    out: list[torch.Tensor | None] = []
+    for i, img in enumerate(images):
+        if img.handle is None:
+            out.append(img.embeds)
+            continue
+        try:
+            h = from_wire(img.handle)
+            if len(h.shape) != 2 or h.shape[0] != img.length:
+                h.release()
+                raise HandleError(f"handle {h.handle_id}: rows {tuple(h.shape)} for an image "
+                                  f"of {img.length} tokens")
+            rows = h.open(device if isinstance(h, CudaIpcHandle) else "cpu")
+        except BaseException:
+            for rest in images[i + 1:]:
+                if rest.handle is not None:
+                    with contextlib.suppress(Exception):
+                        from_wire(rest.handle).release()
+            raise
+        out.append(rows)
+    return out

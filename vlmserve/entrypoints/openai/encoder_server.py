@@ -1,0 +1,212 @@
+"""The encoder server (`vlmserve serve MODEL --role encoder`): the vision tower alone.
+
+    POST /v1/encode   {"images": [URL | data URL | preprocessed pixels], "transport": ...}
+                      -> {"images": [{mm_hash, length, grid_thw, handle}]}  (JSON or msgpack)
+    GET  /health, /stats, /metrics
+
+Requests that arrive while the tower runs wait and then go together: every step encodes all
+images of all waiting requests in one forward (`MultimodalEncoder.encode`). Each image gets an
+embedding handle recorded in the encoder's ledger until its consumer (an LLM server started
+with `--encoder-url`) opens and releases it, or its lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Any
+
+import msgspec
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from vlmserve.encoder.encoder import MultimodalEncoder
+from vlmserve.encoder.ledger import TRANSPORTS
+from vlmserve.encoder.wire import (
+    EncodedImageWire,
+    EncodeRequest,
+    EncodeResponse,
+    PixelImage,
+    to_wire,
+)
+from vlmserve.entrypoints.args import ServerConfig
+from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.multimodal.image import RestrictedImageLoader
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+
+logger = logging.getLogger("vlmserve.encoder_server")
+MSGPACK = "application/msgpack"
+
+
+class _Batcher:
+    """One thread owns the encoder: it takes every waiting job and encodes them together."""
+
+    def __init__(self, encoder: MultimodalEncoder) -> None:
+        self.encoder = encoder
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="vlmserve-encoder", daemon=True)
+        self._thread.start()
+
+    async def encode(self, prompt: ProcessedPrompt, transport: str) -> list[EncodedImageWire]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._jobs.put((prompt, transport, loop, fut))
+        return await fut
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            jobs = [job]
+            while True:
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._jobs.put(None)
+                    break
+                jobs.append(more)
+            for transport in {j[1] for j in jobs}:  # one forward per handle kind asked
+                group = [j for j in jobs if j[1] == transport]
+                try:
+                    outs = self.encoder.encode([j[0] for j in group], transport=transport)
+                    results: list[Any] = [[EncodedImageWire(
+                        mm_hash=img.mm_hash, length=img.length, grid_thw=img.grid_thw,
+                        handle=to_wire(img.handle)) for img in out.images] for out in outs]
+                except Exception as e:  # noqa: BLE001 - each waiting request is told
+                    logger.exception("encoding failed")
+                    results = [e] * len(group)
+                for (_, _, loop, fut), result in zip(group, results, strict=True):
+                    loop.call_soon_threadsafe(_settle, fut, result)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(30)
+
+
+def _settle(fut: asyncio.Future, result: Any) -> None:
+    if fut.done():  # the client left
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status)
+
+
+def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
+    processor = encoder.model_processor
+    # data URLs, and paths under --allowed-local-media-path; no remote fetching here
+    loader = RestrictedImageLoader(
+        allowed_local_dir=cfg.allowed_local_media_path, max_pixels=cfg.max_image_pixels,
+        max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes)
+    batcher = _Batcher(encoder)
+    app = FastAPI(title="vlmserve encoder", description="The vision tower as a service")
+    app.state.encoder, app.state.batcher = encoder, batcher
+    json_decoder = msgspec.json.Decoder(EncodeRequest)
+    msgpack_decoder = msgspec.msgpack.Decoder(EncodeRequest)
+
+    def from_pixels(img: PixelImage) -> ImageInput:
+        if img.height <= 0 or img.width <= 0 or len(img.pixels) != img.height * img.width * 3:
+            raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes for "
+                                    f"{img.height}x{img.width}x3 pixels")
+        grid = tuple(img.grid_thw)
+        if grid != (1, img.height // processor.patch_size, img.width // processor.patch_size):
+            raise InvalidImageError(f"image {img.mm_hash[:12]}: grid {grid} does not fit "
+                                    f"{img.height}x{img.width} pixels")
+        pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(
+            img.height, img.width, 3)
+        return ImageInput(img.mm_hash, 0, processor.num_image_tokens(grid), pixels, grid,
+                          processor.pixel_transform)
+
+    def preprocess(req: EncodeRequest) -> ProcessedPrompt:
+        """The request's images as one prompt of image placeholders (the engine's own
+        preprocessing decodes, resizes and hashes the URLs)."""
+        if not req.images:
+            raise InvalidRequestError("images: give at least one image")
+        if len(req.images) > cfg.limit_mm_per_prompt:
+            raise InvalidRequestError(f"images: at most {cfg.limit_mm_per_prompt} per request")
+        if req.transport not in TRANSPORTS:
+            raise InvalidRequestError(f"transport: one of {', '.join(TRANSPORTS)}")
+        urls = [src for src in req.images if isinstance(src, str)]
+        decoded = iter(encoder.process({
+            "prompt_token_ids": [processor.image_token_id, 0] * len(urls),
+            "multi_modal_data": {"image": loader.load_all(urls)}}).images if urls else ())
+        images = [next(decoded) if isinstance(src, str) else from_pixels(src)
+                  for src in req.images]
+        return ProcessedPrompt(None, [], images)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.error("internal error: %r", e)
+        return _error(500, f"internal server error: {type(e).__name__}", "server_error")
+
+    @app.post("/v1/encode")
+    async def encode(request: Request) -> Response:
+        body = await request.body()
+        binary = request.headers.get("content-type", "").startswith(MSGPACK)
+        try:
+            req = (msgpack_decoder if binary else json_decoder).decode(body)
+        except msgspec.DecodeError as e:
+            return _error(400, f"bad request body: {e}")
+        prompt = await asyncio.to_thread(preprocess, req)
+        transport = encoder.transport if req.transport == "auto" else req.transport
+        resp = EncodeResponse(images=await batcher.encode(prompt, transport))
+        if MSGPACK in request.headers.get("accept", "") or binary:
+            return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
+        return Response(msgspec.json.encode(resp), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(dataclasses.asdict(encoder.get_stats()))
+
+    registry = CollectorRegistry()
+    gauges = {name: Gauge(f"vlmserve_encoder_{name}", help_text, registry=registry)
+              for name, help_text in _GAUGES.items()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        s = encoder.get_stats()
+        values = {**vars(s.ledger), **{k: v for k, v in vars(s).items() if k != "ledger"}}
+        for name, gauge in gauges.items():
+            gauge.set(values.get(name, 0))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+_GAUGES = {
+    "requests": "Requests encoded.",
+    "images": "Images in the requests encoded.",
+    "encoded_images": "Distinct images through the vision tower.",
+    "batches": "Vision-tower forwards.",
+    "live_handles": "Embedding handles exported and not freed yet.",
+    "live_bytes": "Bytes held for live handles (shared memory, GPU blocks).",
+    "exported": "Embedding handles exported.",
+    "released": "Handles freed on their consumer's release.",
+    "reclaimed": "Handles freed at their lease, never released by a consumer.",
+    "double_opens": "Opens of a handle already opened or released.",
+}
+
+
+def encoder_kwargs(cfg: ServerConfig, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`MultimodalEncoder` options of `vlmserve serve --role encoder`."""
+    return {**engine_kwargs, "lease_s": cfg.encoder_lease,
+            "ledger_address": cfg.encoder_ledger_address,
+            "transport": cfg.encoder_transport}
