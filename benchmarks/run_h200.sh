@@ -29,6 +29,10 @@
 #   multiturn: 64 conversations x 4 turns (2 images first), prefix caching: vlmserve serve,
 #             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
+#   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
+#             check), export + open + copy time per image; the negative control
+#   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
+#             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -185,6 +189,37 @@ w1prefix)  # W1 offline (sbs.py, 512 requests, no shared prefixes): prefix cachi
   BS1=0 step w1_prefix_off 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W \
     enable_prefix_caching=False
   BS1=0 step w1_prefix_on2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
+epdipc)
+  [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
+  TAIL=12 step ipc 300 $B.encoder_ipc --model /tmp/q2vl2b --requests 1000 --out "$OUT/ipc.json"
+  TAIL=12 step ipc_negative 200 $B.encoder_ipc --model /tmp/q2vl2b --requests 300 \
+    --unopened-per-request 1 --out "$OUT/ipc_negative.json" ;;
+epdserve)
+  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
+    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
+  up() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; sleep 1; done; return 1; }
+  A="--max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.8 --api-server-count 4"
+  bench() { PYTHONPATH=$PWD:/tmp/deps step "serve_$1" 300 python3 -m vlmserve.benchmarks.serve \
+    --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
+    --runs "${RUNS:-inf@16,inf@64}" --out-dir "$OUT/$1"; }
+  for mode in ${EPD_MODES:-epd single}; do
+    extra=""
+    if [ "$mode" = epd ]; then
+      PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --role encoder --port 8003 \
+        > "$OUT/encoder_server.log" 2>&1 &
+      enc=$!; up 8003; extra="--encoder-url http://127.0.0.1:8003"
+    fi
+    PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 $A $extra \
+      > "$OUT/llm_$mode.log" 2>&1 &
+    pid=$!; up 8001 && bench "$mode"
+    curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
+    if [ "$mode" = epd ]; then
+      curl -s localhost:8003/stats > "$OUT/encoder_stats.json"; cat "$OUT/encoder_stats.json"
+      echo; kill $enc; wait $enc
+    fi
+    kill $pid; wait $pid
+  done ;;
 *) echo "unknown section $section" ;;
 esac
 done

@@ -77,3 +77,20 @@ def open_cuda(inbox, outbox, hang_after: int | None = None) -> None:
     stats = consumer_ledger().stats()
     consumer_ledger().close()
     outbox.put((results, stats))
+
+
+def open_wire_cuda(inbox, outbox) -> None:
+    """CUDA consumer of handles on the wire (msgpack bytes, no pickle): open each on this
+    process's GPU as the engine core does, answer with the digests and the ledger."""
+    import msgspec
+
+    from vlmserve.encoder.ledger import consumer_ledger
+    from vlmserve.encoder.wire import HandleWire, from_wire
+
+    torch.cuda.init()
+    outbox.put("started")
+    wires = msgspec.msgpack.decode(inbox.get(), type=list[HandleWire])
+    results = {w.handle_id: digest(from_wire(w).open("cuda").cpu()) for w in wires}
+    stats = consumer_ledger().stats()
+    consumer_ledger().close()
+    outbox.put((results, stats))

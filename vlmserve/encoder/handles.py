@@ -223,13 +223,40 @@ class CudaIpcHandle(EmbeddingHandle):
     def _default_device(self) -> torch.device:
         return self.args[6] if len(self.args) > 6 else torch.device("cuda")
 
+    def open(self, device: torch.device | str | None = None,
+             ledger: ConsumerLedger | None = None) -> torch.Tensor:
+        """The rows in a new tensor on ``device`` (default: the producer's GPU). On a GPU the
+        copy runs on a side stream of its own: a consumer whose current stream is busy (an
+        engine step in flight) does not wait for it."""
+        device = torch.device(device if device is not None else self._default_device())
+        if device.type != "cuda":
+            return super().open(device, ledger)
+        side = _side_stream(device)
+        with torch.cuda.stream(side):
+            dst = torch.empty(self.shape, dtype=self.torch_dtype, device=device)
+            self.copy_into(dst, ledger)
+        dst.record_stream(torch.cuda.current_stream(device))  # used there from now on
+        return dst
+
     def _read_into(self, dst: torch.Tensor) -> None:
         src = self.rebuild(*self.args)
         with torch.cuda.device(src.device):
             dst.copy_(src)
-            # the rows must be read before the producer may reuse them
+            # the rows must be read before the producer may reuse them (only this copy's
+            # stream is waited for)
             torch.cuda.current_stream(src.device).synchronize()
         del src  # frees the mapping; PyTorch decrements the producer's ref counter
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class CudaBacking:
