@@ -5,6 +5,9 @@ prompts exactly as the engine's admission does (same token ids, content hashes, 
 positions), runs every image of every given request through the tower in one forward, and
 returns per request an `EncoderOutput` whose images carry embedding handles (see handles.py)
 recorded in a `HandleLedger` until the consumer releases them or their lease runs out.
+With ``tensor_parallel_size=N`` it runs N ranks (see parallel.py): each encodes its share of
+a call's images, every rank holds all the rows, only rank 0 (whose outputs are returned)
+exports handles.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from vlmserve.config import EngineConfig
 from vlmserve.encoder.handles import EmbeddingHandle
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
+from vlmserve.encoder.parallel import EncoderGroup, Followers, split_by_rows
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.executor.uniproc import resolve_device, resolve_dtype
 from vlmserve.layers.fused import FusedOps
@@ -77,6 +81,8 @@ class EncoderStats:
     batches: int = 0  # tower forwards
     handles_not_exported: int = 0  # images of requests this rank does not deliver
     ledger: LedgerStats = field(default_factory=LedgerStats)
+    # tensor-parallel rank 0 only: every rank's own stats, index = rank (rank 0's first)
+    ranks: list[EncoderStats] = field(default_factory=list)
 
 
 def iter_vision_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,20 +123,51 @@ class MultimodalEncoder:
             exports handles (``encode(export=...)`` overrides per call).
         export_only_delivered: False switches that rule off: every rank exports (the negative
             control: a follower's handles are never opened and wait for their lease).
+        tensor_parallel_size: N > 1 spawns ranks 1..N-1 (a GPU each on CUDA, gloo on the
+            CPU); each call's images are split among the ranks by rows and the rows gathered
+            on every rank. ``rank`` must then be 0.
+        tp_timeout_s: how long rank 0 waits for the other ranks in a call before it gives
+            up with `EncoderRankError` (at start, for them to load: at least 300 s); a rank
+            that dies is noticed at once.
     """
 
     def __init__(self, model: str = "tiny-qwen2-vl", *, transport: str = "auto",
                  lease_s: float = 30.0, ledger_address: str | None = None, rank: int = 0,
-                 export_only_delivered: bool = True, **kwargs: Any) -> None:
+                 export_only_delivered: bool = True, tp_timeout_s: float = 300.0,
+                 _group: EncoderGroup | None = None, **kwargs: Any) -> None:
+        # _group: set by parallel.py when this encoder is a follower rank
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         mc = self.config.model_config
-        if self.config.parallel_config.tensor_parallel_size > 1:
-            raise NotImplementedError("a tensor-parallel encoder is not built yet; "
-                                      "use tensor_parallel_size=1")
+        world = self.config.parallel_config.tensor_parallel_size
+        self.followers: Followers | None = None  # rank 0 of a tensor-parallel encoder
+        self.group = _group  # the ranks' group (set on every rank when world > 1)
+        self.device = resolve_device(mc.device, rank if world > 1 else None)
+        if world > 1 and _group is None:
+            if rank != 0:
+                raise ValueError("a tensor-parallel encoder starts its ranks 1..N-1 itself; "
+                                 f"create it with rank=0 (got rank={rank})")
+            options = {"engine": kwargs, "encoder": {
+                "transport": transport, "lease_s": lease_s, "tp_timeout_s": tp_timeout_s,
+                "export_only_delivered": export_only_delivered}}
+            self.followers = Followers(world, model, options, self.device, tp_timeout_s)
+        try:
+            self._load(mc)
+            if self.followers is not None:
+                self.group = self.followers.connect()
+            self.ledger = HandleLedger(ledger_address, lease_s=lease_s)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.stop(join_s=2.0)
+            raise
+        self.transport = transport
+        self.rank = rank
+        self.export_only_delivered = export_only_delivered
+        self._stats = EncoderStats()
+
+    def _load(self, mc) -> None:
         self.model_path = resolve_model(mc.model)
         self.hf_config = load_hf_config(self.model_path)
         model_cls = resolve_model_class(self.hf_config)
-        self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
         self.vision = build_vision_tower(self.hf_config, self.dtype, self.device)
@@ -148,11 +185,6 @@ class MultimodalEncoder:
         self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config)
         text = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.input_processor = InputProcessor(self.model_processor, text.vocab_size)
-        self.transport = transport
-        self.rank = rank
-        self.export_only_delivered = export_only_delivered
-        self.ledger = HandleLedger(ledger_address, lease_s=lease_s)
-        self._stats = EncoderStats()
 
     @property
     def delivers(self) -> bool:
@@ -177,13 +209,26 @@ class MultimodalEncoder:
         Each image occurrence gets a handle of its own (``transport``, default the encoder's)
         when ``export`` (default: `delivers`) holds, or always with
         ``export_only_delivered=False``; else its ``handle`` is None and nothing is held.
+        With tensor parallelism the processed requests go to every rank first (each encodes
+        its share; the other ranks' ``export`` is their default); a rank that died or stopped
+        answering raises `EncoderRankError`.
         """
         processed = [r if isinstance(r, ProcessedPrompt) else self.process(r) for r in requests]
+        transport = transport or self.transport
+        if self.followers is not None:
+            self.followers.run(lambda: self.group.broadcast_object(
+                ("encode", processed, transport)))
+        return self._encode_processed(processed, transport, export)
+
+    @torch.inference_mode()
+    def _encode_processed(self, processed: list[ProcessedPrompt], transport: str,
+                          export: bool | None) -> list[EncoderOutput]:
+        """`encode` after the preprocessing: every rank of a tensor-parallel encoder runs
+        this on the same requests."""
         if export is None:
             export = self.delivers
         export = export or not self.export_only_delivered
-        transport = transport or self.transport
-        rows = self._run_tower([img for p in processed for img in p.images])
+        rows = self._rows([img for p in processed for img in p.images])
         outputs = []
         s = self._stats
         for p in processed:
@@ -199,15 +244,45 @@ class MultimodalEncoder:
             s.images += len(images)
         return outputs
 
-    def _run_tower(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
-        """Rows of every distinct image (by content hash), from one forward: largest first,
-        equal sizes together (as the engine's encoder runner orders them), the grid on the
-        host, uint8 pixels to the device in one copy, then rescaled, normalized and
-        patchified there."""
+    def _rows(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Rows of every distinct image (by content hash). Largest first, equal sizes
+        together (as the engine's encoder runner orders them); with tensor parallelism each
+        rank runs its share (`split_by_rows`) and the rows are all-gathered: every rank ends
+        with every image's rows. A rank whose share fails makes every rank raise."""
         unique = list({img.mm_hash: img for img in images}.values())
+        unique.sort(key=lambda img: (-img.length, img.pixels.shape))
+        if self.group is None:
+            return self._run_tower(unique)
         if not unique:
             return {}
-        unique.sort(key=lambda img: (-img.length, img.pixels.shape))
+        lengths = [img.length for img in unique]
+        shares = split_by_rows(lengths, self.group.world_size)
+        mine = [unique[i] for i in shares[self.group.rank]]
+        error = None
+        try:
+            own = self._run_tower(mine)
+            own = torch.cat([own[img.mm_hash] for img in mine]) if mine else torch.empty(
+                (0, self.hidden_size), dtype=self.dtype, device=self.device)
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+            error = e
+        run = self.followers.run if self.followers is not None else (lambda fn: fn())
+        # every rank makes the same collectives, whether its share failed or not
+        if not run(lambda: self.group.all_true(error is None)):
+            why = None if error is None else f"{type(error).__name__}: {error}"
+            errors = run(lambda: self.group.all_gather_objects(why))
+            if error is not None:
+                raise error
+            raise RuntimeError("encoder rank(s) failed this call: " + "; ".join(
+                f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None))
+        rows = run(lambda: self.group.gather_rows(lengths, shares, own))
+        return {img.mm_hash: r for img, r in zip(unique, rows, strict=True)}
+
+    def _run_tower(self, unique: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Rows of ``unique`` (distinct, in order) from one forward: the grid on the host,
+        uint8 pixels to the device in one copy, then rescaled, normalized and patchified
+        there."""
+        if not unique:
+            return {}
         parts = [img.pixels for img in unique]
         if self.device.type != "cpu":
             sizes = [p.numel() for p in parts]
@@ -224,14 +299,29 @@ class MultimodalEncoder:
         self._stats.batches += 1
         return {img.mm_hash: part for img, part in zip(unique, out.split(lengths))}
 
-    def get_stats(self) -> EncoderStats:
+    def _own_stats(self) -> EncoderStats:
         s = self._stats
         return EncoderStats(s.requests, s.images, s.encoded_images, s.batches,
                             s.handles_not_exported, self.ledger.stats())
 
+    def get_stats(self) -> EncoderStats:
+        """This rank's stats; on rank 0 of a tensor-parallel encoder also every rank's, in
+        ``ranks`` (gathered now)."""
+        own = self._own_stats()
+        if self.followers is not None:
+            self.followers.run(lambda: self.group.broadcast_object(("stats",)))
+            mine = self._own_stats()
+            own.ranks = self.followers.run(lambda: self.group.all_gather_objects(mine))
+        return own
+
     def shutdown(self) -> None:
-        """Reclaim every live handle and stop the ledger."""
-        self.ledger.close()
+        """Stop the other ranks (each closes its ledger), reclaim every live handle and stop
+        the ledger."""
+        try:
+            if self.followers is not None:
+                self.followers.stop()
+        finally:
+            self.ledger.close()
 
     def __enter__(self) -> MultimodalEncoder:
         return self
