@@ -315,7 +315,7 @@ class EngineCore:
             "num_failed_steps": self.scheduler.num_failed_steps,
             "stalled_s": self.stalled_s,
             "num_generated_tokens": self.num_generated_tokens,
-            "time": time.time(),
-        }
             # embedding handles from encoder servers opened in this process
             **{f"encoder_handles_{k}": v for k, v in vars(consumer_ledger().stats()).items()},
+            "time": time.time(),
+        }
