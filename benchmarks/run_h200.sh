@@ -189,7 +189,10 @@ w1prefix)  # W1 offline (sbs.py, 512 requests, no shared prefixes): prefix cachi
   BS1=0 step w1_prefix_off 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W \
     enable_prefix_caching=False
   BS1=0 step w1_prefix_on2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
-epdipc)
+epdipc)  # pyzmq from the peers kit (.peer/p4, carried)
+  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
+    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  export PYTHONPATH=$PWD:/tmp/deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   TAIL=12 step ipc 300 $B.encoder_ipc --model /tmp/q2vl2b --requests 1000 --out "$OUT/ipc.json"
   TAIL=12 step ipc_negative 200 $B.encoder_ipc --model /tmp/q2vl2b --requests 300 \
@@ -198,7 +201,8 @@ epdserve)
   [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
     .peer/p4/*.whl > "$OUT/pip.log" 2>&1
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
-  up() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; sleep 1; done; return 1; }
+  up() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0
+         kill -0 "$2" 2> /dev/null || return 1; sleep 1; done; return 1; }
   A="--max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.8 --api-server-count 4"
   bench() { PYTHONPATH=$PWD:/tmp/deps step "serve_$1" 300 python3 -m vlmserve.benchmarks.serve \
     --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
@@ -208,11 +212,12 @@ epdserve)
     if [ "$mode" = epd ]; then
       PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --role encoder --port 8003 \
         > "$OUT/encoder_server.log" 2>&1 &
-      enc=$!; up 8003; extra="--encoder-url http://127.0.0.1:8003"
+      enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server.log"
+      extra="--encoder-url http://127.0.0.1:8003"
     fi
     PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 $A $extra \
       > "$OUT/llm_$mode.log" 2>&1 &
-    pid=$!; up 8001 && bench "$mode"
+    pid=$!; up 8001 $pid && bench "$mode" || tail -5 "$OUT/llm_$mode.log"
     curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
     if [ "$mode" = epd ]; then
       curl -s localhost:8003/stats > "$OUT/encoder_stats.json"; cat "$OUT/encoder_stats.json"
