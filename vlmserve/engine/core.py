@@ -22,8 +22,8 @@ from transformers import GenerationConfig
 from vlmserve.config import EngineConfig, with_sized_limits
 from vlmserve.core.scheduler import AdmissionLimits, Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.errors import PromptTooLongError
 from vlmserve.encoder.ledger import consumer_ledger
+from vlmserve.errors import PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.models.builtin import resolve_model

@@ -502,6 +502,10 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, str(e), type="server_error")
 
+    @app.exception_handler(EncoderUnavailableError)
+    async def _no_encoder(_: Request, e: EncoderUnavailableError) -> JSONResponse:
+        return error_response(503, str(e), type="server_error")
+
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, e: RequestFailedError) -> JSONResponse:
         return error_response(500, str(e), type="server_error")
@@ -524,10 +528,6 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
         except TimeoutError:
             return error_response(503, f"the engine did not answer within {limit:g} s",
                                   type="server_error")
-    @app.exception_handler(EncoderUnavailableError)
-    async def _no_encoder(_: Request, e: EncoderUnavailableError) -> JSONResponse:
-        return error_response(503, str(e), type="server_error")
-
         if stalled > limit:
             return error_response(503, f"the engine has computed no token for {stalled:.0f} s "
                                        "while requests wait", type="server_error")
