@@ -11,6 +11,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # with SamplingParams(logprobs=k): one {token id: logprob} per token of `token_ids`, the k
+    # most likely tokens (most likely first) and the sampled one; raw logprobs (log_softmax
+    # of the logits before temperature, top-k, top-p). None when not asked for.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

@@ -49,6 +49,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
+        # one {token id: logprob} per output token if the request asked (`logprobs`), or None
+        self.output_logprobs: list[dict[int, float]] | None = (
+            None if sampling_params.logprobs is None else [])
         # tokens being sampled by steps not yet read back: scheduled on as if known (their
         # values reach the worker's next step on the device), replaced as results arrive
         self.num_placeholders = 0

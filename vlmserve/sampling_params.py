@@ -13,6 +13,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
 # a seed is what torch.Generator.manual_seed takes: a signed or an unsigned 64-bit integer
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+# the most log-probabilities a request may ask for per token, besides the sampled one's (as
+# vLLM's default max_logprobs and OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -23,6 +26,11 @@ class SamplingParams:
     greedy; one in (0, 0.01) is raised to `MIN_TEMPERATURE` (0.01). top_k -1 (or 0) and top_p
     1 switch those filters off (a top_p however small keeps the most likely token). seed: a
     64-bit integer, signed or unsigned.
+    logprobs: None (the default) computes none; k in [0, MAX_LOGPROBS] gives each generated
+    token a dict {token id: log-probability} of the k most likely tokens and the sampled one
+    (k or k + 1 entries, most likely first, the sampled token last if not among them), in
+    `CompletionOutput.logprobs`. They are the raw log-probabilities (log_softmax of the
+    model's logits before temperature, top-k and top-p: vLLM's default "raw_logprobs").
     output_kind: "cumulative" reports the request at every step that gives it tokens (for
     streaming); "final_only" only when it finishes (what `LLM.generate` asks for).
     """
@@ -37,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
@@ -73,6 +82,10 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.logprobs!r}")
         if self.output_kind not in ("cumulative", "final_only"):
             bad(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
 

@@ -9,13 +9,24 @@ import pytest
 from vlmserve.entrypoints.cli import main
 
 
-def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
+def test_bench_throughput_both_backends(vlmserve_cache, tmp_path, capsys):
     out = tmp_path / "tp.json"
     main(["bench", "throughput", "--model", "tiny-qwen2-vl", "--num-requests", "6",
           "--image-sizes", "56,84", "--prompt-len", "8", "--output-len", "4",
           "--backend", "both", "--hf-batch-size", "4", "--repeats", "2", "--host-profile",
           "--out", str(out)])
     ours, hf = json.loads(out.read_text())["results"]
+    # on screen: a table to read and the speed-up, no JSON (that is in --out)
+    screen = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(screen) if line.split()[:2] == ["backend", "requests"])
+    assert "output tok/s" in screen[head] and set(screen[head + 1]) <= {"-", " "}
+    assert screen[head + 2].split()[:2] == ["vlmserve", "6"]
+    assert screen[head + 3].split()[:2] == ["hf", "6"]
+    assert f"{ours['output_tokens_per_s']:.0f}" in screen[head + 2].split()
+    speedup = f"speed-up vs transformers: {ours['speedup_vs_hf_output_tokens']:.2f}x"
+    assert any(line.startswith(speedup) for line in screen)
+    assert any("median" in line for line in screen) and str(out) in screen[-1]
+    assert not any(line.lstrip().startswith("{") for line in screen)
     assert ours["backend"] == "vlmserve" and hf["backend"] == "hf"
     assert ours["total_output_tokens"] == hf["total_output_tokens"] == 24
     assert ours["speedup_vs_hf_output_tokens"] > 0
@@ -30,12 +41,18 @@ def test_bench_throughput_both_backends(vlmserve_cache, tmp_path):
     assert any("function calls" in line for line in ours["host_profile"])
 
 
-def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path):
+def test_bench_offload_reports_both_modes(vlmserve_cache, tmp_path, capsys):
     out = tmp_path / "offload.json"
     main(["bench", "offload", "--model", "tiny-qwen2-vl", "--num-requests", "4",
           "--images-per-request", "2", "--image-size", "112", "--max-num-batched-tokens", "32",
           "--output-len", "4", "--out", str(out)])
     data = json.loads(out.read_text())
+    screen = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(screen) if line.split()[:1] == ["offload"])
+    assert [screen[head + 2].split()[0], screen[head + 3].split()[0]] == ["off", "on"]
+    assert screen[head + 4] == (f"throughput on vs off: "
+                                f"{data['summary']['throughput_ratio_on_vs_off']:.2f}x; greedy "
+                                "outputs identical")
     off, on = data["results"]
     assert data["summary"]["greedy_outputs_identical"]
     assert not off["offload"] and on["offload"]

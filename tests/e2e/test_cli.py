@@ -168,6 +168,31 @@ def test_version_and_no_abbreviated_flags(capsys) -> None:
     assert exit_.value.code == 2 and "--max-num-seq" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["throughput", "serve", "kernels", "attention", "offload"])
+def test_every_bench_flag_has_help_and_shows_its_default(name, capsys) -> None:
+    import argparse
+    import importlib
+
+    from vlmserve.entrypoints.cli import _BENCHMARKS
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--help"])
+    text = _flat(capsys.readouterr().out)
+    assert exit_.value.code == 0
+    ap = argparse.ArgumentParser()
+    importlib.import_module(f"vlmserve.benchmarks.{_BENCHMARKS[name][0]}").add_args(ap)
+    for action in ap._actions[1:]:  # after -h
+        flag = action.option_strings[0]
+        assert action.help, f"{flag} has no help"
+        assert _flat(action.help.split(" (default")[0]) in text, flag
+        if not any(action.default is v for v in (None, False)):
+            assert _flat(f"(default: {action.default})") in text, flag
+    prefix = ap._actions[-1].option_strings[0][:-1]  # e.g. --ou for --out
+    with pytest.raises(SystemExit) as exit_:  # no abbreviated flags in benchmarks either
+        main(["bench", name, prefix, "x.json"])
+    assert exit_.value.code == 2 and prefix in capsys.readouterr().err
+
+
 def test_help_of_llm_lists_every_engine_option() -> None:
     import pydoc
 

@@ -5,6 +5,7 @@ tests/e2e/test_server_procs.py."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import subprocess
@@ -17,7 +18,8 @@ from PIL import Image
 from tests.e2e.test_server_procs import serve  # noqa: F401 - the fixture
 from vlmserve.entrypoints.cli import make_parser
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README_PATH = Path(__file__).resolve().parents[2] / "README.md"
+README = README_PATH.read_text()
 
 
 def blocks(lang: str) -> list[str]:
@@ -42,6 +44,21 @@ def test_python_api_example(vlmserve_cache, tmp_path: Path) -> None:
     out = run_python(code + "\nprint('OUTS', len(outs), len(outs[0].outputs[0].token_ids))",
                      tmp_path)
     assert "OUTS 1 32" in out
+    # the logprobs example prints the first token's {token id: logprob}: the top 3 (greedy:
+    # the sampled token among them)
+    (lps,) = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(lps) == 3 and all(isinstance(t, int) and lp <= 0 for t, lp in lps.items())
+    assert list(lps.values()) == sorted(lps.values(), reverse=True)
+
+
+def test_cpu_requirements_use_the_cpu_wheel_index() -> None:
+    """PyPI's Linux torch wheel is the CUDA build: the CPU one comes from PyTorch's index."""
+    lines = (README_PATH.parent / "requirements-cpu.txt").read_text().splitlines()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert "torch==2.13.0" in lines
+    ci = (README_PATH.parent / ".ci" / "run").read_text()
+    for command in (blocks("bash")[0], blocks("bash")[1], ci):
+        assert "pip install -r requirements-cpu.txt" in command.replace(" -q", "")
 
 
 def test_openai_client_example(serve, tmp_path: Path) -> None:  # noqa: F811

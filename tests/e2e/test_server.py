@@ -180,6 +180,97 @@ def test_completions(server: Server, llm: LLM) -> None:
     assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) == 10 + 1
 
 
+def test_chat_logprobs_in_openai_format(server: Server, llm: LLM) -> None:
+    """logprobs / top_logprobs: OpenAI's objects (the client's typed ones), the values of the
+    offline engine (checked against transformers in tests/engine/test_logprobs.py), the top
+    ones most likely first; the tokens' bytes make up the decoded output; streamed, each
+    token chunk carries its token's entry."""
+    from openai.types.chat import ChatCompletionTokenLogprob
+    from openai.types.chat.chat_completion import ChoiceLogprobs
+
+    messages = user("What is in this picture?", data_url(make_image(84, 56, 1)))
+    k, n = 4, 8
+    expected = llm.chat(messages, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                 logprobs=k), use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert chat(server, messages, n).choices[0].logprobs is None  # not asked: none
+    resp = chat(server, messages, n, logprobs=True, top_logprobs=k)
+    assert resp.choices[0].message.content == expected.text
+    lp = resp.choices[0].logprobs
+    assert isinstance(lp, ChoiceLogprobs) and len(lp.content) == n
+    for entry, token, ref in zip(lp.content, expected.token_ids, expected.logprobs):
+        assert isinstance(entry, ChatCompletionTokenLogprob)
+        assert entry.token == tok.decode([token])
+        assert entry.logprob == pytest.approx(ref[token], abs=1e-5)
+        top = list(ref)[:k]
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [ref[i] for i in top], abs=1e-5)
+        assert entry.top_logprobs[0].logprob >= entry.logprob  # greedy: the top one
+    assert b"".join(bytes(e.bytes) for e in lp.content).decode("utf-8", "replace") == \
+        tok.decode(expected.token_ids, skip_special_tokens=False)
+    only = chat(server, messages, n, logprobs=True).choices[0].logprobs.content
+    assert [e.logprob for e in only] == [e.logprob for e in lp.content]
+    assert all(e.top_logprobs == [] for e in only)
+
+    chunks = list(chat(server, messages, n, logprobs=True, top_logprobs=k, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [c.choices[0].logprobs is not None for c in chunks] == [True] * n + [False]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in lp.content]
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_completions_logprobs_in_the_legacy_format(server: Server, llm: LLM) -> None:
+    from openai.types.completion_choice import Logprobs
+
+    k, n = 3, 6
+    expected = llm.generate("Once upon a time", SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=k),
+        use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=n, temperature=0,
+              logprobs=k, extra_body={"ignore_eos": True})
+    resp = server.client.completions.create(**kw)
+    lp = resp.choices[0].logprobs
+    assert isinstance(lp, Logprobs)
+    texts = [tok.decode([t]) for t in expected.token_ids]
+    assert lp.tokens == texts
+    assert lp.token_logprobs == pytest.approx(
+        [ref[t] for t, ref in zip(expected.token_ids, expected.logprobs)], abs=1e-5)
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(n)]
+    for token_text, top, ref in zip(texts, lp.top_logprobs, expected.logprobs):
+        assert token_text in top and len(top) == k  # greedy: the sampled token is the top one
+        assert list(top.values()) == pytest.approx(list(ref.values())[:k], abs=1e-5)
+    chunks = list(server.client.completions.create(stream=True, **kw))
+    joined: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for c in chunks[:-1]:
+        for key in joined:
+            joined[key] += getattr(c.choices[0].logprobs, key)
+    assert joined == lp.model_dump() and chunks[-1].choices[0].logprobs is None
+    assert server.client.completions.create(
+        **{**kw, "logprobs": None}).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("path, kw, param", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+])
+def test_bad_logprobs_are_a_400_naming_the_field(server: Server, path, kw, param) -> None:
+    body = {"model": "tiny", "max_tokens": 2, **kw}
+    body |= ({"messages": user("Hi.")} if "chat" in path else {"prompt": "Hi."})
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
 def test_sixteen_concurrent_streams(server: Server, llm: LLM) -> None:
     convs = [user(f"Request {i}: what do you see?" + " more" * (i % 5),
                   *[data_url(make_image(56 + 28 * (i % 3), 56 + 28 * j, 100 * i + j))

@@ -133,7 +133,7 @@ def test_json_nested_50000_deep_is_a_400(srv) -> None:
     ({"response_format": {"type": "json_object"}}, ["response_format", "not supported"]),
     ({"tool_choice": "auto"}, ["tool_choice", "not supported"]),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
-    ({"logprobs": True}, ["logprobs"]),
+    ({"logprobs": True, "top_logprobs": 21}, ["top_logprobs", "less than or equal to 20"]),
     ({"frequency_penalty": 0.5}, ["frequency_penalty"]),
     ({"max_tokens": True}, ["max_tokens", "integer"]),
     ({"max_tokens": 2.5}, ["max_tokens", "integer"]),

@@ -56,9 +56,45 @@ class HFOracle:
                tuple(img.mm_hash for img in processed.images))
         if key in self._cache:
             return self._cache[key]
+        tokens, _ = self._generate(processed, max_new_tokens)
+        self._cache[key] = tokens
+        return tokens
+
+    @torch.inference_mode()
+    def generate_with_logits(self, processed, max_new_tokens: int
+                             ) -> tuple[list[int], torch.Tensor]:
+        """Greedy tokens and the raw logits each was chosen from: [max_new_tokens, vocab]
+        float32 on the CPU."""
+        tokens, logits = self._generate(processed, max_new_tokens, output_logits=True)
+        return tokens, torch.cat(logits).float().cpu()
+
+    @torch.inference_mode()
+    def score(self, processed, output_ids: list[int]) -> torch.Tensor:
+        """The raw logits each of `output_ids` was sampled from, one forward over the prompt
+        and those tokens: [len(output_ids), vocab] float32 on the CPU."""
+        ids, kwargs = self._inputs(processed, list(output_ids[:-1]))
+        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits
+        n = len(processed.prompt_token_ids)
+        return logits[0, n - 1:n - 1 + len(output_ids)].float().cpu()
+
+    def _generate(self, processed, max_new_tokens: int, **generate_kwargs):
         from transformers import GenerationConfig
 
-        ids = torch.tensor([processed.prompt_token_ids])
+        ids, kwargs = self._inputs(processed)
+        # no eos: generate runs to max_new_tokens like our ignore_eos (min_new_tokens would
+        # instead mask eos out of the logits, which changes the greedy path)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=cfg, return_dict_in_generate=True,
+                                  **generate_kwargs, **kwargs)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        assert len(tokens) == max_new_tokens, "transformers stopped early"
+        return tokens, out.logits
+
+    def _inputs(self, processed, extra_ids: list[int] = ()):
+        """input_ids [1, prompt + extra] and the image inputs, on the oracle's device."""
+        ids = torch.tensor([processed.prompt_token_ids + list(extra_ids)])
         kwargs = {}
         if processed.images:
             kwargs["pixel_values"] = pixel_values(processed.images)
@@ -68,18 +104,7 @@ class HFOracle:
             for img in processed.images:
                 mm[0, img.offset:img.offset + img.length] = 1
             kwargs["mm_token_type_ids"] = mm
-        # no eos: generate runs to max_new_tokens like our ignore_eos (min_new_tokens would
-        # instead mask eos out of the logits, which changes the greedy path)
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-        ids = ids.to(self.device)
-        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                  generation_config=cfg, **kwargs)
-        tokens = out[0, ids.shape[1]:].tolist()
-        assert len(tokens) == max_new_tokens, "transformers stopped early"
-        self._cache[key] = tokens
-        return tokens
+        return ids.to(self.device), {k: v.to(self.device) for k, v in kwargs.items()}
 
 
 def busy_twice(step_result) -> bool:

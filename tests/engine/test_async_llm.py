@@ -142,6 +142,51 @@ def test_messages_carry_tensors_as_frames_without_copies() -> None:
     assert torch.equal(got.images[0].embeds, rows)
 
 
+def test_step_outputs_carry_logprobs_only_for_requests_that_asked() -> None:
+    from types import SimpleNamespace
+
+    from vlmserve.engine.messages import Decoder, Encoder, FromCore, StepOutputs
+
+    out = StepOutputs(["a", "b"], [5, 6], [None, "length"], 0.01, 2, 0)
+    out.add_logprobs(SimpleNamespace(request_id="a", output_logprobs=None))
+    assert out.logprobs is None
+    plain = Encoder().encode(out)[0]
+    out.add_logprobs(SimpleNamespace(request_id="b", output_logprobs=[{1: -0.5},
+                                                                      {6: -0.25, 2: -3.0}]))
+    got = Decoder(FromCore).decode(Encoder().encode(out))
+    assert got.logprobs == {"b": {6: -0.25, 2: -3.0}}
+    assert list(got.logprobs["b"]) == [6, 2]  # order kept: most likely first
+    assert Decoder(FromCore).decode([plain]).logprobs is None
+
+
+def test_streamed_outputs_carry_logprobs(engine, vlmserve_cache: Path) -> None:
+    """Each streamed output holds a logprobs dict per token so far, equal to the offline
+    engine's for the same request (which tests/engine/test_logprobs.py checks against
+    transformers); a request that did not ask, streamed alongside, gets None."""
+    from vlmserve import LLM
+
+    p = prompts(2)[1]
+    asking = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    async def run(params) -> list:
+        return [out async for out in engine.generate(p, params)]
+
+    async def both() -> list[list]:
+        return await asyncio.gather(run(asking), run(greedy(6)))
+
+    outs, plain = asyncio.run(both())
+    assert all(o.outputs[0].logprobs is None for o in plain)
+    for i, o in enumerate(outs, 1):
+        c = o.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) == i
+        assert all(t in lps and len(lps) == 3 for t, lps in zip(c.token_ids, c.logprobs))
+    offline = LLM(**OPTS).generate([p], asking, use_tqdm=False)[0].outputs[0]
+    assert offline.token_ids == outs[-1].outputs[0].token_ids
+    for ours, ref in zip(outs[-1].outputs[0].logprobs, offline.logprobs):
+        assert list(ours) == list(ref)
+        assert list(ours.values()) == pytest.approx(list(ref.values()), abs=1e-5)
+
+
 def test_stop_strings_end_requests_in_the_front_end_and_free_them_in_the_core(
         engine, vlmserve_cache: Path) -> None:
     from vlmserve import LLM

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; each option's help ends with its default (unless it
+    names it already, or the option has none: None, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "(default" in text
+                or any(action.default is v for v in (None, False, argparse.SUPPRESS))):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def parse_args(args: argparse.Namespace | None, add_args: Callable, doc: str | None
@@ -11,7 +23,15 @@ def parse_args(args: argparse.Namespace | None, add_args: Callable, doc: str | N
     """`args` as given (from the `vlmserve bench` CLI), or parsed from the command line."""
     if args is not None:
         return args
-    ap = argparse.ArgumentParser(description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter,
+                                 allow_abbrev=False)
     add_args(ap)
     return ap.parse_args()
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Right-aligned columns under a header and a rule, to read on screen."""
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), "  ".join("-" * w for w in widths),
+                      *(fmt.format(*row) for row in rows)])

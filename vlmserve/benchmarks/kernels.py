@@ -307,19 +307,24 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="qwen2-vl-2b-random")
-    ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--image-sizes", default="448,672,896")
-    ap.add_argument("--decode-batches", default="1,64")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--model", default="qwen2-vl-2b-random",
+                    help="checkpoint folder or built-in model name")
+    ap.add_argument("--num-requests", type=int, default=512,
+                    help="requests of the prefill workload")
+    ap.add_argument("--image-sizes", default="448,672,896",
+                    help="square image sides in pixels, comma-separated, drawn per image")
+    ap.add_argument("--decode-batches", default="1,64",
+                    help="decode batch sizes to time, comma-separated")
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
+    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
     ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="tokens in a step (the prefill chunk)")
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
     ap.add_argument("--profile", action="store_true", 
                     help="kernel tables of decode graphs and the vision batch")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def main(args: argparse.Namespace | None = None) -> None:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from vlmserve.benchmarks import parse_args
+from vlmserve.benchmarks import parse_args, table
 from vlmserve.benchmarks.datasets import random_mm
 
 
@@ -64,20 +64,44 @@ def run_mode(reqs, warmup, offload: bool, args) -> dict:
     return result
 
 
+def summary_table(results: list[dict], summary: dict) -> str:
+    """Offload off and on, to read on screen."""
+    def mib(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    rows = [["on" if r["offload"] else "off", f"{r['elapsed_s']:.2f}",
+             f"{r['output_tokens_per_s']:.0f}", mib(r["embedding_peak_device_mib"]),
+             mib(r["embedding_host_mib_at_end"]),
+             "-" if r["device_memory_peak_gib"] is None else f"{r['device_memory_peak_gib']:.2f}",
+             str(r["prefetch_waits"]), f"{r['prefetch_hit_rows']}/{r['prefetch_miss_rows']}"]
+            for r in results]
+    head = ["offload", "elapsed s", "output tok/s", "emb. device MiB", "emb. host MiB",
+            "device peak GiB", "prefetch waits", "prefetch hit/miss rows"]
+    return "\n".join([
+        table(head, rows),
+        f"throughput on vs off: {summary['throughput_ratio_on_vs_off']:.2f}x; greedy outputs "
+        f"{'identical' if summary['greedy_outputs_identical'] else 'DIFFER'}"])
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="tiny-qwen2-vl")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--images-per-request", type=int, default=4)
-    ap.add_argument("--image-size", type=int, default=1344)
-    ap.add_argument("--prompt-len", type=int, default=50)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-blocks", type=int, default=None)
-    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--model", default="tiny-qwen2-vl",
+                    help="checkpoint folder or built-in model name")
+    ap.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
+    ap.add_argument("--num-requests", type=int, default=64,
+                    help="requests (all admitted at once: max_num_seqs)")
+    ap.add_argument("--images-per-request", type=int, default=4, help="images in each request")
+    ap.add_argument("--image-size", type=int, default=1344, help="square image side in pixels")
+    ap.add_argument("--prompt-len", type=int, default=50, help="text tokens of each prompt")
+    ap.add_argument("--output-len", type=int, default=64,
+                    help="output tokens of each request (fixed: ignore_eos)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="tokens in a step (also the size of each ping-pong buffer)")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="KV cache blocks (default: sized to the device)")
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     ap.add_argument("--on-first", action="store_true",
                     help="run offload on before off (check that order does not matter)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the full results as JSON here")
 
 
 def main(args: argparse.Namespace | None = None) -> None:
@@ -102,9 +126,7 @@ def main(args: argparse.Namespace | None = None) -> None:
     summary = {"greedy_outputs_identical": same,
                "throughput_ratio_on_vs_off": results[1]["output_tokens_per_s"]
                / results[0]["output_tokens_per_s"]}
-    for r in results:
-        print(json.dumps(r))
-    print(json.dumps(summary))
+    print(summary_table(results, summary))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results, "summary": summary}, f, indent=2)

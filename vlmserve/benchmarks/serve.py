@@ -183,9 +183,10 @@ def summary_table(runs: list[dict]) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000",
+                    help="the server (any OpenAI-compatible one)")
     ap.add_argument("--model", default=None, help="served model name (default: the first)")
-    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--num-requests", type=int, default=100, help="timed requests per run")
     ap.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second (inf: all at once)")
     ap.add_argument("--poisson", action=argparse.BooleanOptionalAction, default=True,

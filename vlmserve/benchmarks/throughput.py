@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
-from vlmserve.benchmarks import parse_args
+from vlmserve.benchmarks import parse_args, table
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
 
 
@@ -257,23 +257,57 @@ def _summary(backend, reqs, prompt_lens, out_lens, elapsed) -> dict:
     }
 
 
+_COLUMNS = (("elapsed s", "elapsed_s", "{:.2f}"), ("requests/s", "requests_per_s", "{:.2f}"),
+            ("input tok/s", "input_tokens_per_s", "{:.0f}"),
+            ("output tok/s", "output_tokens_per_s", "{:.0f}"),
+            ("images/s", "images_per_s", "{:.2f}"))
+
+
+def summary(results: list[dict]) -> str:
+    """The backends' results to read on screen: a table, then the speed-up vs transformers,
+    the median of repeated passes and the compute floor where measured."""
+    rows = [[r["backend"], str(r["requests"]), *(f.format(r[k]) for _, k, f in _COLUMNS)]
+            for r in results]
+    lines = [table(["backend", "requests", *(c for c, _, _ in _COLUMNS)], rows)]
+    ours = results[0] if results and results[0]["backend"] == "vlmserve" else None
+    if ours is not None and len(ours.get("passes_elapsed_s", ())) > 1:
+        lines.append(f"vlmserve over {len(ours['passes_elapsed_s'])} passes: median "
+                     f"{ours['median_output_tokens_per_s']:.0f} output tok/s")
+    if ours is not None and "speedup_vs_hf_output_tokens" in ours:
+        lines.append(f"speed-up vs transformers: {ours['speedup_vs_hf_output_tokens']:.2f}x "
+                     "output tokens/s")
+    floor = (ours or {}).get("compute_floor")
+    if floor is not None:
+        ideal = floor.get("ideal_speedup_vs_hf")
+        lines.append(f"compute floor: {floor['floor_s']:.2f} s at {floor['matmul_bf16_tflops']:.0f}"
+                     f" TFLOP/s; the run used {100 * floor['fraction_of_matmul_rate']:.1f}% of "
+                     "that rate" + (f"; no engine beats {ideal:.1f}x vs transformers here"
+                                    if ideal is not None else ""))
+    return "\n".join(lines)
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="tiny-qwen2-vl")
+    ap.add_argument("--model", default="tiny-qwen2-vl",
+                    help="checkpoint folder or built-in model name")
     ap.add_argument("--dataset", default="random-mm", help="random-mm or a .jsonl file")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--image-sizes", default="448,672,896")
-    ap.add_argument("--images-per-request", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=50)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=64, help="requests (random-mm)")
+    ap.add_argument("--image-sizes", default="448,672,896",
+                    help="square image sides in pixels, comma-separated, drawn per image")
+    ap.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    ap.add_argument("--prompt-len", type=int, default=50, help="text tokens of each prompt")
+    ap.add_argument("--output-len", type=int, default=128,
+                    help="output tokens of each request (fixed: ignore_eos)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random requests")
     ap.add_argument("--warmup", choices=["full", "short"], default="full",
                     help="untimed warm-up before each backend's run. full (random-mm): as "
                          "many requests of the same kind with other images, so that per-shape "
                          "kernel plans are built; transformers runs one batch of each shape "
                          "group of them. short, or a JSONL dataset: the first 4 requests (2 "
                          "for transformers)")
-    ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve")
-    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--backend", choices=["vlmserve", "hf", "both"], default="vlmserve",
+                    help="ours, transformers generate, or both (then the speed-up is shown)")
+    ap.add_argument("--hf-batch-size", type=int, default=64,
+                    help="requests per transformers generate call")
     ap.add_argument("--host-profile", action="store_true",
                     help="after the timed passes, one more (random-mm, new images) under "
                          "cProfile; its top functions by own time go to the JSON")
@@ -284,14 +318,21 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes of ours (random-mm; each with new images); the first "
                          "is compared with transformers, all are reported with their median")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, "
+                         "float32")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="our engine's max_num_seqs (requests in a step)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="our engine's max_num_batched_tokens (tokens in a step)")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="our engine's attention_backend: auto, torch, triton")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no decode CUDA graphs in our engine")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
     ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
-    ap.add_argument("--out", default=None, help="write results as JSON here")
+    ap.add_argument("--out", default=None,
+                    help="write the full results (every counter, profiles) as JSON here")
 
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
@@ -337,7 +378,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             if "compute_floor" in results[0]:  # no engine can beat this ratio on this GPU
                 results[0]["compute_floor"]["ideal_speedup_vs_hf"] = (
                     results[0]["compute_floor"]["ideal_output_tokens_per_s"] / hf)
-        print(json.dumps(row))
+        print(f"{row['backend']}: {row['output_tokens_per_s']:.0f} output tok/s, "
+              f"{row['elapsed_s']:.2f} s", flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
@@ -354,6 +396,10 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
         report(run_hf(reqs, warm if args.warmup == "full" else warm[:2], path,
                       args.hf_batch_size, dtype, processor))
+    print()
+    print(summary(results))
+    print(f"full results as JSON: {args.out}" if args.out
+          else "(--out FILE writes the full results as JSON)")
     return results
 
 

@@ -439,12 +439,15 @@ class AsyncLLM:
             fn(msg.step_time)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         stopped: list[str] = []
+        logprobs = msg.logprobs
         for rid, token, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons):
             live = self._live.get(rid)
             if live is None:  # aborted meanwhile
                 continue
             req = live.req
             req.output_token_ids.append(token)
+            if req.output_logprobs is not None:  # it asked: the core sent them
+                req.output_logprobs.append(logprobs[rid])
             if reason is not None:
                 req.status = RequestStatus(reason)
             out = self.output_processor.process(req, _mark_stopped)

@@ -1,7 +1,8 @@
 """The engine core: scheduler + executor + the step loop, on token ids only.
 
 It knows nothing of text: requests arrive preprocessed (`Request`), and each step returns
-the requests that got a token. `LLMEngine` wraps it in-process with preprocessing and
+the requests that got a token (and, for those that asked, its log-probabilities, appended to
+`Request.output_logprobs`). `LLMEngine` wraps it in-process with preprocessing and
 detokenization (the offline `LLM`); `engine/core_proc.py` runs it in a process of its own
 for the server, whose front ends do that work.
 """
@@ -239,6 +240,10 @@ class EngineCore:
             tokens = result.get()
             self._in_flight.popleft()
             new = self.scheduler.update_from_output(done, tokens)
+            if result.logprobs:  # the requests that asked: their token's logprobs
+                for req in new:
+                    if req.output_logprobs is not None:
+                        req.output_logprobs.append(result.logprobs[req.request_id])
             self.num_generated_tokens += len(new)
             updated += new
             if not done.is_empty:

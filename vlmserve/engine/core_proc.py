@@ -187,6 +187,7 @@ class EngineCoreProc:
                 out = by_client[identity] = StepOutputs([], [], [], step_time, running, waiting)
             out.request_ids.append(req.request_id)
             out.token_ids.append(req.output_token_ids[-1])
+            out.add_logprobs(req)
             finished = req.status.finished
             out.finish_reasons.append(req.status.value if finished else None)
             if finished:

@@ -75,7 +75,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    """One step's new tokens for one front end, as parallel lists (a token per request)."""
+    """One step's new tokens for one front end, as parallel lists (a token per request);
+    log-probabilities only for the requests that asked (`SamplingParams.logprobs`)."""
 
     request_ids: list[str]
     token_ids: list[int]
@@ -83,6 +84,15 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     step_time: float  # host seconds of the core's loop iteration that produced them
     num_running: int
     num_waiting: int
+    # {request id: {token id: logprob}} of the step's token; None while no request asked
+    logprobs: dict[str, dict[int, float]] | None = None
+
+    def add_logprobs(self, req: Any) -> None:
+        """The logprobs of the token just appended for `req` (a `Request`), if it asked."""
+        if req.output_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = {}
+            self.logprobs[req.request_id] = req.output_logprobs[-1]
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):

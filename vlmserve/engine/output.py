@@ -1,4 +1,5 @@
-"""Detokenize outputs incrementally, apply stop strings, build `RequestOutput`s."""
+"""Detokenize outputs incrementally, apply stop strings, build `RequestOutput`s (with the
+tokens' log-probabilities for requests that asked)."""
 
 from __future__ import annotations
 
@@ -162,10 +163,12 @@ class OutputProcessor:
         st = self._states[req.request_id]
         finished = req.status.finished
         reason = req.status.value if finished else None
+        logprobs = None if req.output_logprobs is None else list(req.output_logprobs)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, st.text, list(req.output_token_ids), reason)],
+            outputs=[CompletionOutput(0, st.text, list(req.output_token_ids), reason,
+                                      logprobs)],
             finished=finished,
         )

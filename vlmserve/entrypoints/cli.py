@@ -108,16 +108,19 @@ def make_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     add_engine_options(gen, skip=("model", *_SAMPLING_FLAGS))
     gen.set_defaults(func=_generate, parser=gen, model_pos=None)
 
-    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench = sub.add_parser("bench", help="Benchmarks.", allow_abbrev=False,
+                           description="Benchmarks; each prints a summary to read and, with "
+                           "--out (--out-dir for serve), writes its full results as JSON.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, (module_name, help_text) in _BENCHMARKS.items():
         if not with_benchmarks:
-            bench_sub.add_parser(name, help=help_text)
+            bench_sub.add_parser(name, help=help_text, allow_abbrev=False)
             continue
+        from vlmserve.benchmarks import HelpFormatter
+
         module = importlib.import_module(f"vlmserve.benchmarks.{module_name}")
         bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
-                                  allow_abbrev=False,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+                                  allow_abbrev=False, formatter_class=HelpFormatter)
         module.add_args(bp)
         bp.set_defaults(func=_bench)
     return parser

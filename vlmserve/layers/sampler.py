@@ -34,3 +34,39 @@ def sample(
         probs = row.softmax(-1)
         out[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
     return out
+
+
+def logprob_rows(params: list[SamplingParams]) -> list[int]:
+    """The rows whose requests asked for log-probabilities."""
+    return [i for i, p in enumerate(params) if p.logprobs is not None]
+
+
+def compute_logprobs(
+    logits: torch.Tensor,  # [N, vocab]: what `sample` took
+    tokens: torch.Tensor,  # [N] int64: what it sampled
+    rows: list[int],  # `logprob_rows(params)`, not empty
+    k: int,  # the most any of those rows asked for
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw log-probabilities (log_softmax of the logits as the model gave them: before
+    temperature, top-k and top-p, as vLLM's default "raw_logprobs") of the given rows only:
+    ids and values [len(rows), 1 + k] on the logits' device, without a host sync; column 0
+    is the sampled token, columns 1.. the k most likely, most likely first."""
+    if len(rows) < logits.shape[0]:
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, vocab]
+    ids = tokens.unsqueeze(1)  # [M, 1]
+    values = logprobs.gather(1, ids)
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)  # sorted, most likely first
+        ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
+    return ids, values
+
+
+def logprob_dict(ids: list[int], values: list[float], k: int) -> dict[int, float]:
+    """One row of `compute_logprobs` (read back) as {token id: logprob}: the row's request's
+    k most likely tokens, most likely first, and the sampled token (last, if not among
+    them)."""
+    out = dict(zip(ids[1:k + 1], values[1:k + 1]))
+    out.setdefault(ids[0], values[0])
+    return out

@@ -5,8 +5,10 @@ scheduler sends full data for new requests and deltas afterwards.
 
 `execute_model` returns as soon as the step is queued on the device: its sampled tokens
 stay in a device buffer (`sampled`) and are copied to the host asynchronously, and
-`StepResult.get()` waits for them. A step scheduled before the previous step's tokens were
-read back (async scheduling) takes those tokens straight from `sampled` on the device.
+`StepResult.get()` waits for them (and for the log-probabilities of the requests that asked,
+computed by the sampler next to the tokens and copied back alike). A step scheduled before
+the previous step's tokens were read back (async scheduling) takes those tokens straight
+from `sampled` on the device.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
-from vlmserve.layers.sampler import sample
+from vlmserve.layers.sampler import compute_logprobs, logprob_dict, logprob_rows, sample
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
@@ -37,12 +39,18 @@ class CachedRequestState(NewRequestData):
 
 class StepResult:
     """The tokens one step sampled: `get()` waits for them once, appends them to the request
-    states still alive, and returns {request id: token}. `event` (CUDA) marks the end of the
-    step on the device."""
+    states still alive, and returns {request id: token}. After `get()`, `logprobs` holds
+    {request id: {token id: logprob}} for the requests that asked (`SamplingParams.logprobs`;
+    see `layers/sampler.logprob_dict`). `event` (CUDA) marks the end of the step on the
+    device."""
 
-    def __init__(self, runner: ModelRunner | None = None, states=(), host=None) -> None:
+    def __init__(self, runner: ModelRunner | None = None, states=(), host=None,
+                 host_logprobs=None) -> None:
         self._runner, self._states, self._host = runner, list(states), host
+        # (rows of `states`, ids [M, 1 + k], values [M, 1 + k]) on the host, or None
+        self._host_logprobs = host_logprobs
         self._tokens: dict[str, int] | None = None if self._states else {}
+        self.logprobs: dict[str, dict[int, float]] = {}
         self.event: torch.cuda.Event | None = None
 
     def ready(self) -> bool:
@@ -59,6 +67,12 @@ class StepResult:
                 if self._runner.requests.get(st.request_id) is st:
                     st.token_ids.append(tok)
             self._tokens = {st.request_id: tok for st, tok in zip(self._states, tokens)}
+            if self._host_logprobs is not None:
+                rows, ids, values = self._host_logprobs
+                for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
+                    st = self._states[i]
+                    self.logprobs[st.request_id] = logprob_dict(
+                        row_ids, row_values, st.sampling_params.logprobs)
         return self._tokens
 
 
@@ -218,17 +232,26 @@ class ModelRunner:
             if not to_sample:  # prefill chunks only: nothing to read back
                 return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
-        tokens = sample(logits, [st.sampling_params for st in to_sample],
-                        [st.generator for st in to_sample])
+        params = [st.sampling_params for st in to_sample]
+        tokens = sample(logits, params, [st.generator for st in to_sample])
         n = len(to_sample)
         self.sampled[:n].copy_(tokens)
         host = self._host_tokens[self._num_results % 2][:n]
         self._num_results += 1
         host.copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        rows = logprob_rows(params)
+        if rows:  # only in steps where a request asked
+            ids, values = compute_logprobs(logits, tokens, rows,
+                                           max(params[i].logprobs for i in rows))
+            if ids.device.type != "cpu":  # pinned (the caching host allocator): no sync
+                ids, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                    t, non_blocking=True) for t in (ids, values))
+            host_logprobs = (rows, ids, values)
         for i, st in enumerate(to_sample):
             st.in_flight += 1
             st.sample_row = i
-        return StepResult(self, to_sample, host)
+        return StepResult(self, to_sample, host, host_logprobs)
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to

@@ -9,20 +9,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vlmserve.errors import InvalidSamplingParamsError
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _PART_TYPES = ("text", "image_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
 # request that sets one to anything else gets a 400 naming it, not silence.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
+# the most log-probabilities per token /v1/completions gives (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5
 # accepted and without effect on the output (bookkeeping fields of OpenAI's API)
 _NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
@@ -154,6 +156,12 @@ class _SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: how many top log-probabilities per token (None: no
+        logprobs at all)."""
+        return None
+
     def sampling_params(self) -> SamplingParams:
         """Raises `InvalidSamplingParamsError` naming a bad value. No max_tokens: None (the
         server's default, or up to the context length)."""
@@ -168,12 +176,15 @@ class _SamplingRequest(OpenAIModel):
             seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
             stop_token_ids=self.stop_token_ids or [],
             skip_special_tokens=self.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(self.include_stop_str_in_output))
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            logprobs=self.num_logprobs)
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
@@ -181,9 +192,21 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: a 400, not ignored
+            raise InvalidSamplingParamsError(
+                f"top_logprobs needs logprobs set to true, got top_logprobs={self.top_logprobs}")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -214,10 +237,38 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) log-probabilities, one entry per token."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' (legacy) log-probabilities: parallel lists, one entry per token;
+    `top_logprobs` maps token text to logprob (the `logprobs` most likely and the sampled
+    token); `text_offset` is where each token's text starts in the completion's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -238,7 +289,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -254,7 +305,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -31,6 +31,7 @@ from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.streams import RequestFailedError
 from vlmserve.entrypoints.args import ServerConfig
+from vlmserve.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
 from vlmserve.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -39,6 +40,7 @@ from vlmserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -109,9 +111,10 @@ class _TextChunk:
 
 def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
                 delta: DeltaMessage | None, finish: str | None = None,
-                usage: UsageInfo | None = None) -> str:
+                usage: UsageInfo | None = None, logprobs: ChatLogprobs | None = None) -> str:
     """One `chat.completion.chunk` event."""
-    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish,
+                                                        logprobs=logprobs)]
     data = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
                                usage=usage).model_dump()
     if delta is not None:  # OpenAI leaves unset delta fields out
@@ -143,6 +146,7 @@ class OpenAIServing:
             cfg.remote_image_timeout, cfg.max_remote_image_bytes,
             FetchPolicy.parse_hosts(cfg.allowed_remote_hosts)),
             cfg.remote_image_fetch_workers) if cfg.allow_remote_images else None
+        self.token_texts = TokenTexts(engine.input_processor.model_processor.tokenizer)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -283,9 +287,11 @@ class OpenAIServing:
             return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
         out = await self.last_output(stream, request)
         c = out.outputs[0]
+        logprobs = None if params.logprobs is None else chat_logprobs(
+            self.token_texts, c.token_ids, c.logprobs, params.logprobs)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=c.text),
+            choices=[ChatChoice(message=AssistantMessage(content=c.text), logprobs=logprobs,
                                 finish_reason=c.finish_reason)],
             usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
 
@@ -307,9 +313,12 @@ class OpenAIServing:
                 self.completion_events(stream, req, params, rid, created), stream)
         out = await self.last_output(stream, request)
         c = out.outputs[0]
+        logprobs = None if params.logprobs is None else completion_logprobs(
+            self.token_texts, c.token_ids, c.logprobs)[0]
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=c.text, finish_reason=c.finish_reason)],
+            choices=[CompletionChoice(text=c.text, logprobs=logprobs,
+                                      finish_reason=c.finish_reason)],
             usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
 
     # ---- streaming -------------------------------------------------------------------------
@@ -320,7 +329,13 @@ class OpenAIServing:
         first = True  # the role rides on the first token's chunk
         token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
         async for text, out, new_tokens in _text_deltas(stream, params):
-            if new_tokens:  # a chunk per output with tokens, even if no text is due yet
+            if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
+                c = out.outputs[0]
+                yield chunk(DeltaMessage(role="assistant" if first else None, content=text),
+                            logprobs=chat_logprobs(self.token_texts, c.token_ids[-new_tokens:],
+                                                   c.logprobs[-new_tokens:], params.logprobs))
+                first = False
+            elif new_tokens:  # a chunk per output with tokens, even if no text is due yet
                 yield (chunk(DeltaMessage(role="assistant", content=text)) if first
                        else token_chunk(text))
                 first = False
@@ -343,8 +358,15 @@ class OpenAIServing:
             return _sse(data)
 
         token_chunk = _TextChunk(chunk([CompletionChoice(text=_TextChunk.MARK)]))
+        offset = 0  # of the next token's text (in the tokens' texts so far)
         async for text, out, new_tokens in _text_deltas(stream, params):
-            if new_tokens:
+            if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
+                c = out.outputs[0]
+                logprobs, offset = completion_logprobs(
+                    self.token_texts, c.token_ids[-new_tokens:], c.logprobs[-new_tokens:],
+                    offset)
+                yield chunk([CompletionChoice(text=text, logprobs=logprobs)])
+            elif new_tokens:
                 yield token_chunk(text)
             if out.finished:
                 c = out.outputs[0]
