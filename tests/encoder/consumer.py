@@ -94,3 +94,18 @@ def open_wire_cuda(inbox, outbox) -> None:
     stats = consumer_ledger().stats()
     consumer_ledger().close()
     outbox.put((results, stats))
+
+
+def open_cuda_rounds(inbox, outbox) -> None:
+    """CUDA consumer of several rounds of handles: each round's digests, and how many pool
+    blocks this process has mapped so far."""
+    from vlmserve.encoder import handles as handles_module
+    from vlmserve.encoder.ledger import consumer_ledger
+
+    torch.cuda.init()
+    outbox.put("started")
+    while (handles := inbox.get()) is not None:
+        results = {h.handle_id: digest(h.open().cpu()) for h in handles}
+        outbox.put((results, len(handles_module._mapped)))
+    consumer_ledger().close()
+    outbox.put("done")

@@ -1,7 +1,8 @@
 """CUDA IPC handles between two real processes on one GPU: rows copied bit-for-bit, the
 producer's GPU memory back to where it was after the releases; a consumer killed while it
 holds mapped handles, and handles nobody opens, are reclaimed at the lease and their blocks
-freed (PyTorch's IPC ref counters settled by the producer)."""
+freed (PyTorch's IPC ref counters settled by the producer). Pooled handles (the default):
+slots reused round after round, pool memory flat, each block mapped once by the consumer."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_cuda_handles_opened_in_another_process():
     proc.start()
     try:
         assert _get(outbox, proc) == "started"
-        with HandleLedger(lease_s=60) as ledger:
+        with HandleLedger(lease_s=60, cuda_pool=False) as ledger:
             torch.cuda.synchronize()
             baseline = torch.cuda.memory_allocated()
             sources = [_rows(i) for i in range(8)]
@@ -69,7 +70,7 @@ def test_killed_consumer_and_unopened_handles_freed_at_lease():
     proc.start()
     try:
         assert _get(outbox, proc) == "started"
-        with HandleLedger(lease_s=2.0, grace_s=0.1) as ledger:
+        with HandleLedger(lease_s=2.0, grace_s=0.1, cuda_pool=False) as ledger:
             torch.cuda.synchronize()
             baseline = torch.cuda.memory_allocated()
             handles = [ledger.export(_rows(i)) for i in range(6)]
@@ -109,5 +110,34 @@ def test_encoder_on_cuda_exports_ipc_handles(vlmserve_cache):
             results, _ = _get(outbox, proc)
             assert results[img.handle.handle_id] == consumer.digest(ref.handle.open())
             assert wait_until(lambda: enc.get_stats().ledger.live_handles == 0, 10)
+    finally:
+        _stop(proc)
+
+
+def test_pooled_handles_reuse_slots_and_each_block_is_mapped_once():
+    inbox, outbox = SPAWN.Queue(), SPAWN.Queue()
+    proc = SPAWN.Process(target=consumer.open_cuda_rounds, args=(inbox, outbox))
+    proc.start()
+    try:
+        assert _get(outbox, proc) == "started"
+        with HandleLedger(lease_s=60) as ledger:
+            pool_sizes, mapped = [], []
+            for round_ in range(8):
+                sources = [_rows(round_ * 8 + i) for i in range(8)]
+                want = [consumer.digest(r.cpu()) for r in sources]
+                handles = [ledger.export(r) for r in sources]
+                assert all(h.block_offset is not None for h in handles)
+                inbox.put(handles)
+                results, n_mapped = _get(outbox, proc)
+                assert [results[h.handle_id] for h in handles] == want
+                assert wait_until(lambda: ledger.stats().live_handles == 0, 10)
+                pool_sizes.append(ledger.stats().cuda_pool_bytes)
+                mapped.append(n_mapped)
+            # 8 live at most (4 MiB slots): one 64 MiB block, made once, mapped once
+            assert pool_sizes == [64 << 20] * 8 and mapped == [1] * 8
+            s = ledger.stats()
+            assert (s.exported, s.released, s.reclaimed, s.double_opens) == (64, 64, 0, 0)
+            inbox.put(None)
+            assert _get(outbox, proc) == "done"
     finally:
         _stop(proc)

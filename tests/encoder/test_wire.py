@@ -50,12 +50,14 @@ def test_cuda_handle_fields_survive_the_wire() -> None:
 
     args = (torch.Tensor, torch.Size([5, 4]), (4, 1), 0, torch.storage.TypedStorage,
             torch.bfloat16, 0, b"\x01ipc", 4096, 512, False, b"\x02rc", 16, b"\x03ev", True)
-    h = CudaIpcHandle("p-1", (5, 4), "bfloat16", "ipc:///tmp/x", 1e10, rebuild=lambda: None,
-                      args=args)
-    for codec in (msgspec.msgpack, msgspec.json):
-        back = from_wire(_roundtrip(h, codec))
-        assert isinstance(back, CudaIpcHandle) and back.rebuild is rebuild_cuda_tensor
-        assert back.args == args and (back.handle_id, back.shape) == ("p-1", (5, 4))
+    for offset in (None, 1 << 20):  # a tensor of its own, a slot of a pool block
+        h = CudaIpcHandle("p-1", (5, 4), "bfloat16", "ipc:///tmp/x", 1e10,
+                          rebuild=lambda: None, args=args, block_offset=offset)
+        for codec in (msgspec.msgpack, msgspec.json):
+            back = from_wire(_roundtrip(h, codec))
+            assert isinstance(back, CudaIpcHandle) and back.rebuild is rebuild_cuda_tensor
+            assert back.args == args and (back.handle_id, back.shape) == ("p-1", (5, 4))
+            assert back.block_offset == offset
 
 
 def test_a_failed_open_releases_the_requests_other_handles() -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -217,6 +219,9 @@ class CudaIpcHandle(EmbeddingHandle):
 
     rebuild: Callable[..., torch.Tensor] | None = None
     args: tuple[Any, ...] = ()
+    # pooled: ``args`` share a whole pool block (uint8), shared once; the rows are at this
+    # byte offset in it, and the consumer maps each block once (`_mapped_block`)
+    block_offset: int | None = None
 
     kind = "cuda"
 
@@ -239,7 +244,12 @@ class CudaIpcHandle(EmbeddingHandle):
         return dst
 
     def _read_into(self, dst: torch.Tensor) -> None:
-        src = self.rebuild(*self.args)
+        if self.block_offset is not None:
+            block = _mapped_block(self.rebuild, self.args)
+            src = block[self.block_offset:self.block_offset + self.nbytes].view(
+                self.torch_dtype).view(self.shape)
+        else:
+            src = self.rebuild(*self.args)
         with torch.cuda.device(src.device):
             dst.copy_(src)
             # the rows must be read before the producer may reuse them (only this copy's
@@ -249,6 +259,26 @@ class CudaIpcHandle(EmbeddingHandle):
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+_MAPPED_BLOCKS = 256  # pool blocks a consumer keeps mapped (least recently used dropped)
+_mapped: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
+_mapped_lock = threading.Lock()
+
+
+def _mapped_block(rebuild: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+    """A producer's pool block, mapped into this process once and kept: opening a CUDA IPC
+    allocation costs about a millisecond, a slice of a mapped one nothing."""
+    key = (args[7], args[9])  # the allocation's IPC handle and the block's offset in it
+    with _mapped_lock:
+        block = _mapped.get(key)
+        if block is not None:
+            _mapped.move_to_end(key)
+            return block
+    block = rebuild(*args)
+    with _mapped_lock:
+        _mapped[key] = block
+        while len(_mapped) > _MAPPED_BLOCKS:
+            _mapped.popitem(last=False)
+    return block
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -301,6 +331,89 @@ def make_cuda(rows: torch.Tensor, handle_id: str, address: str | None, expires_a
     handle = CudaIpcHandle(handle_id, tuple(own.shape), dtype_name(own.dtype), address,
                            expires_at, rebuild=rebuild, args=tuple(args))
     return handle, CudaBacking(own, args[11], args[12])
+
+
+class CudaPool:
+    """The producer's pooled CUDA memory for handles: slots of a power-of-two size (64 KiB and
+    up) carved from blocks of at least ``block_bytes``, each block shared over CUDA IPC once
+    when it is made. A handle is a slot; releasing it returns the slot for the next one, so
+    the pool grows to the most bytes ever live at once and stays there, and a consumer maps
+    each block once instead of a new allocation per handle."""
+
+    MIN_SLOT = 64 << 10
+
+    def __init__(self, device: torch.device, block_bytes: int = 64 << 20) -> None:
+        self.device, self.block_bytes = device, block_bytes
+        self._blocks: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
+        self._free: dict[int, list[tuple[int, int]]] = {}  # slot size -> [(block, offset)]
+        self._lock = threading.Lock()
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.numel() for b, _ in self._blocks)
+
+    def alloc(self, nbytes: int) -> tuple[int, int, int]:
+        """(block index, byte offset, slot size) of a free slot of at least ``nbytes``."""
+        size = max(self.MIN_SLOT, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            if not free:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                block = torch.empty(max(size, self.block_bytes), dtype=torch.uint8,
+                                    device=self.device)
+                _, args = reduce_tensor(block)
+                self._blocks.append((block, tuple(args)))
+                index = len(self._blocks) - 1
+                free.extend((index, off) for off in range(block.numel() - size, -1, -size))
+            index, offset = free.pop()
+        return index, offset, size
+
+    def release(self, index: int, offset: int, size: int) -> None:
+        with self._lock:
+            self._free[size].append((index, offset))
+
+    def block(self, index: int) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        return self._blocks[index]
+
+    def close(self) -> None:
+        """Drop the blocks (PyTorch frees each once its consumers have unmapped it)."""
+        with self._lock:
+            self._blocks.clear()
+            self._free.clear()
+        with torch.cuda.device(self.device):
+            torch.cuda.ipc_collect()
+
+
+class PooledBacking:
+    def __init__(self, pool: CudaPool, index: int, offset: int, size: int) -> None:
+        self.pool, self.slot = pool, (index, offset, size)
+
+    def free(self, *, opened: bool, consumer_alive: bool) -> None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self.pool.release(*slot)
+
+
+def make_cuda_pooled(rows: torch.Tensor, pool: CudaPool, handle_id: str, address: str | None,
+                     expires_at: float) -> tuple[CudaIpcHandle, PooledBacking]:
+    """Copy ``rows`` (a CUDA tensor) into a slot of ``pool``; the copy is complete when this
+    returns (a consumer reads the slot without an event of its own)."""
+    rows = rows.detach().contiguous()
+    nbytes = rows.numel() * rows.element_size()
+    index, offset, size = pool.alloc(nbytes)
+    block, args = pool.block(index)
+    block[offset:offset + nbytes].view(rows.dtype).view(rows.shape).copy_(rows)
+    torch.cuda.current_stream(rows.device).synchronize()
+    handle = CudaIpcHandle(handle_id, tuple(rows.shape), dtype_name(rows.dtype), address,
+                           expires_at, rebuild=_rebuild_cuda(), args=args, block_offset=offset)
+    return handle, PooledBacking(pool, index, offset, size)
+
+
+def _rebuild_cuda() -> Callable[..., torch.Tensor]:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor
 
 
 # ---- bytes -------------------------------------------------------------------------------

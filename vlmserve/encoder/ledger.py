@@ -30,10 +30,13 @@ import torch
 import zmq
 
 from vlmserve.encoder.handles import (
+    CudaPool,
     EmbeddingHandle,
     HandleOpenedTwiceError,
+    PooledBacking,
     make_bytes,
     make_cuda,
+    make_cuda_pooled,
     make_shm,
 )
 
@@ -70,6 +73,7 @@ class LedgerStats:
     late_releases: int = 0  # releases of handles already reclaimed
     unknown_messages: int = 0
     free_errors: int = 0
+    cuda_pool_bytes: int = 0  # pooled CUDA memory reserved for handles (live or free slots)
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -102,11 +106,15 @@ class HandleLedger:
             the producer calls `poll` in its loop.
         advertise: the address written into handles, if not the bound one (e.g. this
             host's name for ``tcp://0.0.0.0:*``).
+        cuda_pool: CUDA handles are slots of a pool shared once per block (`CudaPool`: a
+            consumer maps each block once; released slots are reused); False exports each
+            handle as an IPC allocation of its own (a mapping per open, ~1 ms).
     """
 
     def __init__(self, address: str | None = None, lease_s: float = 30.0,
                  grace_s: float = 0.5, background: bool = True,
-                 advertise: str | None = None, poll_interval_s: float = 0.05) -> None:
+                 advertise: str | None = None, poll_interval_s: float = 0.05,
+                 cuda_pool: bool = True) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
         self.token = f"{os.getpid()}x{secrets.token_hex(3)}"
@@ -122,6 +130,8 @@ class HandleLedger:
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = advertise or bound
         self._ids = itertools.count()
+        self._cuda_pool = cuda_pool
+        self._pools: dict[torch.device, CudaPool] = {}
         self._lock = threading.Lock()
         self._live: dict[str, HandleRecord] = {}
         self._freed: OrderedDict[str, str] = OrderedDict()  # id -> "released" / "reclaimed"
@@ -158,11 +168,18 @@ class HandleLedger:
         if transport == "shm":
             handle, backing = make_shm(rows, handle_id, self.address, expires_at,
                                        segment=f"vlms-{handle_id}")
+        elif transport == "cuda" and self._cuda_pool:
+            with self._lock:
+                pool = self._pools.get(rows.device)
+                if pool is None:
+                    pool = self._pools[rows.device] = CudaPool(rows.device)
+            handle, backing = make_cuda_pooled(rows, pool, handle_id, self.address, expires_at)
         elif transport == "cuda":
             handle, backing = make_cuda(rows, handle_id, self.address, expires_at)
         else:
             handle, backing = make_bytes(rows, handle_id, self.address, expires_at)
-        held = 0 if transport == "bytes" else handle.nbytes
+        held = (0 if transport == "bytes" else backing.slot[2]
+                if isinstance(backing, PooledBacking) else handle.nbytes)
         rec = HandleRecord(handle_id, transport, handle.nbytes, held, exported_at,
                            exported_at + self.lease_s, backing)
         with self._lock:
@@ -296,7 +313,8 @@ class HandleLedger:
 
     def stats(self) -> LedgerStats:
         with self._lock:
-            return LedgerStats(**vars(self._stats))
+            pooled = sum(p.reserved_bytes for p in self._pools.values())
+            return LedgerStats(**{**vars(self._stats), "cuda_pool_bytes": pooled})
 
     def record(self, handle_id: str) -> HandleRecord | None:
         """The live record of a handle (None once freed)."""
@@ -314,6 +332,8 @@ class HandleLedger:
             self._thread = None
         self._poll(0.0)
         self.reclaim_expired(now=float("inf"))
+        for pool in self._pools.values():
+            pool.close()
         self._sock.close(linger=0)
         self._ctx.term()
         if self._ipc_path is not None:  # libzmq leaves the socket file behind

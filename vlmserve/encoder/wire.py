@@ -55,6 +55,7 @@ class CudaWire(_Common, tag="cuda"):
     ref_counter_offset: int
     event_handle: bytes | None
     event_sync_required: bool
+    block_offset: int | None = None  # pooled: the rows' byte offset in the shared block
 
 
 HandleWire = ShmWire | BytesWire | CudaWire
@@ -75,7 +76,8 @@ def to_wire(h: EmbeddingHandle) -> HandleWire:
                         device=int(device), ipc_handle=ipc_handle,
                         storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
                         ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
-                        event_handle=event_handle, event_sync_required=event_sync)
+                        event_handle=event_handle, event_sync_required=event_sync,
+                        block_offset=h.block_offset)
     raise TypeError(f"no wire form for {type(h).__name__}")
 
 
@@ -94,7 +96,8 @@ def from_wire(w: HandleWire) -> EmbeddingHandle:
             getattr(torch, w.dtype), w.device, w.ipc_handle, w.storage_size_bytes,
             w.storage_offset_bytes, False, w.ref_counter_handle, w.ref_counter_offset,
             w.event_handle, w.event_sync_required)
-    return CudaIpcHandle(*common, rebuild=rebuild_cuda_tensor, args=args)
+    return CudaIpcHandle(*common, rebuild=rebuild_cuda_tensor, args=args,
+                         block_offset=w.block_offset)
 
 
 # ---- POST /v1/encode -----------------------------------------------------------------------
