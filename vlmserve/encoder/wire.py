@@ -92,8 +92,10 @@ def from_wire(w: HandleWire) -> EmbeddingHandle:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     storage_cls = torch.storage.TypedStorage if w.typed_storage else torch.UntypedStorage
+    # a pooled handle shares its whole block (bytes); a tensor of its own, the rows
+    tensor_dtype = torch.uint8 if w.block_offset is not None else getattr(torch, w.dtype)
     args = (torch.Tensor, torch.Size(w.size), tuple(w.stride), w.offset, storage_cls,
-            getattr(torch, w.dtype), w.device, w.ipc_handle, w.storage_size_bytes,
+            tensor_dtype, w.device, w.ipc_handle, w.storage_size_bytes,
             w.storage_offset_bytes, False, w.ref_counter_handle, w.ref_counter_offset,
             w.event_handle, w.event_sync_required)
     return CudaIpcHandle(*common, rebuild=rebuild_cuda_tensor, args=args,
@@ -151,7 +153,12 @@ def open_handles(images: Sequence[Any], device: torch.device) -> list[torch.Tens
                 h.release()
                 raise HandleError(f"handle {h.handle_id}: rows {tuple(h.shape)} for an image "
                                   f"of {img.length} tokens")
-            rows = h.open(device if isinstance(h, CudaIpcHandle) else "cpu")
+            try:
+                rows = h.open(device if isinstance(h, CudaIpcHandle) else "cpu")
+            except HandleError:
+                raise
+            except Exception as e:  # a mapping or copy that fails: this request's problem
+                raise HandleError(f"handle {h.handle_id}: {type(e).__name__}: {e}") from e
         except BaseException:
             for rest in images[i + 1:]:
                 if rest.handle is not None:
