@@ -50,7 +50,9 @@ def test_cuda_handle_fields_survive_the_wire() -> None:
 
     args = (torch.Tensor, torch.Size([5, 4]), (4, 1), 0, torch.storage.TypedStorage,
             torch.bfloat16, 0, b"\x01ipc", 4096, 512, False, b"\x02rc", 16, b"\x03ev", True)
-    for offset in (None, 1 << 20):  # a tensor of its own, a slot of a pool block
+    for offset in (None, 1 << 20):  # a tensor of its own, a slot of a pool block (bytes)
+        if offset is not None:
+            args = (*args[:5], torch.uint8, *args[6:])
         h = CudaIpcHandle("p-1", (5, 4), "bfloat16", "ipc:///tmp/x", 1e10,
                           rebuild=lambda: None, args=args, block_offset=offset)
         for codec in (msgspec.msgpack, msgspec.json):
