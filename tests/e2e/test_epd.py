@@ -109,3 +109,45 @@ def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
         assert r.status_code == 200
     finally:
         llm.kill()
+
+
+def test_completion_with_multi_modal_embeddings_from_the_encoder_server(epd) -> None:
+    """A client encodes its prompt at the encoder server (bytes handles) and sends the answer
+    to the LLM server as `multi_modal_embeddings`: the same text as the prompt with its image;
+    a shared-memory handle from a client is refused (the server does not accept them unless
+    told to), and so is a prompt other than the one encoded."""
+    enc, llm = epd
+    prompt = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe."
+              "<|im_end|>\n<|im_start|>assistant\n")
+    image = make_image(84, 84, 21)
+    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    want = ref.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}],
+                        greedy(10), use_tqdm=False)[0].outputs[0].text
+    before = httpx.get(enc.url + "/stats").json()["ledger"]
+
+    def encode(transport: str) -> dict:
+        r = httpx.post(enc.url + "/v1/encode", timeout=60, json={
+            "prompt": prompt, "images": [data_url(image)], "transport": transport})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def complete(encoded: dict, text: str = prompt) -> httpx.Response:
+        return httpx.post(llm.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": text, "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "multi_modal_embeddings": encoded})
+
+    encoded = encode("bytes")
+    assert len(encoded["images"]) == 1 and len(encoded["mrope_positions"]) == 3
+    r = complete(encoded)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    r = complete(encode("shm"))
+    assert r.status_code == 400 and "shm handles are not accepted" in r.text
+    r = complete(encode("bytes"), prompt + " ")
+    assert r.status_code == 400 and "prompt differs" in r.text
+    # the server contacted no address a client named (bytes handles' producers hold
+    # nothing; they and the refused shared-memory one are reclaimed at the lease)
+    after = httpx.get(enc.url + "/stats").json()["ledger"]
+    assert (after["opened"], after["released"]) == (before["opened"], before["released"])
+    assert after["live_handles"] == before["live_handles"] + 3

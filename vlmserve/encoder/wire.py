@@ -121,10 +121,13 @@ class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``images``: image URLs (``data:`` URLs; http(s) and local paths where the encoder
     server allows them) or `PixelImage`s. ``transport``: the handle kind, ``auto`` (CUDA IPC on
     a CUDA encoder, shared memory on a CPU one: both need the consumer on the same host),
-    ``shm``, ``cuda`` or ``bytes`` (inline, for a consumer on another host)."""
+    ``shm``, ``cuda`` or ``bytes`` (inline, for a consumer on another host). With ``prompt``
+    (text with one image placeholder per image, image URLs only), the answer is the whole
+    `EncoderOutputWire` of that prompt, for an LLM server's ``multi_modal_embeddings``."""
 
     images: list[str | PixelImage]
     transport: str = "auto"
+    prompt: str | None = None
 
 
 class EncodedImageWire(msgspec.Struct, kw_only=True):
@@ -132,6 +135,53 @@ class EncodedImageWire(msgspec.Struct, kw_only=True):
     length: int  # embedding rows == the image's placeholder tokens
     grid_thw: tuple[int, int, int]
     handle: HandleWire
+    offset: int = 0  # its placeholder run's start in the prompt (with a prompt)
+
+
+class EncoderOutputWire(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An `EncoderOutput` on the wire: the prompt as the engine's admission would expand
+    it, its mRoPE positions, and its images with their handles."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    images: list[EncodedImageWire]
+    mrope_positions: list[list[int]] | None = None
+    mrope_delta: int = 0
+
+
+def output_to_wire(out: Any) -> EncoderOutputWire:
+    """`EncoderOutput` -> `EncoderOutputWire` (its handles must exist: a delivering rank)."""
+    return EncoderOutputWire(
+        prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+        images=[EncodedImageWire(mm_hash=i.mm_hash, length=i.length, grid_thw=i.grid_thw,
+                                 handle=to_wire(i.handle), offset=i.offset)
+                for i in out.images],
+        mrope_positions=(None if out.mrope_positions is None
+                         else out.mrope_positions.tolist()),
+        mrope_delta=out.mrope_delta)
+
+
+def output_from_wire(w: EncoderOutputWire, kinds: Sequence[str] = ("bytes",)) -> Any:
+    """`EncoderOutputWire` -> `EncoderOutput` from a client; handles of a kind not in
+    ``kinds`` are refused (`ValueError`): a shared-memory segment name or a CUDA IPC handle
+    from a client would let it make the server read memory it names. A bytes handle's release
+    address is dropped (the server contacts no address a client names; its producer holds
+    nothing for it and reclaims it at the lease)."""
+    from vlmserve.encoder.encoder import EncodedImage, EncoderOutput
+
+    for i, img in enumerate(w.images):
+        kind = type(img.handle).__name__.removesuffix("Wire").lower()
+        if kind not in kinds:
+            raise ValueError(f"image {i}: {kind} handles are not accepted here (only "
+                             f"{', '.join(kinds)}; see --accept-encoder-handles)")
+    positions = None if w.mrope_positions is None else torch.tensor(w.mrope_positions,
+                                                                     dtype=torch.int64)
+    handles = [from_wire(msgspec.structs.replace(i.handle, release_address=None)
+                         if isinstance(i.handle, BytesWire) else i.handle) for i in w.images]
+    return EncoderOutput(w.prompt, list(w.prompt_token_ids),
+                         [EncodedImage(i.mm_hash, i.offset, i.length, tuple(i.grid_thw), h)
+                          for i, h in zip(w.images, handles, strict=True)],
+                         positions, w.mrope_delta)
 
 
 class EncodeResponse(msgspec.Struct, kw_only=True):

@@ -47,8 +47,12 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
             params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
     images = [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels,
                         img.embeds) for img in processed.images]
-    if encoder_client is not None and images:
-        for data, enc in zip(images, encoder_client.encode(processed.images), strict=True):
+    # images given encoded (multi_modal_embeddings) are not sent again
+    todo = [(data, img) for data, img in zip(images, processed.images, strict=True)
+            if img.embeds is None]
+    if encoder_client is not None and todo:
+        for (data, _), enc in zip(todo, encoder_client.encode([img for _, img in todo]),
+                                  strict=True):
             if enc is None:
                 continue
             hidden = input_processor.hidden_size

@@ -98,6 +98,11 @@ class ServerConfig:
     encoder_transport: str = _opt(
         "auto", "Embedding handles to ask encoder servers for: auto (CUDA IPC or shared "
         "memory from a server on this host, bytes from another host), shm, cuda or bytes.")
+    accept_encoder_handles: str = _opt(
+        "bytes", "Comma-separated handle kinds a client may send in a completion's "
+        "multi_modal_embeddings (what an encoder server's POST /v1/encode with a prompt "
+        "returns): bytes (the rows inline) by default; add shm and cuda only for trusted "
+        "clients on this host (such a handle names memory the server then reads).")
     encoder_lease: float = _opt(
         30.0, "With --role encoder: seconds an LLM server has to open an embedding handle "
         "before its rows are reclaimed.")

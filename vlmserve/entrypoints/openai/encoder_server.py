@@ -2,6 +2,8 @@
 
     POST /v1/encode   {"images": [URL | data URL | preprocessed pixels], "transport": ...}
                       -> {"images": [{mm_hash, length, grid_thw, handle}]}  (JSON or msgpack)
+                      with "prompt": the whole encoded prompt (token ids, mRoPE positions,
+                      images with offsets), for an LLM server's `multi_modal_embeddings`
     GET  /health, /stats, /metrics
 
 Requests that arrive while the tower runs wait and then go together: every step encodes all
@@ -25,13 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from vlmserve.encoder.encoder import MultimodalEncoder
+from vlmserve.encoder.encoder import EncoderOutput, MultimodalEncoder
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.encoder.wire import (
     EncodedImageWire,
     EncodeRequest,
     EncodeResponse,
     PixelImage,
+    output_to_wire,
     to_wire,
 )
 from vlmserve.entrypoints.args import ServerConfig
@@ -52,7 +55,7 @@ class _Batcher:
         self._thread = threading.Thread(target=self._run, name="vlmserve-encoder", daemon=True)
         self._thread.start()
 
-    async def encode(self, prompt: ProcessedPrompt, transport: str) -> list[EncodedImageWire]:
+    async def encode(self, prompt: ProcessedPrompt, transport: str) -> EncoderOutput:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._jobs.put((prompt, transport, loop, fut))
@@ -73,10 +76,8 @@ class _Batcher:
             for transport in {j[1] for j in jobs}:  # one forward per handle kind asked
                 group = [j for j in jobs if j[1] == transport]
                 try:
-                    outs = self.encoder.encode([j[0] for j in group], transport=transport)
-                    results: list[Any] = [[EncodedImageWire(
-                        mm_hash=img.mm_hash, length=img.length, grid_thw=img.grid_thw,
-                        handle=to_wire(img.handle)) for img in out.images] for out in outs]
+                    results: list[Any] = self.encoder.encode([j[0] for j in group],
+                                                             transport=transport)
                 except Exception as e:  # noqa: BLE001 - each waiting request is told
                     logger.exception("encoding failed")
                     results = [e] * len(group)
@@ -128,8 +129,8 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
                           processor.pixel_transform)
 
     def preprocess(req: EncodeRequest) -> ProcessedPrompt:
-        """The request's images as one prompt of image placeholders (the engine's own
-        preprocessing decodes, resizes and hashes the URLs)."""
+        """The request's prompt, or its images as one prompt of image placeholders (the
+        engine's own preprocessing decodes, resizes and hashes the URLs)."""
         if not req.images:
             raise InvalidRequestError("images: give at least one image")
         if len(req.images) > cfg.limit_mm_per_prompt:
@@ -137,6 +138,11 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
         if req.transport not in TRANSPORTS:
             raise InvalidRequestError(f"transport: one of {', '.join(TRANSPORTS)}")
         urls = [src for src in req.images if isinstance(src, str)]
+        if req.prompt is not None:
+            if len(urls) != len(req.images):
+                raise InvalidRequestError("images: with a prompt, give image URLs")
+            return encoder.process({"prompt": req.prompt,
+                                    "multi_modal_data": {"image": loader.load_all(urls)}})
         decoded = iter(encoder.process({
             "prompt_token_ids": [processor.image_token_id, 0] * len(urls),
             "multi_modal_data": {"image": loader.load_all(urls)}}).images if urls else ())
@@ -163,7 +169,10 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
             return _error(400, f"bad request body: {e}")
         prompt = await asyncio.to_thread(preprocess, req)
         transport = encoder.transport if req.transport == "auto" else req.transport
-        resp = EncodeResponse(images=await batcher.encode(prompt, transport))
+        out = await batcher.encode(prompt, transport)
+        resp: Any = output_to_wire(out) if req.prompt is not None else EncodeResponse(images=[
+            EncodedImageWire(mm_hash=img.mm_hash, length=img.length, grid_thw=img.grid_thw,
+                             handle=to_wire(img.handle)) for img in out.images])
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")

@@ -203,6 +203,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # extension: the prompt's images encoded by an encoder server (`POST /v1/encode` with
+    # this prompt), as it answered: token ids, positions, images with embedding handles
+    multi_modal_embeddings: dict[str, Any] | None = None
 
     @property
     def num_logprobs(self) -> int | None:

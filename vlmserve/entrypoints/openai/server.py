@@ -27,6 +27,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.encoder.client import EncoderUnavailableError
+from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.streams import RequestFailedError
@@ -137,6 +138,9 @@ class OpenAIServing:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.draining = False  # shutting down: new requests are refused
         self.api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
+        # handle kinds a client may send in multi_modal_embeddings
+        self.accepted_handles = tuple(k.strip() for k in cfg.accept_encoder_handles.split(",")
+                                      if k.strip())
         self.image_loader = RestrictedImageLoader(
             allowed_local_dir=cfg.allowed_local_media_path, max_pixels=cfg.max_image_pixels,
             max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes)
@@ -295,6 +299,21 @@ class OpenAIServing:
                                 finish_reason=c.finish_reason)],
             usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
 
+    def encoded_prompt(self, req: CompletionRequest) -> dict[str, Any]:
+        """A completion whose images an encoder server encoded (`multi_modal_embeddings`):
+        the prompt with an `EncoderOutput` whose handles the preprocessing opens once."""
+        if not isinstance(req.prompt, str):
+            raise ApiError(400, "with multi_modal_embeddings, the prompt must be the text "
+                           "the encoder server encoded", "prompt")
+        try:
+            wire = msgspec.json.decode(json.dumps(req.multi_modal_embeddings),
+                                       type=EncoderOutputWire)
+            output = output_from_wire(wire, self.accepted_handles)
+        except (msgspec.ValidationError, ValueError) as e:
+            raise ApiError(400, f"multi_modal_embeddings: {e}", "multi_modal_embeddings"
+                           ) from None
+        return {"prompt": req.prompt, "multi_modal_embeddings": output}
+
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_auth(request)
@@ -305,6 +324,8 @@ class OpenAIServing:
         if isinstance(req.prompt, str):
             self.check_prompt_chars(len(req.prompt))
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+        if req.multi_modal_embeddings is not None:
+            prompt = self.encoded_prompt(req)
         rid, created = random_id("cmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival,
                                                default_max_tokens=self.cfg.default_max_tokens)
