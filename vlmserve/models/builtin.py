@@ -1,7 +1,7 @@
 """Built-in checkpoints, created locally and deterministically (no network).
 
-Two tiny random models for tests (``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``) and two full-size
-random-weight presets for speed measurements. Each is written as a Hugging Face checkpoint
+Tiny random models for tests (``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``, ``tiny-llava-1.5``) and
+full-size random-weight presets for speed measurements. Each is written as a Hugging Face checkpoint
 folder (config.json, model.safetensors, tokenizer files, preprocessor_config.json) that
 ``transformers`` loads as is.
 """
@@ -71,6 +71,28 @@ The model looks at every patch of the image, then writes the answer one token at
 QWEN_IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 QWEN_IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
+# LLaVA-1.5: Llama's special tokens plus <image>; llava-hf's prompt format
+# ("USER: <image>\n... ASSISTANT:"; images first, then the text of each message)
+LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ message['content'] if message['content'] is string else "
+    "message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join(' ') }}{{ ' ' }}"
+    "{% else %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<image>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] + ' ' }}{% endif %}"
+    "{% endfor %}{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class BuiltinModel:
@@ -83,6 +105,7 @@ class BuiltinModel:
     tiny: bool  # True: deterministic init_tiny_weights; False: HF's random init (std 0.02)
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
+    family: str = "qwen2_vl"  # tokenizer, config and processor recipe: qwen2_vl or llava
 
 
 def _text(
@@ -102,6 +125,21 @@ def _text(
 
 
 _QWEN2_VIS = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+
+def _llama_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None
+                ) -> dict:
+    return dict(model_type="llama", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _clip_vision(hidden: int, inter: int, layers: int, heads: int, image_size: int) -> dict:
+    return dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, image_size=image_size,
+                patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+                projection_dim=768)
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-qwen2-vl": BuiltinModel(
@@ -155,13 +193,34 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tiny=False,
         max_pixels=12845056,
     ),
+    "tiny-llava-1.5": BuiltinModel(
+        architecture="LlavaForConditionalGeneration",
+        text=_llama_text(64, 128, 2, 4, 2, None),
+        # 84x84 images: 36 tokens each; 3 layers, features from the second to last
+        vision=_clip_vision(32, 64, 3, 2, 84),
+        tie_word_embeddings=False,
+        tiny=True,
+        family="llava",
+    ),
+    "llava-1.5-7b-random": BuiltinModel(  # llava-hf/llava-1.5-7b-hf's shapes
+        architecture="LlavaForConditionalGeneration",
+        text=_llama_text(4096, 11008, 32, 32, 32, 32064),
+        vision=_clip_vision(1024, 4096, 24, 16, 336),
+        tie_word_embeddings=False,
+        tiny=False,
+        family="llava",
+    ),
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny byte-level BPE tokenizer with Qwen's special tokens."""
+def build_tokenizer(family: str = "qwen2_vl") -> PreTrainedTokenizerFast:
+    """The tiny byte-level BPE tokenizer with the special tokens (and chat template) of
+    ``family``: Qwen's, or LLaVA-1.5's (Llama's tokens plus ``<image>``; a BOS is added)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if family == "llava":
+        return _build_llava_tokenizer()
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -182,7 +241,42 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+def _build_llava_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_BPE_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(LLAVA_SPECIAL_TOKENS[:4]),  # ids 0-3, as in Llama's order
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerFast, family: str = "qwen2_vl") -> dict[str, int]:
+    if family == "llava":
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL_TOKENS}
+        return dict(image_token_id=ids["<image>"], bos_token_id=ids["<s>"],
+                    eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return dict(
         image_token_id=ids["<|image_pad|>"],
@@ -200,8 +294,8 @@ def build_config(name: str, tokenizer: PreTrainedTokenizerFast | None = None) ->
     import transformers
 
     spec = BUILTIN_MODELS[name]
-    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    ids = _token_ids(tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(spec.family)
+    ids = _token_ids(tokenizer, spec.family)
     text = dict(spec.text)
     if text["vocab_size"] is None:
         text["vocab_size"] = -(-len(tokenizer) // 64) * 64
@@ -210,11 +304,19 @@ def build_config(name: str, tokenizer: PreTrainedTokenizerFast | None = None) ->
     config_cls = getattr(
         transformers, spec.architecture.replace("ForConditionalGeneration", "Config")
     )
+    if spec.family == "llava":
+        vision = spec.vision
+        extra = dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
+                     projector_hidden_act="gelu",
+                     image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2,
+                     image_token_id=ids["image_token_id"], pad_token_id=ids["pad_token_id"])
+    else:
+        extra = ids
     config = config_cls(
         text_config=text,
         vision_config=dict(spec.vision),
         tie_word_embeddings=spec.tie_word_embeddings,
-        **ids,
+        **extra,
     )
     config.architectures = [spec.architecture]
     return config
@@ -224,6 +326,22 @@ def preprocessor_config(name: str) -> dict:
     """The preprocessor_config.json contents of built-in model ``name``."""
     spec = BUILTIN_MODELS[name]
     vision = spec.vision
+    if spec.family == "llava":  # llava-hf/llava-1.5-7b-hf's CLIP processor at our image size
+        size = vision["image_size"]
+        return {
+            "image_processor_type": "CLIPImageProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": size},
+            "resample": 3,  # bicubic
+            "do_center_crop": True,
+            "crop_size": {"height": size, "width": size},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": QWEN_IMAGE_MEAN,  # OpenAI CLIP's
+            "image_std": QWEN_IMAGE_STD,
+            "do_convert_rgb": True,
+        }
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "do_resize": True,
@@ -262,7 +380,8 @@ def init_tiny_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -
         else:
             value = std * noise
         param.copy_(value.to(param.dtype))
-    placeholders = [model.config.image_token_id, model.config.video_token_id]
+    placeholders = [t for t in (model.config.image_token_id,
+                                getattr(model.config, "video_token_id", None)) if t is not None]
     model.get_output_embeddings().weight[placeholders] = 0.0
 
 
@@ -291,7 +410,7 @@ def create_checkpoint(
     spec = BUILTIN_MODELS[name]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.family)
     config = build_config(name, tokenizer)
     model_cls = getattr(transformers, spec.architecture)
     with torch.device(device), _default_dtype(dtype):
@@ -303,6 +422,13 @@ def create_checkpoint(
     tokenizer.save_pretrained(path, save_jinja_files=False)  # template in tokenizer_config.json
     with open(path / "preprocessor_config.json", "w") as f:
         json.dump(preprocessor_config(name), f, indent=2, sort_keys=True)
+    if spec.family == "llava":  # what transformers' LlavaProcessor reads besides the above
+        vision = spec.vision
+        with open(path / "processor_config.json", "w") as f:
+            json.dump({"processor_class": "LlavaProcessor", "image_token": "<image>",
+                       "patch_size": vision["patch_size"], "num_additional_image_tokens": 1,
+                       "vision_feature_select_strategy": "default"}, f, indent=2,
+                      sort_keys=True)
     return path
 
 

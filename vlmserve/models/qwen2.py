@@ -1,4 +1,6 @@
-"""Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) over a paged KV cache."""
+"""The decoder of Qwen2, Llama and Mistral (the language models of Qwen2-VL, Qwen2.5-VL and
+LLaVA) over a paged KV cache: one block layout, the differences (biases, rotary sections) read
+from the config."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from vlmserve.layers.rotary import MRotaryEmbedding
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 qkv_bias: bool = True, o_bias: bool = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.qkv_proj = MergedLinear(
-            hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=True)
-        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
+            hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=qkv_bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=o_bias)
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
@@ -54,8 +57,9 @@ class Qwen2DecoderLayer(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.self_attn = Qwen2Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        qkv_bias, o_bias = attention_biases(cfg)
+        self.self_attn = Qwen2Attention(cfg.hidden_size, cfg.num_attention_heads,
+                                        cfg.num_key_value_heads, head_dim, qkv_bias, o_bias)
         self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -67,10 +71,27 @@ class Qwen2DecoderLayer(nn.Module):
         return self.mlp(x, residual, self.post_attention_layernorm)
 
 
+def attention_biases(cfg) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) of a text config: Llama says so (`attention_bias`, both);
+    Qwen2's configs do not, it always has q/k/v biases; Mistral has none."""
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError("decoders with MLP biases (mlp_bias) are not supported")
+    if hasattr(cfg, "attention_bias"):
+        return bool(cfg.attention_bias), bool(cfg.attention_bias)
+    return str(getattr(cfg, "model_type", "")).startswith("qwen2"), False
+
+
+# rotary variants this decoder computes: plain RoPE, and mRoPE (`mrope_section`)
+_ROPE_TYPES = (None, "default", "mrope")
+
+
 def rope_settings(cfg) -> tuple[float, list[int] | None]:
     """rope_theta and mrope_section from a text config (transformers 4.x or 5.x layout)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     scaling = getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"rotary scaling {kind!r} is not supported (only plain RoPE and mRoPE)")
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     section = params.get("mrope_section") or scaling.get("mrope_section")
     return float(theta), section

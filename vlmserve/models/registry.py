@@ -9,6 +9,7 @@ _MODELS: dict[str, tuple[str, str]] = {
                                         "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
                                            "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
 }
 
 

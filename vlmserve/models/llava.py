@@ -1,0 +1,119 @@
+"""LLaVA-1.5: CLIP ViT tower -> two-layer projector -> Llama decoder (plain 1-D RoPE) -> lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmserve.models.llava_processing import LlavaInputProcessor, tokens_per_image
+from vlmserve.models.qwen2 import Qwen2Model
+from vlmserve.models.vision.clip import CLIPVisionTower
+from vlmserve.models.vision.common import get_activation
+
+
+class LlavaProjector(nn.Module):
+    """``linear_2(act(linear_1(x)))``: vision features to the LM's width."""
+
+    def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
+        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    uses_mrope = False
+    input_processor_cls = LlavaInputProcessor
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.config = hf_config
+        tcfg = hf_config.text_config
+        strategy = hf_config.vision_feature_select_strategy
+        self.vision_tower = CLIPVisionTower(hf_config.vision_config,
+                                            hf_config.vision_feature_layer,
+                                            keep_cls=strategy == "full")
+        assert self.vision_tower.tokens_per_image == tokens_per_image(hf_config)
+        self.multi_modal_projector = LlavaProjector(
+            self.vision_tower.out_dim, tcfg.hidden_size, hf_config.projector_hidden_act,
+            bool(getattr(hf_config, "multimodal_projector_bias", True)))
+        self.language_model = Qwen2Model(tcfg)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
+                                        or getattr(tcfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(token_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, S, S]`` (all images one size; ``grid_thw`` unused) -> ``[B * tokens,
+        hidden]``, image by image."""
+        feats = self.vision_tower(pixel_values)  # [B, tokens, vision_dim * layers]
+        return self.multi_modal_projector(feats).flatten(0, 1)  # [B * tokens, hidden]
+
+    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.language_model.kv_cache_shape(num_blocks, block_size)
+
+    def set_attention_backend(self, fn) -> None:
+        self.language_model.set_attention_backend(fn)
+
+    def set_fused_ops(self, ops) -> None:
+        """Both towers: every module with an `ops` attribute takes these."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def set_vision_attention_backend(self, fn) -> None:
+        """Unused: every CLIP batch is images of one size, one dense SDPA call."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.language_model.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.language_model.layers)
+
+    def load_weights(self, weights) -> set[str]:
+        """Accepts the hub layout (`vision_tower.vision_model.*`, `multi_modal_projector.*`,
+        `language_model.model.*`, `language_model.lm_head.*`) and the transformers 5.x one
+        (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+        `lm_head.*`)."""
+        vision, text, loaded = [], [], set()
+        projector = dict(self.multi_modal_projector.named_parameters())
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower."):
+                vision.append((name[len("vision_tower."):], tensor))
+            elif name.startswith("multi_modal_projector."):
+                key = name[len("multi_modal_projector."):]
+                if key not in projector:
+                    raise KeyError(f"unexpected checkpoint weight {name!r}")
+                with torch.no_grad():
+                    projector[key].copy_(tensor)
+                loaded.add(f"multi_modal_projector.{key}")
+            elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+                if not self.tie_word_embeddings:
+                    with torch.no_grad():
+                        self.lm_head.weight.copy_(tensor)
+                loaded.add("lm_head.weight")
+            elif name.startswith("language_model."):
+                text.append((name[len("language_model."):].removeprefix("model."), tensor))
+            else:
+                raise KeyError(f"unexpected checkpoint weight {name!r}")
+        loaded |= {f"vision_tower.{n}" for n in self.vision_tower.load_weights(vision)}
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
