@@ -51,3 +51,48 @@ def test_tp4_replicates_kv_heads(vlmserve_cache):
 def test_tp_must_divide_heads(vlmserve_cache):
     with pytest.raises(ValueError, match="must divide"):
         LLM("tiny-qwen2-vl", dtype="float32", device="cpu", tensor_parallel_size=3)
+
+
+def test_row_parallel_bias_is_added_once_after_the_sum():
+    """Two ranks' halves of an o_proj with a bias (Llama's `attention_bias`): the bias is
+    added after the all-reduce, once, so the sum equals the whole layer."""
+    import torch
+
+    from vlmserve.distributed.tensor_parallel import RowParallelLinear
+
+    class _Sum:  # the all-reduce of two ranks, both computed here
+        def __init__(self) -> None:
+            self.parts: list[torch.Tensor] = []
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            self.parts.append(x)
+            return x
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    tp = _Sum()
+    halves = [RowParallelLinear(w[:, i * 4:(i + 1) * 4].clone(), tp, b.clone())
+              for i in range(2)]
+    for i, layer in enumerate(halves):
+        layer(x[:, i * 4:(i + 1) * 4])
+    total = tp.parts[0] + tp.parts[1] + b
+    torch.testing.assert_close(total, x @ w.T + b)
+
+
+def test_tp2_llava_matches_single_process(vlmserve_cache):
+    from tests.engine.helpers import make_image
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    convs = [[{"role": "user", "content": [{"type": "image", "image": make_image(w, h, i)},
+                                           {"type": "text", "text": "Describe."}]}]
+             for i, (w, h) in enumerate([(84, 84), (120, 60)])]
+    convs.append([{"role": "user", "content": "Just text."}])
+    single = LLM("tiny-llava-1.5", **kw)
+    expected = [o.outputs[0].token_ids for o in single.chat(convs, params, use_tqdm=False)]
+    tp = LLM("tiny-llava-1.5", tensor_parallel_size=2, **kw)
+    try:
+        outs = tp.chat(convs, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        tp.engine.shutdown()

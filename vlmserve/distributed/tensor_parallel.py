@@ -14,16 +14,20 @@ from vlmserve.layers.linear import MergedLinear
 
 
 class RowParallelLinear(nn.Module):
-    """`y = all_reduce(x_shard @ W_shard.T)`: this rank's slice of the input features."""
+    """`y = all_reduce(x_shard @ W_shard.T) + b`: this rank's slice of the input features;
+    the bias (whole, e.g. a Llama o_proj with `attention_bias`) added once, after the sum."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = tp
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.ops.linear(x, self.weight))
+        y = self.tp.all_reduce(self.ops.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -70,8 +74,10 @@ def shard_language_model(lm, tp: TensorParallel) -> None:
         attn.qkv_proj = _shard_merged(attn.qkv_proj, [(r * h * d, h * d),
                                                       (kv_start * d, kv * d),
                                                       (kv_start * d, kv * d)])
+        bias = attn.o_proj.bias
         attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, r * h * d:(r + 1) * h * d]
-                                        .detach().clone(), tp)
+                                        .detach().clone(), tp,
+                                        None if bias is None else bias.detach().clone())
         attn.heads, attn.kv_heads = h, kv
         mlp = layer.mlp
         inter = mlp.gate_up_proj.out_sizes[0]

@@ -16,6 +16,9 @@ _EXPORTS = {
     "HandleLedger": "vlmserve.encoder.ledger",
     "ConsumerLedger": "vlmserve.encoder.ledger",
     "consumer_ledger": "vlmserve.encoder.ledger",
+    "EncoderRankError": "vlmserve.encoder.parallel",
+    "EncoderClient": "vlmserve.encoder.client",
+    "EncoderUnavailableError": "vlmserve.encoder.client",
 }
 __all__ = sorted(_EXPORTS)
 
