@@ -89,8 +89,11 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
                  log_level: str = "info", preprocess_workers: int = 0,
-                 encoder_urls: Sequence[str] = (), encoder_transport: str = "auto") -> None:
+                 encoder_urls: Sequence[str] = (), encoder_transport: str = "auto",
+                 image_cache_bytes: int = 0) -> None:
         self.config = config
+        # processed images kept by source in each preprocessing process (or this one)
+        self.image_cache_bytes = image_cache_bytes
         # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
         self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
         self._encoder_client = (EncoderClient(encoder_urls, encoder_transport)
@@ -104,7 +107,7 @@ class AsyncLLM:
             _, hf_config, model_processor = load_model_processor(config.model_config.model)
             text = text_config(hf_config)
             self.input_processor = InputProcessor(model_processor, text.vocab_size,
-                                                  text.hidden_size)
+                                                  text.hidden_size, image_cache_bytes)
             self.output_processor = OutputProcessor(model_processor.tokenizer)
             self.model_name: str = config.model_config.model
             self._encoder = Encoder()
@@ -286,7 +289,8 @@ class AsyncLLM:
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
         return start_pool(self._preprocess_workers, self.config.model_config.model,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
-                           wait, self.encoder_urls, self.encoder_transport)
+                           wait, self.encoder_urls, self.encoder_transport,
+                           self.image_cache_bytes)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -74,13 +74,13 @@ _worker: tuple | None = None
 
 def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...], encoder_urls: tuple[str, ...] = (),
-                 encoder_transport: str = "auto") -> None:
+                 encoder_transport: str = "auto", image_cache_bytes: int = 0) -> None:
     global _worker
     die_with_parent()
     _, hf_config, model_processor = load_model_processor(model)
     client = EncoderClient(encoder_urls, encoder_transport) if encoder_urls else None
-    _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size),
-               limits, eos_token_ids, Encoder(), client)
+    _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
+                              image_cache_bytes), limits, eos_token_ids, Encoder(), client)
 
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
@@ -99,13 +99,14 @@ def _ready() -> int:
 
 def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
-                encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto"
-                ) -> concurrent.futures.ProcessPoolExecutor:
+                encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto",
+                image_cache_bytes: int = 0) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
     model's processor (so the first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport))
+        initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport,
+                  image_cache_bytes))
     if not wait:
         return pool
     pids: set[int] = set()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +13,7 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.image import load_image
-from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
 PromptInput = str | dict[str, Any]
 # a source (PIL image, bytes, URL, path) -> RGB; a loader with a `load_all(sources)` method
@@ -18,7 +21,7 @@ PromptInput = str | dict[str, Any]
 ImageLoader = Callable[[Any], Image.Image]
 
 
-def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
+def _image_sources(prompt: dict[str, Any]) -> list:
     mm = prompt.get("multi_modal_data") or {}
     if not isinstance(mm, dict):
         raise InvalidRequestError("multi_modal_data must be a dict like {'image': [...]}")
@@ -27,8 +30,11 @@ def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
         raise InvalidRequestError(f"unsupported multi_modal_data key(s): {sorted(unknown)}; "
                                   "only 'image' is supported")
     images = mm.get("image", [])
-    if not isinstance(images, (list, tuple)):
-        images = [images]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
+    images = _image_sources(prompt)
     load_all = getattr(load, "load_all", None)
     if load_all is not None:  # a server's loader: a request's limits over all its images,
         return load_all(list(images))  # checked before any is decoded; names them itself
@@ -41,13 +47,87 @@ def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
     return loaded
 
 
-class InputProcessor:
-    """Wraps the model's own input processor (tokenizer + HF image processor)."""
+def _source_key(src: Any) -> str | None:
+    """A cache key for an image source whose content it names: a data URL or encoded bytes
+    (a path or a PIL image: none, its content may change)."""
+    if isinstance(src, str) and src[:5].lower() == "data:":
+        return "s" + hashlib.sha256(src.encode()).hexdigest()
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return "b" + hashlib.sha256(src).hexdigest()
+    return None
 
-    def __init__(self, model_processor, vocab_size: int, hidden_size: int | None = None) -> None:
+
+class PreparedImageCache:
+    """Processed images (content hash, resized pixels) by the source they came from, least
+    recently used dropped beyond ``max_bytes`` of pixels: a chat that sends the same images
+    every turn is decoded, hashed and resized once. Thread-safe."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._items: OrderedDict[str, PreparedImage] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get_all(self, keys: list[str | None]) -> list[PreparedImage] | None:
+        """Every key's image, or None if any is missing."""
+        with self._lock:
+            found = [self._items.get(k) if k is not None else None for k in keys]
+            if any(f is None for f in found):
+                self.misses += 1
+                return None
+            for k in keys:
+                self._items.move_to_end(k)
+            self.hits += 1
+            return found  # type: ignore[return-value]
+
+    def put(self, key: str | None, image: PreparedImage) -> None:
+        size = image.pixels.numel()
+        if key is None or size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = image
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                self.bytes -= self._items.popitem(last=False)[1].pixels.numel()
+
+
+class InputProcessor:
+    """Wraps the model's own input processor (tokenizer + HF image processor).
+    ``image_cache_bytes`` > 0 keeps that many bytes of processed images by source (data URLs
+    and fetched bytes) when the model's processor can take them (`prepare`)."""
+
+    def __init__(self, model_processor, vocab_size: int, hidden_size: int | None = None,
+                 image_cache_bytes: int = 0) -> None:
         self.model_processor = model_processor
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size  # of image embeddings given encoded (None: unchecked)
+        self.image_cache = (PreparedImageCache(image_cache_bytes) if image_cache_bytes > 0
+                            and hasattr(model_processor, "prepare") else None)
+
+    def _images(self, prompt: dict[str, Any], load: ImageLoader) -> list:
+        """The prompt's images, loaded; from the cache of processed images when every one
+        of them is there (the request's pixel limit still checked), else all loaded (each
+        then processed and kept)."""
+        cache = self.image_cache
+        sources = _image_sources(prompt)
+        keys = [_source_key(src) for src in sources] if cache is not None else []
+        if cache is None or not sources or None in keys:
+            return _images_of(prompt, load)
+        found = cache.get_all(keys)
+        if found is not None:
+            limit = getattr(load, "max_request_pixels", None)
+            total = sum(p.source_pixels for p in found)
+            if limit is not None and total > limit:
+                raise InvalidImageError(
+                    f"the request's {len(found)} images hold {total} pixels in all, which "
+                    f"exceeds the limit of {limit} (--max-request-pixels)")
+            return found
+        prepared = [self.model_processor.prepare(img) for img in _images_of(prompt, load)]
+        for key, p in zip(keys, prepared, strict=True):
+            cache.put(key, p)
+        return prepared
 
     def _encoded(self, prompt: dict[str, Any]) -> ProcessedPrompt:
         """A prompt whose images an encoder service encoded (`vlmserve.MultimodalEncoder`):
@@ -104,7 +184,7 @@ class InputProcessor:
             if token_ids is not None and (not isinstance(token_ids, (list, tuple)) or not all(
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
-            images = _images_of(prompt, load)
+            images = self._images(prompt, load)
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):

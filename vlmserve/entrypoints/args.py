@@ -109,6 +109,10 @@ class ServerConfig:
     encoder_ledger_address: str | None = _opt(
         None, "With --role encoder: zmq endpoint where consumers report opened and released "
         "handles (default: an ipc:// socket, this host only; tcp://HOST:PORT for others).")
+    processed_image_cache_mb: int = _opt(
+        128, "MiB of processed images (content hash, resized pixels) each preprocessing "
+        "process keeps by source (data URLs, fetched bytes): a chat that sends the same "
+        "images every turn decodes and resizes them once (0: off).")
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")

@@ -20,7 +20,7 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.hashing import hash_image
-from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -177,11 +177,19 @@ class Qwen2VLInputProcessor:
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size**2
 
+    def prepare(self, image: Image.Image) -> PreparedImage:
+        """The host part of the image processor for one image: its content hash and its
+        resized pixels (what a cache of processed images keeps)."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        array = np.array(rgb)  # writable: torch.from_numpy shares it
+        return PreparedImage(hash_image(array, self._hash_extra), self._resize(rgb, array),
+                             image.width * image.height)
+
     def process(
         self,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
-        images: Sequence[Image.Image],
+        images: Sequence[Image.Image | PreparedImage],
     ) -> ProcessedPrompt:
         """Tokenize, run the image processor, expand placeholders, compute mRoPE positions.
 
@@ -209,10 +217,10 @@ class Qwen2VLInputProcessor:
                 prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
             )
 
-        rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
-        arrays = [np.array(img) for img in rgb]  # writable: torch.from_numpy shares it
-        hashes = [hash_image(a, self._hash_extra) for a in arrays]
-        resized = [self._resize(img, a) for img, a in zip(rgb, arrays, strict=True)]
+        prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
+                    for img in images]
+        hashes = [p.mm_hash for p in prepared]
+        resized = [p.pixels for p in prepared]
         grids = [(1, px.shape[0] // self.patch_size, px.shape[1] // self.patch_size)
                  for px in resized]
         out_ids: list[int] = []

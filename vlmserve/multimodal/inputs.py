@@ -55,6 +55,17 @@ def pixel_values(
     return torch.cat(out)
 
 
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image after the host part of a model's image processor: its content hash, its
+    resized ``[H, W, 3]`` uint8 pixels and the pixels of the image it came from (for a
+    request's pixel limit). A model processor's ``process`` takes it in place of the image."""
+
+    mm_hash: str
+    pixels: torch.Tensor
+    source_pixels: int
+
+
 @dataclass
 class ProcessedPrompt:
     """A prompt ready for scheduling: token ids with image runs expanded, images, positions."""

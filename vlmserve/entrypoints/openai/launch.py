@@ -107,7 +107,8 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
     engine = AsyncLLM(config, core=core, log_level=cfg.log_level,
                       preprocess_workers=cfg.preprocess_workers,
                       encoder_urls=[u for u in (cfg.encoder_url or "").split(",") if u],
-                      encoder_transport=cfg.encoder_transport)
+                      encoder_transport=cfg.encoder_transport,
+                      image_cache_bytes=cfg.processed_image_cache_mb << 20)
     try:
         app = build_app(engine, cfg)
         server = _Server(
