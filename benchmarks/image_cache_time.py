@@ -33,16 +33,17 @@ def main() -> None:
             plain = InputProcessor(mp, 10**6)
             cached.process(prompt)
 
-            def median_ms(proc, n: int = 5) -> float:
-                times = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    proc.process(prompt)
-                    times.append(time.perf_counter() - t0)
-                return sorted(times)[n // 2] * 1e3
+            print(f"{fmt} 2 x {size}px: uncached {_median_ms(plain, prompt):.1f} ms, "
+                  f"cached {_median_ms(cached, prompt):.1f} ms")
 
-            print(f"{fmt} 2 x {size}px: uncached {median_ms(plain):.1f} ms, "
-                  f"cached {median_ms(cached):.1f} ms")
+
+def _median_ms(proc: InputProcessor, prompt: dict, n: int = 5) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        proc.process(prompt)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2] * 1e3
 
 
 if __name__ == "__main__":
