@@ -86,6 +86,9 @@ class ParallelConfig:
     tensor_parallel_size: int = _opt(
         1, "Ranks that split the language model's heads and MLP (one process per rank; "
         "a GPU each on CUDA, gloo on CPU).")
+    tp_timeout: float = _opt(
+        300.0, "Seconds a tensor-parallel collective may wait for a rank before the engine "
+        "gives up (a rank that died is noticed before each step, at once).")
 
 
 _SECTIONS = {

@@ -96,3 +96,26 @@ def test_tp2_llava_matches_single_process(vlmserve_cache):
         assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
         tp.engine.shutdown()
+
+
+def test_a_dead_rank_stops_the_engine_with_an_error_not_a_hang(vlmserve_cache):
+    import os
+    import signal
+    import time
+
+    from vlmserve.distributed.parallel_state import RankFailedError
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tp = LLM("tiny-qwen2-vl", tensor_parallel_size=2, dtype="float32", device="cpu",
+             max_num_batched_tokens=64, tp_timeout=20)
+    try:
+        assert len(tp.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        rank1 = tp.engine.executor._procs[0]
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1 exited"):
+            tp.generate(["Hello again"], params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        tp.engine.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,11 +35,21 @@ class TensorParallel:
         return box[0]
 
 
-def init_tensor_parallel(rank: int, world_size: int, port: int, device: torch.device
-                         ) -> TensorParallel:
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on (no
+    request is to blame, so none is retried alone)."""
+
+    fatal = True
+
+
+def init_tensor_parallel(rank: int, world_size: int, port: int, device: torch.device,
+                         timeout_s: float = 300.0) -> TensorParallel:
+    """Join the group; a collective that waits `timeout_s` for a rank raises."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    cpu_group = (dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo"
+                 else dist.group.WORLD)
     return TensorParallel(rank, world_size, dist.group.WORLD, cpu_group)

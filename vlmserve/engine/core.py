@@ -253,6 +253,8 @@ class EngineCore:
         """Step `failed` raised; the results of the other steps in flight are lost with it
         (see `step`)."""
         self._failed_in_a_row += 1
+        if getattr(error, "fatal", False):  # the engine itself is broken (a rank is gone)
+            raise error
         if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
             raise RuntimeError(f"{self._failed_in_a_row} steps failed in a row; the engine "
                                "cannot serve") from error

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.distributed.parallel_state import init_tensor_parallel
+from vlmserve.distributed.parallel_state import RankFailedError, init_tensor_parallel
 from vlmserve.distributed.tensor_parallel import check_divisible
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.worker.model_runner import StepResult
@@ -31,7 +31,8 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
             max_model_len: int) -> None:
     from vlmserve.models.loader import load_hf_config
 
-    tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device))
+    tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device),
+                              config.parallel_config.tp_timeout)
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
     warmup = config.model_config.kernel_warmup
@@ -57,7 +58,9 @@ class MultiprocExecutor:
                        for rank in range(1, world)]
         for p in self._procs:
             p.start()
-        self.tp = init_tensor_parallel(0, world, port, resolve_device(config.model_config.device))
+        self.timeout_s = config.parallel_config.tp_timeout
+        self.tp = init_tensor_parallel(0, world, port, resolve_device(config.model_config.device),
+                                       self.timeout_s)
         try:
             self.local = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=self.tp)
         except BaseException:
@@ -75,16 +78,39 @@ class MultiprocExecutor:
         return self.local.warmup(processor)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
-        self.tp.broadcast_object(so)
-        return self.local.execute_model(so)
+        self._check_ranks()
+        try:
+            self.tp.broadcast_object(so)
+            return self.local.execute_model(so)
+        except RuntimeError as e:  # a collective failed: a rank that died is the cause
+            self._check_ranks(wait_s=1.0)
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise RankFailedError(f"a tensor-parallel rank did not answer within "
+                                      f"{self.timeout_s:g} s (--tp-timeout): {e}") from e
+            raise
+
+    def _check_ranks(self, wait_s: float = 0.0) -> None:
+        """Raise `RankFailedError` if a rank's process has exited."""
+        for rank, p in enumerate(self._procs, 1):
+            p.join(wait_s if rank == 1 else 0.0)
+            if p.exitcode is not None:
+                raise RankFailedError(f"tensor-parallel rank {rank} exited (exit code "
+                                      f"{p.exitcode}); the engine cannot go on")
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.tp.broadcast_object(None)
+        if all(p.is_alive() for p in self._procs):
+            try:
+                self.tp.broadcast_object(None)
+            except RuntimeError:  # a rank went meanwhile
+                pass
         for p in self._procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if p.is_alive() else 0)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
         dist.destroy_process_group()
 
     def __del__(self) -> None:
