@@ -1,9 +1,9 @@
 """Built-in checkpoints, created locally and deterministically (no network).
 
-Tiny random models for tests (``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``, ``tiny-llava-1.5``) and
-full-size random-weight presets for speed measurements. Each is written as a Hugging Face checkpoint
-folder (config.json, model.safetensors, tokenizer files, preprocessor_config.json) that
-``transformers`` loads as is.
+Tiny random models for tests (``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``, ``tiny-llava-1.5``,
+``tiny-llava-next``) and full-size random-weight presets for speed measurements. Each is
+written as a Hugging Face checkpoint folder (config.json, model.safetensors, tokenizer files,
+preprocessor_config.json) that ``transformers`` loads as is.
 """
 
 from __future__ import annotations
@@ -93,6 +93,28 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# LLaVA-NeXT (Mistral): llava-hf/llava-v1.6-mistral-7b-hf's prompt format
+# ("[INST] <image>\n... [/INST]"; images first, then the text of each user message)
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<image>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{{ message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join(' ') }}"
+    "{% endif %}{{ ' [/INST]' }}"
+    "{% else %}"
+    "{{ '<<SYS>>\n' if message['role'] == 'system' else ' ' }}"
+    "{{ message['content'] if message['content'] is string else "
+    "message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join(' ') }}{{ '</s>' if message['role'] == 'assistant' else '\n<</SYS>>\n\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
 
 @dataclass(frozen=True)
 class BuiltinModel:
@@ -105,7 +127,8 @@ class BuiltinModel:
     tiny: bool  # True: deterministic init_tiny_weights; False: HF's random init (std 0.02)
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
-    family: str = "qwen2_vl"  # tokenizer, config and processor recipe: qwen2_vl or llava
+    family: str = "qwen2_vl"  # tokenizer, config and processor recipe: qwen2_vl, llava, llava_next
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = ()  # llava_next: (height, width)
 
 
 def _text(
@@ -133,6 +156,14 @@ def _llama_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                 vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=4096,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _mistral_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None
+                  ) -> dict:
+    return dict(model_type="mistral", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 def _clip_vision(hidden: int, inter: int, layers: int, heads: int, image_size: int) -> dict:
@@ -210,6 +241,25 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tiny=False,
         family="llava",
     ),
+    "tiny-llava-next": BuiltinModel(
+        architecture="LlavaNextForConditionalGeneration",
+        text=_mistral_text(64, 128, 2, 4, 2, None),
+        # 56x56 tiles: 16 tokens each; grids 1x2, 2x1, 2x2, 1x3, 3x1 (llava-v1.6's at 1/6 size)
+        vision=_clip_vision(32, 64, 3, 2, 56),
+        tie_word_embeddings=False,
+        tiny=True,
+        family="llava_next",
+        image_grid_pinpoints=((56, 112), (112, 56), (112, 112), (168, 56), (56, 168)),
+    ),
+    "llava-next-mistral-7b-random": BuiltinModel(  # llava-hf/llava-v1.6-mistral-7b-hf's shapes
+        architecture="LlavaNextForConditionalGeneration",
+        text=_mistral_text(4096, 14336, 32, 32, 8, 32064),
+        vision=_clip_vision(1024, 4096, 24, 16, 336),
+        tie_word_embeddings=False,
+        tiny=False,
+        family="llava_next",
+        image_grid_pinpoints=((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)),
+    ),
 }
 
 
@@ -219,8 +269,9 @@ def build_tokenizer(family: str = "qwen2_vl") -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if family == "llava":
-        return _build_llava_tokenizer()
+    if family in ("llava", "llava_next"):
+        return _build_llava_tokenizer(
+            LLAVA_CHAT_TEMPLATE if family == "llava" else LLAVA_NEXT_CHAT_TEMPLATE)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -241,7 +292,7 @@ def build_tokenizer(family: str = "qwen2_vl") -> PreTrainedTokenizerFast:
     )
 
 
-def _build_llava_tokenizer() -> PreTrainedTokenizerFast:
+def _build_llava_tokenizer(chat_template: str = LLAVA_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
@@ -267,13 +318,13 @@ def _build_llava_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},
-        chat_template=LLAVA_CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
     )
 
 
 def _token_ids(tokenizer: PreTrainedTokenizerFast, family: str = "qwen2_vl") -> dict[str, int]:
-    if family == "llava":
+    if family in ("llava", "llava_next"):
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL_TOKENS}
         return dict(image_token_id=ids["<image>"], bos_token_id=ids["<s>"],
                     eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
@@ -304,12 +355,14 @@ def build_config(name: str, tokenizer: PreTrainedTokenizerFast | None = None) ->
     config_cls = getattr(
         transformers, spec.architecture.replace("ForConditionalGeneration", "Config")
     )
-    if spec.family == "llava":
+    if spec.family in ("llava", "llava_next"):
         vision = spec.vision
         extra = dict(vision_feature_layer=-2, vision_feature_select_strategy="default",
                      projector_hidden_act="gelu",
                      image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2,
                      image_token_id=ids["image_token_id"], pad_token_id=ids["pad_token_id"])
+        if spec.family == "llava_next":
+            extra["image_grid_pinpoints"] = [list(p) for p in spec.image_grid_pinpoints]
     else:
         extra = ids
     config = config_cls(
@@ -341,6 +394,24 @@ def preprocessor_config(name: str) -> dict:
             "image_mean": QWEN_IMAGE_MEAN,  # OpenAI CLIP's
             "image_std": QWEN_IMAGE_STD,
             "do_convert_rgb": True,
+        }
+    if spec.family == "llava_next":  # llava-v1.6's processor at our tile size
+        size = vision["image_size"]
+        return {
+            "image_processor_type": "LlavaNextImageProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": size},
+            "resample": 3,  # bicubic
+            "do_center_crop": True,
+            "crop_size": {"height": size, "width": size},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": QWEN_IMAGE_MEAN,  # OpenAI CLIP's
+            "image_std": QWEN_IMAGE_STD,
+            "do_convert_rgb": True,
+            "do_pad": True,
+            "image_grid_pinpoints": [list(p) for p in spec.image_grid_pinpoints],
         }
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -375,7 +446,7 @@ def init_tiny_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if name.endswith(".bias"):
             value = 0.02 * noise
-        elif param.ndim == 1:  # RMSNorm / LayerNorm weights
+        elif param.ndim == 1 and name.rpartition(".")[2] != "image_newline":  # norm weights
             value = 1.0 + 0.02 * noise
         else:
             value = std * noise
@@ -422,10 +493,11 @@ def create_checkpoint(
     tokenizer.save_pretrained(path, save_jinja_files=False)  # template in tokenizer_config.json
     with open(path / "preprocessor_config.json", "w") as f:
         json.dump(preprocessor_config(name), f, indent=2, sort_keys=True)
-    if spec.family == "llava":  # what transformers' LlavaProcessor reads besides the above
+    if spec.family in ("llava", "llava_next"):  # what transformers' processor reads besides
         vision = spec.vision
+        processor_class = "LlavaProcessor" if spec.family == "llava" else "LlavaNextProcessor"
         with open(path / "processor_config.json", "w") as f:
-            json.dump({"processor_class": "LlavaProcessor", "image_token": "<image>",
+            json.dump({"processor_class": processor_class, "image_token": "<image>",
                        "patch_size": vision["patch_size"], "num_additional_image_tokens": 1,
                        "vision_feature_select_strategy": "default"}, f, indent=2,
                       sort_keys=True)

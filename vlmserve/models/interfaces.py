@@ -55,7 +55,8 @@ class VisionLanguageModel(Protocol):
         """All images due this step in one batch -> [sum of rows, hidden], in image order.
         `pixel_values` is the processor's `pixel_transform` output of the images (one call
         per run of equal sizes, concatenated on dim 0); `grid_thw` [N, 3] is each image's
-        `ImageInput.grid_thw` (a model whose images are all one size may ignore it)."""
+        `ImageInput.grid_thw` (a model whose images are all one size may ignore it; LLaVA-NeXT
+        reads its tiles and original size there)."""
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

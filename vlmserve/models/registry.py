@@ -10,6 +10,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
                                            "Qwen2_5_VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
+                                          "LlavaNextForConditionalGeneration"),
 }
 
 

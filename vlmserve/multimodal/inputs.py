@@ -9,7 +9,8 @@ import torch
 
 class PixelTransform(Protocol):
     """The part of an image processor that runs where the pixels are (the device, at encode
-    time): ``[B, H, W, 3]`` uint8 images, all one size, -> the vision tower's input rows."""
+    time): ``[B, H, W, 3]`` uint8 images, all one size (or ``[B, tiles, H, W, 3]`` stacks of
+    tiles, LLaVA-NeXT's), -> the vision tower's input rows."""
 
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
@@ -26,8 +27,11 @@ class ImageInput:
     mm_hash: str  # content hash of the image plus model/processor settings
     offset: int  # index of the first placeholder token in the prompt
     length: int  # number of placeholder tokens == embedding rows
-    pixels: torch.Tensor  # [H, W, 3] uint8, resized as the model's image processor would
-    grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before spatial merge
+    pixels: torch.Tensor  # [H, W, 3] uint8 ([tiles, S, S, 3]: LLaVA-NeXT), resized as the
+    # model's image processor would
+    # the model's image geometry: Qwen2-VL's patch grid (t, h, w) before spatial merge;
+    # LLaVA-NeXT's (tiles, original height, original width)
+    grid_thw: tuple[int, int, int]
     transform: PixelTransform | None  # rescale / normalize / patchify of `pixels`
     # the image's embedding rows [length, hidden] on the host, encoded elsewhere (an encoder
     # service): stored as they are instead of running the vision tower; `pixels` then empty

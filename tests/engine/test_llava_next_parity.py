@@ -1,0 +1,145 @@
+"""LLaVA-NeXT greedy output token-for-token identical to transformers `generate` on
+`tiny-llava-next` (anyres tiles, a per-image token count from the picked grid and unpadding,
+Mistral decoder), through batching of tile stacks of different counts, chunked prefill
+through image placeholder runs, preemption, embedding offload with the encoder cache,
+prefix-cache hits, and an engine-core process with preprocessing workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.helpers import HFOracle, chat_prompt, make_image, mixed_prompts
+from tests.engine.test_parity import MAX_TOKENS, check
+from vlmserve import LLM, SamplingParams
+from vlmserve.multimodal.inputs import pixel_values
+
+
+class LlavaNextOracle(HFOracle):
+    """`LlavaNextForConditionalGeneration.generate` on our token ids and our tiles, padded
+    per image to the most tiles as the HF processor pads them, with the original sizes."""
+
+    def _inputs(self, processed, extra_ids: list[int] = ()):
+        ids = torch.tensor([processed.prompt_token_ids + list(extra_ids)])
+        kwargs = {}
+        if processed.images:
+            tiles = [pixel_values([img]) for img in processed.images]
+            batch = torch.zeros(len(tiles), max(t.shape[0] for t in tiles), *tiles[0].shape[1:])
+            for i, t in enumerate(tiles):
+                batch[i, :t.shape[0]] = t
+            kwargs = {"pixel_values": batch,
+                      "image_sizes": torch.tensor([img.grid_thw[1:] for img in processed.images])}
+        return ids.to(self.device), {k: v.to(self.device) for k, v in kwargs.items()}
+
+
+@pytest.fixture(scope="module")
+def setup(vlmserve_cache):
+    from vlmserve.models.builtin import resolve_model
+
+    llm = LLM("tiny-llava-next", dtype="float32", device="cpu")
+    return llm, LlavaNextOracle(resolve_model("tiny-llava-next"),
+                                "LlavaNextForConditionalGeneration")
+
+
+def test_text_only(setup):
+    llm, oracle = setup
+    check(llm, oracle, [chat_prompt(llm, "Write a haiku about the sea.", [])])
+
+
+def test_one_image(setup):
+    llm, oracle = setup
+    prompt = chat_prompt(llm, "What is this?", [make_image(112, 84, 1)])
+    check(llm, oracle, [prompt])
+    out = llm.engine.input_processor.process(prompt)
+    image_token_id = llm.engine.input_processor.model_processor.image_token_id
+    assert out.prompt_token_ids.count(image_token_id) == out.images[0].length == 16 + 6 * 9
+
+
+def test_three_images_pick_different_grids(setup):
+    llm, oracle = setup
+    # width x height: wide 1x3, tall 2x1, square 2x2 grids
+    imgs = [make_image(300, 90, 2), make_image(50, 100, 3), make_image(130, 120, 4)]
+    prompt = chat_prompt(llm, "Compare the three.", imgs)
+    check(llm, oracle, [prompt])
+    out = llm.engine.input_processor.process(prompt)
+    assert [img.pixels.shape[0] for img in out.images] == [4, 3, 5]
+    assert len({img.length for img in out.images}) == 3
+    # the images matter: another third image changes the greedy output
+    other = chat_prompt(llm, "Compare the three.", imgs[:2] + [make_image(130, 120, 5)])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([prompt, other], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_eight_requests_together(setup):
+    llm, oracle = setup
+    check(llm, oracle, mixed_prompts(llm))
+
+
+@pytest.mark.parametrize("budget", [16, 37, 64])
+def test_chunks_cut_through_images(setup, budget):
+    llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm), max_num_batched_tokens=budget).engine
+    assert engine.num_steps > 8
+
+
+def test_preemption_keeps_output(setup):
+    llm, oracle = setup
+    engine = check(llm, oracle, mixed_prompts(llm), num_kv_blocks=40, block_size=8,
+                   max_num_batched_tokens=128).engine
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_offload_cache_and_repeated_images(setup):
+    """Embedding offload and the encoder cache with tile stacks: each distinct image encoded
+    once."""
+    llm, oracle = setup
+    a, b = make_image(112, 84, 21), make_image(50, 100, 22)
+    prompts = [chat_prompt(llm, "Twice the same?", [a, b, a]),
+               chat_prompt(llm, "And again.", [a]),
+               chat_prompt(llm, "Only b.", [b, b])]
+    engine = check(llm, oracle, prompts, max_num_batched_tokens=37, max_num_seqs=2,
+                   mm_embedding_offload=True).engine
+    stats = engine.get_stats()
+    assert stats["num_images_encoded"] == 2
+    assert stats["prefetch_hit_rows"] > 0
+
+
+def test_prefix_cache_hits_match(setup):
+    llm, oracle = setup
+    prompts = mixed_prompts(llm)[:5]
+    llm = check(llm, oracle, prompts, max_num_batched_tokens=23, max_num_seqs=4,
+                enable_prefix_caching=True)
+    encoded = llm.engine.get_stats()["num_images_encoded"]
+    check(llm, oracle, prompts)
+    s = llm.engine.get_stats()
+    assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
+        len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
+    assert s["num_images_encoded"] == encoded  # every image lay inside a hit
+
+
+def test_engine_core_process_and_preprocessing_workers(setup):
+    """Tile stacks as zero-copy frames to an engine-core process, preprocessed in a worker
+    process: the same tokens as in-process."""
+    import asyncio
+
+    from vlmserve.config import EngineConfig
+    from vlmserve.engine.async_llm import AsyncLLM
+
+    llm, _ = setup
+    prompts = mixed_prompts(llm)[1:5]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = AsyncLLM(EngineConfig.from_kwargs(model="tiny-llava-next", dtype="float32",
+                                               device="cpu", max_num_batched_tokens=64),
+                      preprocess_workers=1)
+    try:
+        async def run(p):
+            return [o async for o in engine.generate(p, params)][-1].outputs[0].token_ids
+
+        async def together():
+            return await asyncio.gather(*(run(p) for p in prompts))
+
+        assert asyncio.run(together()) == expected
+    finally:
+        engine.shutdown()
