@@ -15,9 +15,7 @@ model needs to unpad its features (see ``llava_next.py``).
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.llava_processing import ClipPixels, _size, image_token_id
+from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 
@@ -99,20 +98,14 @@ def _fit_size(height: int, width: int, target: tuple[int, int]) -> tuple[int, in
     return th, min(math.ceil(width * (th / height)), tw)
 
 
-class LlavaNextInputProcessor:
+class LlavaNextInputProcessor(HFInputProcessor):
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+    PIL_IMAGE_PROCESSOR = "LlavaNextImageProcessorPil"
 
-        self.model_path = Path(model_path)
-        if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        self.hf_config = hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.tokenizer.model_max_length = 1 << 62  # the engine checks prompt lengths itself
-        self._tokenizer_lock = threading.Lock()
-        self.image_processor = ip = _load_image_processor(self.model_path)
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
+        super().__init__(model_path, hf_config)
+        hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         if hf_config.vision_feature_select_strategy != "default":
             raise ValueError("LLaVA-NeXT: only vision_feature_select_strategy 'default' is "
@@ -130,17 +123,8 @@ class LlavaNextInputProcessor:
                 self.tile, self.tile)):
             raise ValueError(f"LLaVA-NeXT image processor sizes {ip.size} / {ip.crop_size} "
                              f"must be the tower's {self.tile}x{self.tile}")
-        self.pixel_transform = TiledClipPixels(
-            rescale_factor=float(ip.rescale_factor) if ip.do_rescale else None,
-            mean=tuple(map(float, ip.image_mean)) if ip.do_normalize else None,
-            std=tuple(map(float, ip.image_std)) if ip.do_normalize else None,
-            fused=hasattr(ip, "_fuse_mean_std_and_rescale_factor"),
-        )
-        settings = {k: v for k, v in ip.to_dict().items()
-                    if k not in ("image_processor_type", "processor_class", "_processor_class")}
-        self._hash_extra = json.dumps(
-            {"model": str(self.model_path.resolve()), "processor": settings,
-             "pinpoints": self.pinpoints}, sort_keys=True, default=str)
+        self.pixel_transform = TiledClipPixels(**NormalizedPixels.settings_of(ip))
+        self._hash_extra = self.hash_extra(pinpoints=self.pinpoints)
         self._max_image_tokens = max(
             self.patches**2 + (h // self.tile * self.patches) * (w // self.tile * self.patches + 1)
             for h, w in self.pinpoints)
@@ -154,11 +138,6 @@ class LlavaNextInputProcessor:
     def num_image_tokens(self, height: int, width: int) -> int:
         return num_image_tokens(height, width, self.pinpoints, self.tile, self.patches)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render HF-style messages (string content or text/image parts) as a prompt."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
-
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image]) -> ProcessedPrompt:
         """Tokenize, tile the images, expand each ``<image>`` placeholder to its image's count.
@@ -166,13 +145,7 @@ class LlavaNextInputProcessor:
         The prompt holds one ``<image>`` token per image (as the chat template renders it), or
         every image's run already expanded to exactly its count.
         """
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
-        if prompt is not None:
-            with self._tokenizer_lock:
-                ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt_token_ids)
+        ids = self.token_ids(prompt, prompt_token_ids)
         rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
         for img in rgb:
             if min(img.size) < 1:
@@ -270,15 +243,3 @@ def _edge(size) -> int | None:
         return fixed[0] if fixed[0] == fixed[1] else None
     get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
     return get("shortest_edge")
-
-
-def _load_image_processor(path: Path):
-    """``AutoImageProcessor``; without torchvision, LLaVA-NeXT's PIL backend."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    except ImportError:
-        from transformers import LlavaNextImageProcessorPil
-
-        return LlavaNextImageProcessorPil.from_pretrained(path, local_files_only=True)

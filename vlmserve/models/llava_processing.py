@@ -10,11 +10,8 @@ on the device (``ClipPixels``).
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +20,7 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 
@@ -31,41 +29,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ClipPixels:
-    """The CLIP image processor's rescale and normalize, run where the pixels are.
-
-    The float32 operations and their order are the HF backend's, so the result is
-    bit-identical to its ``pixel_values``: the PIL backend rescales in float64, rounds to
-    float32, then normalizes; the torchvision backend folds the rescale into mean and std.
-    """
-
-    rescale_factor: float | None  # None: no rescale
-    mean: tuple[float, ...] | None  # None: no normalize
-    std: tuple[float, ...] | None
-    fused: bool  # the torchvision backend's order
+class ClipPixels(NormalizedPixels):
+    """The CLIP image processor's rescale and normalize (`NormalizedPixels`), run where the
+    pixels are: ``[B, H, W, 3]`` uint8 -> ``[B, 3, H, W]`` in ``dtype``, bit-identical to its
+    ``pixel_values``."""
 
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[B, H, W, 3]`` uint8 -> ``[B, 3, H, W]`` in ``dtype``."""
-        x = images.permute(0, 3, 1, 2)  # [B, C, H, W]
-        if self.mean is not None:
-            mean, std = self._mean_std(x.device)
-            if self.rescale_factor is None or self.fused:
-                x = x.to(torch.float32, copy=True)
-            else:
-                x = (x.to(torch.float64) * self.rescale_factor).to(torch.float32)
-            x = x.sub_(mean).div_(std)
-        elif self.rescale_factor is not None:
-            x = (x.to(torch.float64) * self.rescale_factor if not self.fused
-                 else x * self.rescale_factor)
-        return x.to(torch.float32).to(dtype).contiguous()
-
-    @lru_cache(maxsize=8)  # noqa: B019 (few devices, a handful of instances)
-    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = torch.tensor(self.mean, dtype=torch.float32)
-        std = torch.tensor(self.std, dtype=torch.float32)
-        if self.fused and self.rescale_factor is not None:
-            mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
-        return mean.view(-1, 1, 1).to(device), std.view(-1, 1, 1).to(device)
+        return self.normalized(images).to(dtype).contiguous()
 
 
 def tokens_per_image(hf_config) -> int:
@@ -83,20 +53,14 @@ def image_token_id(hf_config) -> int:
     return int(tid if tid is not None else hf_config.image_token_index)
 
 
-class LlavaInputProcessor:
+class LlavaInputProcessor(HFInputProcessor):
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+    PIL_IMAGE_PROCESSOR = "CLIPImageProcessorPil"
 
-        self.model_path = Path(model_path)
-        if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        self.hf_config = hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.tokenizer.model_max_length = 1 << 62  # the engine checks prompt lengths itself
-        self._tokenizer_lock = threading.Lock()
-        self.image_processor = ip = _load_image_processor(self.model_path)
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
+        super().__init__(model_path, hf_config)
+        hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         self.num_image_tokens = tokens_per_image(hf_config)
         vc = hf_config.vision_config
@@ -109,27 +73,13 @@ class LlavaInputProcessor:
         if crop is not None and crop != (self.image_size, self.image_size):
             raise ValueError(f"image processor crops to {crop}, the vision tower takes "
                              f"{self.image_size}x{self.image_size}")
-        self.pixel_transform = ClipPixels(
-            rescale_factor=float(ip.rescale_factor) if ip.do_rescale else None,
-            mean=tuple(map(float, ip.image_mean)) if ip.do_normalize else None,
-            std=tuple(map(float, ip.image_std)) if ip.do_normalize else None,
-            fused=hasattr(ip, "_fuse_mean_std_and_rescale_factor"),
-        )
-        settings = {k: v for k, v in ip.to_dict().items()
-                    if k not in ("image_processor_type", "processor_class", "_processor_class")}
-        self._hash_extra = json.dumps(
-            {"model": str(self.model_path.resolve()), "processor": settings,
-             "tokens": self.num_image_tokens}, sort_keys=True, default=str)
+        self.pixel_transform = ClipPixels(**NormalizedPixels.settings_of(ip))
+        self._hash_extra = self.hash_extra(tokens=self.num_image_tokens)
 
     @property
     def max_image_tokens(self) -> int:
         """Most placeholder tokens one image can become (every image: the same)."""
         return self.num_image_tokens
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render HF-style messages (string content or text/image parts) as a prompt."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image]) -> ProcessedPrompt:
@@ -138,13 +88,7 @@ class LlavaInputProcessor:
         The prompt holds one ``<image>`` token per image (as the chat template renders it), or
         every image's run already expanded to exactly ``num_image_tokens``.
         """
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
-        if prompt is not None:
-            with self._tokenizer_lock:
-                ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt_token_ids)
+        ids = self.token_ids(prompt, prompt_token_ids)
         n, tid = self.num_image_tokens, self.image_token_id
         count = ids.count(tid)
         if count == len(images):  # one placeholder per image: expand each
@@ -256,15 +200,3 @@ def _runs_of(ids: list[int], token_id: int, n: int) -> bool:
                 return False
             run = 0
     return True
-
-
-def _load_image_processor(path: Path):
-    """``AutoImageProcessor``; without torchvision, the PIL backend of CLIP's processor."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    except ImportError:
-        from transformers import CLIPImageProcessorPil
-
-        return CLIPImageProcessorPil.from_pretrained(path, local_files_only=True)

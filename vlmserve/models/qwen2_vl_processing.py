@@ -6,11 +6,8 @@ placeholder is expanded to ``t * h * w // merge**2`` tokens from the image proce
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +16,7 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
@@ -62,52 +60,23 @@ def compute_mrope_positions(
 
 
 @dataclass(frozen=True)
-class Qwen2VLPixels:
-    """The Qwen2-VL image processor's rescale, normalize and patchify, run where the pixels
-    are (the device, at encode time).
-
-    The float32 operations and their order are those of the HF backend the processor uses, so
-    the rows are bit-identical to its ``pixel_values``: the torchvision backend folds the
-    rescale into the mean and std, ``(x - mean / factor) / (std / factor)``; the PIL backend
-    rescales in float64, rounds to float32, then normalizes.
-    """
+class Qwen2VLPixels(NormalizedPixels):
+    """The Qwen2-VL image processor's rescale, normalize (`NormalizedPixels`) and patchify,
+    run where the pixels are; the rows are bit-identical to its ``pixel_values``."""
 
     patch_size: int
     temporal_patch_size: int
     merge_size: int
-    rescale_factor: float | None  # None: no rescale
-    mean: tuple[float, ...] | None  # None: no normalize
-    std: tuple[float, ...] | None
-    fused: bool  # the torchvision backend's order
 
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[B, H, W, 3]`` uint8 -> ``[B * (H/p) * (W/p), 3 * T * p * p]`` rows in ``dtype``."""
-        x = images.permute(0, 3, 1, 2)  # [B, C, H, W]
-        if self.mean is not None:
-            mean, std = self._mean_std(x.device)
-            if self.rescale_factor is None or self.fused:
-                x = x.to(torch.float32, copy=True)
-            else:
-                x = (x.to(torch.float64) * self.rescale_factor).to(torch.float32)
-            x = x.sub_(mean).div_(std)  # x is a fresh float32 copy: in place
-        elif self.rescale_factor is not None:
-            x = (x.to(torch.float64) * self.rescale_factor if not self.fused
-                 else x * self.rescale_factor)
-        x = x.to(torch.float32).to(dtype)
+        x = self.normalized(images).to(dtype)
         b, c, h, w = x.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
         x = x.reshape(b, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)  # [B, gh/m, gw/m, m, m, C, T, p, p]
         return x.reshape(b * gh * gw, c * t * p * p)
-
-    @lru_cache(maxsize=8)  # noqa: B019 (few devices, a handful of instances)
-    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = torch.tensor(self.mean, dtype=torch.float32)
-        std = torch.tensor(self.std, dtype=torch.float32)
-        if self.fused and self.rescale_factor is not None:
-            mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
-        return mean.view(-1, 1, 1).to(device), std.view(-1, 1, 1).to(device)
 
 
 def _smart_resize():
@@ -119,22 +88,14 @@ def _smart_resize():
     return smart_resize
 
 
-class Qwen2VLInputProcessor:
+class Qwen2VLInputProcessor(HFInputProcessor):
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+    PIL_IMAGE_PROCESSOR = "Qwen2VLImageProcessorPil"
 
-        self.model_path = Path(model_path)
-        if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        self.hf_config = hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        # the engine checks prompt lengths itself (admission): no tokenizer warning about a
-        # "sequence length longer than the maximum" in the server's log
-        self.tokenizer.model_max_length = 1 << 62
-        self._tokenizer_lock = threading.Lock()
-        self.image_processor = _load_image_processor(self.model_path)
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
+        super().__init__(model_path, hf_config)
+        hf_config = self.hf_config
         self.image_token_id: int = hf_config.image_token_id
         self.video_token_id: int | None = getattr(hf_config, "video_token_id", None)
         self.merge_size: int = hf_config.vision_config.spatial_merge_size
@@ -146,31 +107,9 @@ class Qwen2VLInputProcessor:
         self.max_pixels: int = edge("longest_edge") or ip.max_pixels
         self._smart_resize = _smart_resize()
         self.pixel_transform = Qwen2VLPixels(
-            patch_size=ip.patch_size,
-            temporal_patch_size=ip.temporal_patch_size,
-            merge_size=ip.merge_size,
-            rescale_factor=float(ip.rescale_factor) if ip.do_rescale else None,
-            mean=tuple(map(float, ip.image_mean)) if ip.do_normalize else None,
-            std=tuple(map(float, ip.image_std)) if ip.do_normalize else None,
-            # the torchvision backend (which also resizes with torchvision) folds the rescale in
-            fused=hasattr(ip, "_fuse_mean_std_and_rescale_factor"),
-        )
-        settings = {
-            k: v
-            for k, v in self.image_processor.to_dict().items()
-            if k not in ("image_processor_type", "processor_class", "_processor_class")
-        }
-        self._hash_extra = json.dumps(
-            {"model": str(self.model_path.resolve()), "processor": settings},
-            sort_keys=True,
-            default=str,
-        )
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render HF-style messages (string content or text/image parts) as a prompt."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+            patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+            merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
+        self._hash_extra = self.hash_extra()
 
     def num_image_tokens(self, grid_thw: Sequence[int]) -> int:
         """Placeholder tokens (== embedding rows) of an image with patch grid ``grid_thw``."""
@@ -196,13 +135,7 @@ class Qwen2VLInputProcessor:
         The prompt holds one ``<|image_pad|>`` per image (as the chat template renders it) or
         an already expanded run of exactly the right length.
         """
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
-        if prompt is not None:
-            with self._tokenizer_lock:  # HF fast tokenizers are not safe to share across threads
-                ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt_token_ids)
+        ids = self.token_ids(prompt, prompt_token_ids)
         if self.video_token_id is not None and self.video_token_id in ids:
             raise InvalidRequestError("video inputs are not supported")
         runs = _placeholder_runs(ids, self.image_token_id)
@@ -308,15 +241,3 @@ def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
-
-
-def _load_image_processor(path: Path):
-    """``AutoImageProcessor``; without torchvision on transformers < 5.2x, the PIL backend."""
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    except ImportError:
-        from transformers import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
