@@ -3,6 +3,8 @@ tokens as one process (and so as transformers), for both model families."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.engine.helpers import mixed_prompts
@@ -117,5 +119,27 @@ def test_a_dead_rank_stops_the_engine_with_an_error_not_a_hang(vlmserve_cache):
         with pytest.raises(RankFailedError, match="rank 1 exited"):
             tp.generate(["Hello again"], params, use_tqdm=False)
         assert time.monotonic() - start < 10
+    finally:
+        tp.engine.shutdown()
+
+
+def test_every_rank_takes_rank0s_tokens(vlmserve_cache, monkeypatch):
+    """Rank 1's sampler sees other logits (fault injection: reversed); its tokens would
+    differ, but every rank uses rank 0's, so the output equals one process's."""
+    from pathlib import Path
+
+    faults = str(Path(__file__).parents[1] / "e2e" / "fault_injection")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [faults, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("VLMSERVE_PERTURB_RANK", "1")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = ["One.", "Two three.", "Four five six."]
+    single = LLM("tiny-qwen2-vl", **kw)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    tp = LLM("tiny-qwen2-vl", tensor_parallel_size=2, **kw)
+    try:
+        outs = tp.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
         tp.engine.shutdown()

@@ -23,6 +23,11 @@ class TensorParallel:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (in place, on the model's device)."""
+        dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
+from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
 from vlmserve.layers.sampler import compute_logprobs, logprob_dict, logprob_rows, sample
 from vlmserve.worker.cuda_graphs import DecodeGraphs
@@ -123,8 +124,12 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
                  attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
-                 max_model_len: int = 0, encoder_cache_rows: int = 0) -> None:
+                 max_model_len: int = 0, encoder_cache_rows: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         self.model = model
+        # tensor parallelism: every rank uses rank 0's sampled tokens, so no rank's state
+        # depends on its logits being bitwise equal to rank 0's
+        self.tp = tp
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -234,6 +239,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         params = [st.sampling_params for st in to_sample]
         tokens = sample(logits, params, [st.generator for st in to_sample])
+        if self.tp is not None:
+            self.tp.broadcast_tensor(tokens)
         n = len(to_sample)
         self.sampled[:n].copy_(tokens)
         host = self._host_tokens[self._num_results % 2][:n]

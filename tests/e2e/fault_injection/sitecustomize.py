@@ -31,3 +31,20 @@ if os.environ.get("VLMSERVE_STALL_SEED"):
         return _plan(self, req, budget, enc_budget)
 
     Scheduler._plan_chunk = _plan_chunk
+
+if os.environ.get("VLMSERVE_PERTURB_RANK"):
+    # the sampler of that tensor-parallel rank sees different logits (reversed): greedy
+    # sampling there picks other tokens unless every rank takes rank 0's
+    import torch.distributed as _dist
+
+    import vlmserve.worker.model_runner as _runner
+
+    _rank = int(os.environ["VLMSERVE_PERTURB_RANK"])
+    _real_sample = _runner.sample
+
+    def _perturbed(logits, params, generators):
+        if _dist.is_initialized() and _dist.get_rank() == _rank:
+            logits = logits.flip(-1)
+        return _real_sample(logits, params, generators)
+
+    _runner.sample = _perturbed
