@@ -15,7 +15,7 @@ from vlmserve.encoder.ledger import consumer_ledger
 from vlmserve.errors import InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
+MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava-1.5", "tiny-llava-next"]
 
 
 def prompts(llm: LLM) -> list[dict]:

@@ -12,8 +12,9 @@ from safetensors import safe_open
 from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM
-from vlmserve.encoder.encoder import VISION_PREFIXES, MultimodalEncoder
+from vlmserve.encoder.encoder import MultimodalEncoder
 from vlmserve.encoder.handles import BytesHandle, ShmHandle
+from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
 
@@ -65,14 +66,14 @@ def test_only_the_vision_weights_are_loaded(vlmserve_cache, model):
             with safe_open(str(f), framework="pt") as fh:
                 ckpt.update({n: fh.get_slice(n).get_shape() for n in fh.keys()})
         vision_numel = sum(torch.Size(s).numel() for n, s in ckpt.items()
-                           if n.startswith(VISION_PREFIXES))
+                           if n.startswith(Qwen2VLForConditionalGeneration.encoder_prefixes))
         total_numel = sum(torch.Size(s).numel() for s in ckpt.values())
         params = dict(enc.vision.named_parameters())
         assert sum(p.numel() for p in params.values()) == vision_numel < total_numel / 2
         full = llm.engine.core.executor.runner.model
-        assert params.keys() == dict(full.visual.named_parameters()).keys()
+        assert params.keys() == {f"visual.{n}" for n, _ in full.visual.named_parameters()}
         for name, p in full.visual.named_parameters():
-            assert torch.equal(params[name], p), name
+            assert torch.equal(params[f"visual.{name}"], p), name
         assert not hasattr(enc, "language_model") and not hasattr(enc.vision, "lm_head")
 
 

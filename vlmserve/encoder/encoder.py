@@ -12,9 +12,8 @@ exports handles.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +30,6 @@ from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, pixel_values
-
-# checkpoint key prefixes of the vision tower: the hub layout and transformers 5.x's (as the
-# full model's `load_weights` maps them)
-VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 @dataclass
@@ -85,27 +80,20 @@ class EncoderStats:
     ranks: list[EncoderStats] = field(default_factory=list)
 
 
-def iter_vision_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name relative to the tower, tensor)`` of the checkpoint's vision weights; no other
-    tensor is read from disk."""
-    for name, tensor in iter_safetensors(path, VISION_PREFIXES):
-        yield name.split("visual.", 1)[1], tensor
-
-
-def build_vision_tower(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model class's vision tower alone, uninitialised, on ``device``."""
+def build_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model class's image encoder alone (`build_encoder`: a vision tower, or a tower and
+    its projector), uninitialised, on ``device``."""
     model_cls = resolve_model_class(hf_config)
-    vision_cls = getattr(model_cls, "vision_cls", None)
-    if vision_cls is None:
-        raise ValueError(f"{model_cls.__name__} has no vision tower to serve")
+    if not hasattr(model_cls, "build_encoder"):
+        raise ValueError(f"{model_cls.__name__} has no image encoder to serve")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            tower = vision_cls(hf_config.vision_config)
+            encoder = model_cls.build_encoder(hf_config)
     finally:
         torch.set_default_dtype(old)
-    return tower.eval()
+    return encoder.eval()
 
 
 class MultimodalEncoder:
@@ -170,8 +158,10 @@ class MultimodalEncoder:
         model_cls = resolve_model_class(self.hf_config)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
-        self.vision = build_vision_tower(self.hf_config, self.dtype, self.device)
-        loaded = self.vision.load_weights(iter_vision_weights(self.model_path))
+        self.vision = build_encoder(self.hf_config, self.dtype, self.device)
+        # only the encoder's tensors are read from disk
+        loaded = self.vision.load_weights(iter_safetensors(self.model_path,
+                                                           model_cls.encoder_prefixes))
         missing = {n for n, _ in self.vision.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {self.model_path} lacks vision weights: "

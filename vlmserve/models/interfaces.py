@@ -47,6 +47,14 @@ class VisionLanguageModel(Protocol):
     #: width of the LM's embeddings (== rows of an image embedding)
     hidden_size: int
     num_layers: int
+    #: checkpoint name prefixes of the image encoder's weights (what `build_encoder` loads)
+    encoder_prefixes: tuple[str, ...]
+
+    @classmethod
+    def build_encoder(cls, hf_config: Any) -> torch.nn.Module:
+        """The image encoder alone, no language model (`vlmserve.MultimodalEncoder`): a module
+        with `forward(pixel_values, grid_thw)` (as `encode_images`), `load_weights(checkpoint
+        names and tensors) -> loaded names`, `out_hidden_size` and `set_attention_backend`."""
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]"""

@@ -27,25 +27,39 @@ class LlavaProjector(nn.Module):
 class LlavaForConditionalGeneration(nn.Module):
     uses_mrope = False
     input_processor_cls = LlavaInputProcessor
+    # checkpoint names an encoder service reads (hub and transformers 5.x layouts)
+    encoder_prefixes = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                        "multi_modal_projector.")
 
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.config = hf_config
         tcfg = hf_config.text_config
-        strategy = hf_config.vision_feature_select_strategy
-        self.vision_tower = CLIPVisionTower(hf_config.vision_config,
-                                            hf_config.vision_feature_layer,
-                                            keep_cls=strategy == "full")
-        assert self.vision_tower.tokens_per_image == tokens_per_image(hf_config)
-        self.multi_modal_projector = LlavaProjector(
-            self.vision_tower.out_dim, tcfg.hidden_size, hf_config.projector_hidden_act,
-            bool(getattr(hf_config, "multimodal_projector_bias", True)))
+        self._init_vision(hf_config)
         self.language_model = Qwen2Model(tcfg)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
                                         or getattr(tcfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def _init_vision(self, hf_config) -> None:
+        """The image encoder's modules (tower and projector) on ``self`` (a model, or a
+        `LlavaEncoder`)."""
+        strategy = hf_config.vision_feature_select_strategy
+        self.vision_tower = CLIPVisionTower(hf_config.vision_config,
+                                            hf_config.vision_feature_layer,
+                                            keep_cls=strategy == "full")
+        assert self.vision_tower.tokens_per_image == tokens_per_image(hf_config)
+        self.multi_modal_projector = LlavaProjector(
+            self.vision_tower.out_dim, hf_config.text_config.hidden_size,
+            hf_config.projector_hidden_act,
+            bool(getattr(hf_config, "multimodal_projector_bias", True)))
+
+    @classmethod
+    def build_encoder(cls, hf_config) -> LlavaEncoder:
+        """The image encoder alone (no language model), for `vlmserve.MultimodalEncoder`."""
+        return LlavaEncoder(cls, hf_config)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(token_ids)
@@ -117,3 +131,35 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+
+class LlavaEncoder(nn.Module):
+    """A LLaVA family model's image encoder alone (tower, projector and what the model's
+    `encode_images` reads), as an encoder service runs it: the model class's own
+    `_init_vision` and `encode_images` on this module, so the rows are the model's."""
+
+    def __init__(self, model_cls: type[LlavaForConditionalGeneration], hf_config) -> None:
+        super().__init__()
+        self._encode = model_cls.encode_images
+        model_cls._init_vision(self, hf_config)
+        self.out_hidden_size: int = hf_config.text_config.hidden_size
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self._encode(self, pixel_values, grid_thw)
+
+    def load_weights(self, weights) -> set[str]:
+        """The tower's, the projector's (and ``image_newline``) from checkpoint names."""
+        params = dict(self.named_parameters())
+        vision, loaded = [], set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower."):
+                vision.append((name[len("vision_tower."):], tensor))
+            elif name in params:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+        return loaded | {f"vision_tower.{n}" for n in self.vision_tower.load_weights(vision)}
+
+    def set_attention_backend(self, fn) -> None:
+        """Unused: every CLIP batch is images of one size, one dense SDPA call."""

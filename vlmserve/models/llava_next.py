@@ -12,6 +12,8 @@ from vlmserve.models.llava_next_processing import LlavaNextInputProcessor, anyre
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     input_processor_cls = LlavaNextInputProcessor
+    encoder_prefixes = (*LlavaForConditionalGeneration.encoder_prefixes, "model.image_newline",
+                        "image_newline")
 
     def __init__(self, hf_config) -> None:
         if hf_config.vision_feature_select_strategy != "default":
@@ -21,6 +23,11 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         if window is not None and window < hf_config.text_config.max_position_embeddings:
             raise ValueError(f"sliding-window attention ({window}) is not supported")
         super().__init__(hf_config)
+
+    def _init_vision(self, hf_config) -> None:
+        """LLaVA's tower and projector, the tiling geometry and ``image_newline`` (on a
+        model or a `LlavaEncoder`, hence no ``super()``)."""
+        LlavaForConditionalGeneration._init_vision(self, hf_config)
         vc = hf_config.vision_config
         self.tile, self.patches = vc.image_size, vc.image_size // vc.patch_size
         self.pinpoints = [tuple(map(int, p)) for p in hf_config.image_grid_pinpoints]

@@ -15,10 +15,38 @@ def text_config(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+class QwenVisionEncoder(nn.Module):
+    """The vision tower alone, as an encoder service runs it (`build_encoder`): checkpoint
+    names in (`load_weights`), embedding rows out."""
+
+    def __init__(self, tower: nn.Module) -> None:
+        super().__init__()
+        self.visual = tower
+        self.out_hidden_size: int = tower.out_hidden_size
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values, grid_thw)
+
+    def load_weights(self, weights) -> set[str]:
+        vision = [(name.split("visual.", 1)[1], t) for name, t in weights
+                  if name.startswith(("model.visual.", "visual."))]
+        return {f"visual.{n}" for n in self.visual.load_weights(vision)}
+
+    def set_attention_backend(self, fn) -> None:
+        self.visual.set_attention_backend(fn)
+
+
 class Qwen2VLForConditionalGeneration(nn.Module):
     uses_mrope = True
     input_processor_cls = Qwen2VLInputProcessor
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
+    # checkpoint names an encoder service reads (hub and transformers 5.x layouts)
+    encoder_prefixes = ("model.visual.", "visual.")
+
+    @classmethod
+    def build_encoder(cls, hf_config) -> QwenVisionEncoder:
+        """The image encoder alone (no language model), for `vlmserve.MultimodalEncoder`."""
+        return QwenVisionEncoder(cls.vision_cls(hf_config.vision_config))
 
     def __init__(self, hf_config) -> None:
         super().__init__()
