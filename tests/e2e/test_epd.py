@@ -151,3 +151,34 @@ def test_completion_with_multi_modal_embeddings_from_the_encoder_server(epd) -> 
     after = httpx.get(enc.url + "/stats").json()["ledger"]
     assert (after["opened"], after["released"]) == (before["opened"], before["released"])
     assert after["live_handles"] == before["live_handles"] + 3
+
+
+def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
+    """LLaVA-NeXT through an encoder server: each image a stack of tiles (different counts),
+    answers equal one process's."""
+    model = "tiny-llava-next"
+    enc = ServeProc("--role", "encoder", model=model)
+    try:
+        llm = ServeProc("--encoder-url", enc.url, "--preprocess-workers", "0",
+                        "--served-model-name", MODEL, model=model)  # the name _stream sends
+    except BaseException:
+        enc.kill()
+        raise
+    try:
+        urls = [data_url(make_image(w, h, i)) for i, (w, h) in enumerate([(56, 56), (120, 50),
+                                                                          (50, 150)])]
+        convs = [user("Describe.", urls[0]), user("Compare.", urls[1], urls[2])]
+        ref = LLM(model, dtype="float32", device="cpu", max_model_len=1024,
+                  max_num_batched_tokens=256)
+        expected = [o.outputs[0].text for o in ref.chat(convs, greedy(8), use_tqdm=False)]
+
+        async def run_all() -> list[str]:
+            async with llm.client() as client:
+                return list(await asyncio.gather(*(_stream(client, m, 8) for m in convs)))
+
+        assert asyncio.run(run_all()) == expected
+        assert httpx.get(enc.url + "/stats").json()["encoded_images"] == 3
+        assert llm.stats()["encoder_handles_opened"] == 3
+    finally:
+        llm.kill()
+        enc.kill()

@@ -38,11 +38,12 @@ def _free_port() -> int:
 class ServeProc:
     """`python -m vlmserve serve ...` in a process group of its own."""
 
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None,
+                 model: str = MODEL) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vlmserve", "serve", MODEL, "--port", str(self.port),
+            [sys.executable, "-m", "vlmserve", "serve", model, "--port", str(self.port),
              *FLAGS, *extra], start_new_session=True, stdout=subprocess.DEVNULL,
             env=None if env is None else {**os.environ, **env})
         deadline = time.monotonic() + 180

@@ -104,7 +104,7 @@ class EncoderClient:
             i = (start + k) % len(self.urls)
             body = self._encoder.encode(EncodeRequest(images=[
                 PixelImage(mm_hash=img.mm_hash, grid_thw=tuple(img.grid_thw),
-                           height=img.pixels.shape[0], width=img.pixels.shape[1],
+                           length=img.length, shape=tuple(img.pixels.shape),
                            pixels=img.pixels.contiguous().numpy().tobytes())
                 for img in images], transport=self.transports[i]))
             try:

@@ -107,13 +107,14 @@ def from_wire(w: HandleWire) -> EmbeddingHandle:
 
 class PixelImage(msgspec.Struct, kw_only=True):
     """An image already preprocessed by an LLM server's front end: its content hash, its
-    patch grid and its resized ``[height, width, 3]`` uint8 pixels (the encoder does not
-    decode, resize or hash it again)."""
+    ``grid_thw`` and token count (``length``) as the model's processor gave them, and its
+    resized uint8 pixels of ``shape`` (``[H, W, 3]``, or ``[tiles, S, S, 3]`` for LLaVA-NeXT);
+    the encoder does not decode, resize or hash it again."""
 
     mm_hash: str
     grid_thw: tuple[int, int, int]
-    height: int
-    width: int
+    length: int
+    shape: tuple[int, ...]
     pixels: bytes
 
 

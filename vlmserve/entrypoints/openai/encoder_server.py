@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import queue
 import threading
 from typing import Any
@@ -116,16 +117,13 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
     msgpack_decoder = msgspec.msgpack.Decoder(EncodeRequest)
 
     def from_pixels(img: PixelImage) -> ImageInput:
-        if img.height <= 0 or img.width <= 0 or len(img.pixels) != img.height * img.width * 3:
-            raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes for "
-                                    f"{img.height}x{img.width}x3 pixels")
-        grid = tuple(img.grid_thw)
-        if grid != (1, img.height // processor.patch_size, img.width // processor.patch_size):
-            raise InvalidImageError(f"image {img.mm_hash[:12]}: grid {grid} does not fit "
-                                    f"{img.height}x{img.width} pixels")
-        pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(
-            img.height, img.width, 3)
-        return ImageInput(img.mm_hash, 0, processor.num_image_tokens(grid), pixels, grid,
+        n = math.prod(img.shape)
+        if (len(img.shape) not in (3, 4) or img.shape[-1] != 3 or n <= 0
+                or len(img.pixels) != n or not 0 < img.length <= processor.max_image_tokens):
+            raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes of "
+                                    f"pixels for shape {img.shape}, {img.length} tokens")
+        pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
+        return ImageInput(img.mm_hash, 0, img.length, pixels, tuple(img.grid_thw),
                           processor.pixel_transform)
 
     def preprocess(req: EncodeRequest) -> ProcessedPrompt:
