@@ -182,3 +182,35 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
     finally:
         llm.kill()
         enc.kill()
+
+
+def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
+    """`--api-key` guards /v1/encode (401 without it), and a body over `--max-request-bytes`
+    is a 413 before it is read, as on the LLM server."""
+    enc = ServeProc("--role", "encoder", "--api-key", "sesame", "--max-request-bytes", "200000")
+    try:
+        body = {"images": [data_url(make_image(56, 56, 5))], "transport": "bytes"}
+        r = httpx.post(enc.url + "/v1/encode", json=body, timeout=60)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        r = httpx.post(enc.url + "/v1/encode", json=body, timeout=60,
+                       headers={"authorization": "Bearer sesame"})
+        assert r.status_code == 200, r.text
+        big = {"images": [data_url(make_image(400, 400, 6))], "transport": "bytes"}
+        r = httpx.post(enc.url + "/v1/encode", json=big, timeout=60,
+                       headers={"authorization": "Bearer sesame"})
+        assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+        assert httpx.get(enc.url + "/health").status_code == 200
+        # an LLM server with the key is served; one without it is told why (503)
+        for key, status in [("sesame", 200), ("wrong", 503)]:
+            llm = ServeProc("--encoder-url", enc.url, "--encoder-api-key", key,
+                            "--preprocess-workers", "1")
+            try:
+                r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
+                    "model": MODEL, "messages": user("Hi.", data_url(make_image(56, 84, key
+                                                                                == "wrong"))),
+                    "max_tokens": 2})
+                assert r.status_code == status, r.text
+            finally:
+                llm.kill()
+    finally:
+        enc.kill()

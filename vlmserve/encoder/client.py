@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import urllib.parse
@@ -50,12 +51,17 @@ class EncoderClient:
         transport: handle kind to ask for; ``auto``: the server's own (CUDA IPC or shared
             memory) for a server on this host, ``bytes`` for one on another host.
         timeout: seconds for one server to answer.
+        api_key: the encoder servers' key (default: ``$VLMSERVE_ENCODER_API_KEY``).
         remember: content hashes of images encoded recently to keep (not sent again).
     """
 
     def __init__(self, urls: Sequence[str], transport: str = "auto", timeout: float = 60.0,
-                 remember: int = 4096) -> None:
+                 remember: int = 4096, api_key: str | None = None) -> None:
         import httpx
+
+        # the encoder servers' --api-key (`vlmserve serve --encoder-api-key` sets the variable)
+        api_key = api_key or os.environ.get("VLMSERVE_ENCODER_API_KEY")
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
         self.urls = [u.rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -109,7 +115,8 @@ class EncoderClient:
                 for img in images], transport=self.transports[i]))
             try:
                 r = self._http.post(self.urls[i] + "/v1/encode", content=body,
-                                    headers={"content-type": MSGPACK, "accept": MSGPACK})
+                                    headers={"content-type": MSGPACK, "accept": MSGPACK,
+                                             **self._auth})
             except Exception as e:  # noqa: BLE001 - unreachable, timed out: the next one
                 errors.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
             else:
@@ -119,10 +126,14 @@ class EncoderClient:
                         raise EncoderUnavailableError(
                             f"encoder server {self.urls[i]} answered for other images")
                     return got
-                if 400 <= r.status_code < 500:
+                if r.status_code in (401, 403):  # our key, not the user's input
+                    errors.append(f"{self.urls[i]}: refused this server's key "
+                                  f"(--encoder-api-key): HTTP {r.status_code}")
+                elif 400 <= r.status_code < 500:
                     raise InvalidRequestError(f"the encoder server refused the images: "
                                               f"{r.text[:300]}")
-                errors.append(f"{self.urls[i]}: HTTP {r.status_code}: {r.text[:200]}")
+                else:
+                    errors.append(f"{self.urls[i]}: HTTP {r.status_code}: {r.text[:200]}")
             with self._lock:
                 self.failovers += 1
             logger.warning("encoder server failed (%s); trying the next one", errors[-1])

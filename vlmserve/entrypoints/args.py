@@ -95,6 +95,9 @@ class ServerConfig:
         None, "Comma-separated base URLs of encoder servers (`--role encoder`): requests' "
         "images are encoded there (round-robin; the next URL when one fails), except "
         "images encoded recently (the encoder cache holds them).")
+    encoder_api_key: str | None = _opt(
+        None, "Key to send to encoder servers started with --api-key (also read from "
+        "VLMSERVE_ENCODER_API_KEY).")
     encoder_transport: str = _opt(
         "auto", "Embedding handles to ask encoder servers for: auto (CUDA IPC or shared "
         "memory from a server on this host, bytes from another host), shm, cuda or bytes.")

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import queue
 import threading
 from typing import Any
@@ -39,6 +40,7 @@ from vlmserve.encoder.wire import (
     to_wire,
 )
 from vlmserve.entrypoints.args import ServerConfig
+from vlmserve.entrypoints.openai.server import ApiError, check_bearer, error_response, read_body
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
@@ -99,11 +101,6 @@ def _settle(fut: asyncio.Future, result: Any) -> None:
         fut.set_result(result)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)
-
-
 def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
     processor = encoder.model_processor
     # data URLs, and paths under --allowed-local-media-path; no remote fetching here
@@ -148,23 +145,31 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
                   for src in req.images]
         return ProcessedPrompt(None, [], images)
 
+    api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
+
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(e))
+        return error_response(400, str(e))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code, e.type)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         logger.error("internal error: %r", e)
-        return _error(500, f"internal server error: {type(e).__name__}", "server_error")
+        return error_response(500, f"internal server error: {type(e).__name__}",
+                              type="server_error")
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
-        body = await request.body()
+        check_bearer(request, api_key)  # --api-key, as the LLM server's /v1 endpoints
+        body = await read_body(request, cfg)
         binary = request.headers.get("content-type", "").startswith(MSGPACK)
         try:
             req = (msgpack_decoder if binary else json_decoder).decode(body)
         except msgspec.DecodeError as e:
-            return _error(400, f"bad request body: {e}")
+            return error_response(400, f"bad request body: {e}")
         prompt = await asyncio.to_thread(preprocess, req)
         transport = encoder.transport if req.transport == "auto" else req.transport
         out = await batcher.encode(prompt, transport)

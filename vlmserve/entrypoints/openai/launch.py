@@ -247,6 +247,8 @@ def run_server(args: Any) -> None:
     if cfg.encoder_transport not in TRANSPORTS:
         raise SystemExit(f"error: --encoder-transport must be one of {', '.join(TRANSPORTS)}")
     _setup_logging(cfg)
+    if cfg.encoder_api_key:  # the front ends' preprocessing processes inherit it
+        os.environ["VLMSERVE_ENCODER_API_KEY"] = cfg.encoder_api_key
     if cfg.role == "encoder":
         sys.exit(serve_encoder(cfg, engine_kwargs(args)))
     config = EngineConfig.from_kwargs(**engine_kwargs(args))

@@ -69,6 +69,42 @@ logger = logging.getLogger(__name__)
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+def check_bearer(request: Request, api_key: str | None) -> None:
+    """A 401 unless the request carries `Authorization: Bearer <api_key>` (if a key is set)."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                       code="invalid_api_key")
+
+
+async def read_body(request: Request, cfg: ServerConfig) -> bytearray:
+    """The request's body, at most `--max-request-bytes` (a 413 beyond), arriving within
+    `--request-body-timeout` (a 408 after)."""
+    limit = cfg.max_request_bytes
+    too_large = ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                         code="request_too_large")
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise too_large
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise too_large
+
+    timeout = cfg.request_body_timeout
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
+                            "(--request-body-timeout)", code="request_timeout") from None
+    return body
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error") -> None:
@@ -153,12 +189,7 @@ class OpenAIServing:
         self.token_texts = TokenTexts(engine.input_processor.model_processor.tokenizer)
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                           code="invalid_api_key")
+        check_bearer(request, self.api_key)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -167,26 +198,7 @@ class OpenAIServing:
     # ---- shared steps ----------------------------------------------------------------------
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.cfg.max_request_bytes
-        too_large = ApiError(413, f"request body exceeds the limit of {limit} bytes",
-                             code="request_too_large")
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > limit:
-            raise too_large
-        body = bytearray()
-
-        async def read() -> None:
-            async for chunk in request.stream():
-                body.extend(chunk)
-                if len(body) > limit:
-                    raise too_large
-
-        timeout = self.cfg.request_body_timeout
-        try:
-            await asyncio.wait_for(read(), timeout)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
-                                "(--request-body-timeout)", code="request_timeout") from None
+        body = await read_body(request, self.cfg)
         try:  # msgspec: several times faster than json on megabytes of base64 images
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
