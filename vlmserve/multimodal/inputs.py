@@ -1,10 +1,15 @@
-"""Processed multimodal inputs: what admission hands to the scheduler and the worker."""
+"""Processed multimodal inputs: what admission hands to the scheduler and the worker.
+
+Tensors appear here only as values: importing this module (and so `core/`) needs no torch."""
+
+from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class PixelTransform(Protocol):
@@ -41,11 +46,14 @@ class ImageInput:
 def pixel_values(
     images: Sequence[ImageInput],
     pixels: Sequence[torch.Tensor] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The vision tower's input for ``images`` in order (the HF image processor's
     ``pixel_values``), computed where ``pixels`` (default: each image's own) are, one batch
-    per run of equal sizes."""
+    per run of equal sizes; ``dtype`` default float32."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     pixels = [img.pixels for img in images] if pixels is None else pixels
     out = []
     start = 0
