@@ -289,3 +289,29 @@ def test_readme_curl_example_with_a_512px_photo(serve, tmp_path: Path) -> None:
     body = json.loads(r.stdout)
     assert body["object"] == "chat.completion", body
     assert body["usage"]["completion_tokens"] >= 1 and body["usage"]["prompt_tokens"] > 100
+
+
+def test_a_killed_tensor_parallel_rank_fails_the_stream_and_the_server_exits(serve) -> None:
+    """`serve --tensor-parallel-size 2`, rank 1 killed with SIGKILL mid-stream: the stream
+    ends with an error and the server exits non-zero within 30 s (no hang in a collective)."""
+    srv = serve("--tensor-parallel-size", "2")
+    core_pid = srv.stats()["engine_core_pid"]
+    children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(core_pid)],
+                              capture_output=True, text=True).stdout.splitlines()
+    ranks = [int(line.split()[0]) for line in children if "spawn_main" in line]
+    assert len(ranks) == 1, children
+    events: list = []
+
+    async def main() -> BaseException | str:
+        async with srv.client() as client:
+            task = asyncio.create_task(_stream(client, user("Talk."), 900, events))
+            while len(events) < 3:
+                await asyncio.sleep(0.01)
+            os.kill(ranks[0], signal.SIGKILL)
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+
+    killed = time.monotonic()
+    result = asyncio.run(main())
+    assert isinstance(result, openai.APIError), result
+    assert srv.wait(30) not in (None, 0)
+    assert time.monotonic() - killed < 30
