@@ -379,9 +379,9 @@ def preprocessor_config(name: str) -> dict:
     """The preprocessor_config.json contents of built-in model ``name``."""
     spec = BUILTIN_MODELS[name]
     vision = spec.vision
-    if spec.family == "llava":  # llava-hf/llava-1.5-7b-hf's CLIP processor at our image size
+    if spec.family in ("llava", "llava_next"):  # llava-hf's CLIP processors at our size
         size = vision["image_size"]
-        return {
+        clip = {
             "image_processor_type": "CLIPImageProcessor",
             "do_resize": True,
             "size": {"shortest_edge": size},
@@ -395,24 +395,11 @@ def preprocessor_config(name: str) -> dict:
             "image_std": QWEN_IMAGE_STD,
             "do_convert_rgb": True,
         }
-    if spec.family == "llava_next":  # llava-v1.6's processor at our tile size
-        size = vision["image_size"]
-        return {
-            "image_processor_type": "LlavaNextImageProcessor",
-            "do_resize": True,
-            "size": {"shortest_edge": size},
-            "resample": 3,  # bicubic
-            "do_center_crop": True,
-            "crop_size": {"height": size, "width": size},
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": QWEN_IMAGE_MEAN,  # OpenAI CLIP's
-            "image_std": QWEN_IMAGE_STD,
-            "do_convert_rgb": True,
-            "do_pad": True,
-            "image_grid_pinpoints": [list(p) for p in spec.image_grid_pinpoints],
-        }
+        if spec.family == "llava":  # llava-1.5-7b-hf
+            return clip
+        return {**clip, "image_processor_type": "LlavaNextImageProcessor",  # llava-v1.6
+                "do_pad": True,
+                "image_grid_pinpoints": [list(p) for p in spec.image_grid_pinpoints]}
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "do_resize": True,

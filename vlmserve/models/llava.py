@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vlmserve.models.llava_processing import LlavaInputProcessor, tokens_per_image
-from vlmserve.models.qwen2 import Qwen2Model
+from vlmserve.models.qwen2 import DecoderVLM
 from vlmserve.models.vision.clip import CLIPVisionTower
 from vlmserve.models.vision.common import get_activation
 
@@ -24,7 +24,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(DecoderVLM):
     uses_mrope = False
     input_processor_cls = LlavaInputProcessor
     # checkpoint names an encoder service reads (hub and transformers 5.x layouts)
@@ -36,12 +36,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.config = hf_config
         tcfg = hf_config.text_config
         self._init_vision(hf_config)
-        self.language_model = Qwen2Model(tcfg)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
-                                        or getattr(tcfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+        self._init_language_model(tcfg)
 
     def _init_vision(self, hf_config) -> None:
         """The image encoder's modules (tower and projector) on ``self`` (a model, or a
@@ -61,43 +56,14 @@ class LlavaForConditionalGeneration(nn.Module):
         """The image encoder alone (no language model), for `vlmserve.MultimodalEncoder`."""
         return LlavaEncoder(cls, hf_config)
 
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(token_ids)
-
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``[B, 3, S, S]`` (all images one size; ``grid_thw`` unused) -> ``[B * tokens,
         hidden]``, image by image."""
         feats = self.vision_tower(pixel_values)  # [B, tokens, vision_dim * layers]
         return self.multi_modal_projector(feats).flatten(0, 1)  # [B * tokens, hidden]
 
-    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return self.language_model.kv_cache_shape(num_blocks, block_size)
-
-    def set_attention_backend(self, fn) -> None:
-        self.language_model.set_attention_backend(fn)
-
-    def set_fused_ops(self, ops) -> None:
-        """Both towers: every module with an `ops` attribute takes these."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
     def set_vision_attention_backend(self, fn) -> None:
         """Unused: every CLIP batch is images of one size, one dense SDPA call."""
-
-    @property
-    def hidden_size(self) -> int:
-        return self.language_model.config.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.language_model.layers)
 
     def load_weights(self, weights) -> set[str]:
         """Accepts the hub layout (`vision_tower.vision_model.*`, `multi_modal_projector.*`,

@@ -157,3 +157,46 @@ class Qwen2Model(nn.Module):
             params[name].copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+class DecoderVLM(nn.Module):
+    """What a vision-language model's language half shares across families: the decoder
+    (`Qwen2Model`, any of Qwen2 / Llama / Mistral by config), the (optionally tied) lm_head,
+    and the runner's hooks onto them. Subclasses add the vision half and `load_weights`."""
+
+    def _init_language_model(self, tcfg) -> None:
+        self.language_model = Qwen2Model(tcfg)
+        self.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings", False)
+                                        or getattr(tcfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(token_ids)
+
+    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.language_model.kv_cache_shape(num_blocks, block_size)
+
+    def set_attention_backend(self, fn) -> None:
+        self.language_model.set_attention_backend(fn)
+
+    def set_fused_ops(self, ops) -> None:
+        """Both towers: every module with an `ops` attribute takes these."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    @property
+    def hidden_size(self) -> int:
+        return self.language_model.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.language_model.layers)

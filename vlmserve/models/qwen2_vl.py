@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmserve.models.qwen2 import Qwen2Model
+from vlmserve.models.qwen2 import DecoderVLM
 from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
 from vlmserve.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer
 from vlmserve.models.vision.qwen2_vl import Qwen2VisionTransformer
@@ -36,7 +36,7 @@ class QwenVisionEncoder(nn.Module):
         self.visual.set_attention_backend(fn)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(DecoderVLM):
     uses_mrope = True
     input_processor_cls = Qwen2VLInputProcessor
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
@@ -53,48 +53,13 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.config = hf_config
         tcfg = text_config(hf_config)
         self.visual = self.vision_cls(hf_config.vision_config)
-        self.language_model = Qwen2Model(tcfg)
-        self.tie_word_embeddings = bool(
-            getattr(hf_config, "tie_word_embeddings", False)
-            or getattr(tcfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
-
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(token_ids)
+        self._init_language_model(tcfg)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.visual(pixel_values, grid_thw)  # [sum(t*h*w) / merge^2, hidden]
 
-    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return self.language_model.kv_cache_shape(num_blocks, block_size)
-
-    def set_attention_backend(self, fn) -> None:
-        self.language_model.set_attention_backend(fn)
-
-    def set_fused_ops(self, ops) -> None:
-        """Both towers: every module with an `ops` attribute takes these."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
     def set_vision_attention_backend(self, fn) -> None:
         self.visual.set_attention_backend(fn)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.language_model.config.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.language_model.layers)
 
     def load_weights(self, weights) -> set[str]:
         """Accepts the hub layout (`visual.*`, `model.*`, `lm_head.*`) and the transformers 5.x
