@@ -33,6 +33,9 @@
 #             check), export + open + copy time per image; the negative control
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
 #             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
+#   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
+#             batch-1 decode; LN_SIDE=ours|vllm|both (vLLM from the peers kit; sbs.py's
+#             SBS_PROMPT=llava_next)
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -225,6 +228,19 @@ epdserve)
     fi
     kill $pid; wait $pid
   done ;;
+llavanext)
+  [ -d /tmp/llnext ] || step llnext_create 300 python3 -c "from vlmserve.models.builtin import \
+create_checkpoint as c; import torch; c('llava-next-mistral-7b-random', '/tmp/llnext', \
+dtype=torch.bfloat16, device='cuda')"
+  S=${SBS:-.cache/sbs.py}
+  if [ "${LN_SIDE:-both}" != vllm ]; then
+    SBS_PROMPT=llava_next step llnext_ours 280 python3 "$S" vlmserve /tmp/llnext 512 \
+      max_num_seqs=512 max_num_batched_tokens=16384
+  fi
+  if [ "${LN_SIDE:-both}" != ours ]; then
+    SBS_PROMPT=llava_next VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vsite:/tmp/deps \
+      step llnext_vllm 400 python3 "$S" vllm /tmp/llnext 512
+  fi ;;
 *) echo "unknown section $section" ;;
 esac
 done
