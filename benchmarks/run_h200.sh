@@ -234,7 +234,7 @@ create_checkpoint as c; import torch; c('llava-next-mistral-7b-random', '/tmp/ll
 dtype=torch.bfloat16, device='cuda')"
   S=${SBS:-.cache/sbs.py}
   if [ "${LN_SIDE:-both}" != vllm ]; then
-    SBS_PROMPT=llava_next step llnext_ours 280 python3 "$S" vlmserve /tmp/llnext 512 \
+    SBS_PROMPT=llava_next PYTHONPATH=$PWD:/tmp/deps step llnext_ours 280 python3 "$S" vlmserve /tmp/llnext 512 \
       max_num_seqs=512 max_num_batched_tokens=16384
   fi
   if [ "${LN_SIDE:-both}" != ours ]; then
