@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.multimodal.inputs import ImageInput, MultiModalFeature, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -39,12 +39,16 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt.prompt
         self.prompt_token_ids = prompt.prompt_token_ids
-        self.images: list[ImageInput] = prompt.images
+        # where its images sit (what scheduling reads), and the encoder's input of each
+        # distinct image by content hash (sent to the worker by the step that encodes it)
+        self.mm_features: list[MultiModalFeature] = [img.feature for img in prompt.images]
+        self.encoder_inputs: dict[str, ImageInput] = {img.mm_hash: img for img in prompt.images}
         # position just past the last image row (0 without images): from there on a request
         # has no image left to encode or to hold
-        self.images_end = max((img.offset + img.length for img in self.images), default=0)
-        self.mrope_positions = prompt.mrope_positions
-        self.mrope_delta = prompt.mrope_delta
+        self.images_end = max((f.offset + f.length for f in self.mm_features), default=0)
+        # the model's position data (see layers/positions.py), opaque here
+        self.prompt_positions = prompt.prompt_positions
+        self.position_offset = prompt.position_offset
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -78,7 +82,7 @@ class Request:
 
     @property
     def num_image_tokens(self) -> int:
-        return sum(img.length for img in self.images)
+        return sum(f.length for f in self.mm_features)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, "

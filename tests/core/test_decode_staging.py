@@ -10,7 +10,7 @@ BS, SCRATCH = 4, 99
 def state(tokens, computed, blocks, in_flight=0, row=-1, delta=0):
     return SimpleNamespace(token_ids=list(tokens), num_computed_tokens=computed,
                            block_ids=list(blocks), in_flight=in_flight, sample_row=row,
-                           mrope_delta=delta)
+                           position_offset=delta)
 
 
 def test_rows_ids_or_in_flight_rows_positions_slots_and_padding():

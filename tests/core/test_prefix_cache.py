@@ -18,7 +18,7 @@ BS = 4
 def request(rid: str, tokens: list[int], images=(), max_tokens: int = 2) -> Request:
     """images: (hash, offset, length)."""
     imgs = [ImageInput(mm_hash=h, offset=o, length=n, pixels=torch.empty(0),
-                       grid_thw=(1, 2, 2), transform=None) for h, o, n in images]
+                       encoder_meta=(1, 2, 2), transform=None) for h, o, n in images]
     return Request(rid, ProcessedPrompt(None, list(tokens), imgs),
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), (EOS,))
 
@@ -53,7 +53,7 @@ def test_a_different_image_of_the_same_size_hits_only_the_text_before_it():
     finish(sched, request("a", tokens, [("img-A", 6, 8)]))
     outs = finish(sched, request("b", tokens, [("img-B", 6, 8)]))
     assert outs[0].new_requests[0].num_computed_tokens == 4  # block 0 only: text
-    assert outs[0].scheduled_encoder_inputs == {"b": [0]}  # B is encoded
+    assert list(outs[0].encoder_inputs) == ["img-B"]  # B is encoded
     outs = finish(sched, request("c", tokens, [("img-A", 6, 8)]))
     assert outs[0].new_requests[0].num_computed_tokens == 16  # through the image
 
@@ -70,7 +70,7 @@ def test_images_inside_a_hit_are_not_encoded_and_one_cut_by_it_is():
             del sched.kv._key[block]
     outs = finish(sched, request("b", tokens, images))
     assert outs[0].new_requests[0].num_computed_tokens == 12
-    assert outs[0].scheduled_encoder_inputs == {"b": [1]}  # image one skipped, two encoded
+    assert list(outs[0].encoder_inputs) == ["two"]  # image one skipped, two encoded
     assert outs[0].num_scheduled_tokens["b"] == len(tokens) - 12
 
 

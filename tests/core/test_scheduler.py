@@ -16,7 +16,7 @@ EOS = 7
 def make_request(rid, prompt_len, images=(), max_tokens=4, hashes=None):
     """images: (offset, length) placeholder runs inside the prompt."""
     imgs = [ImageInput(mm_hash=(hashes[i] if hashes else f"{rid}-img{i}"), offset=o, length=n,
-                       pixels=torch.empty(0), grid_thw=(1, 2, 2), transform=None)
+                       pixels=torch.empty(0), encoder_meta=(1, 2, 2), transform=None)
             for i, (o, n) in enumerate(images)]
     prompt = ProcessedPrompt(None, [1] * prompt_len, imgs)
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), (EOS,))
@@ -68,21 +68,19 @@ def test_budgets_respected_and_everything_freed():
     def check(s, so):
         assert so.total_num_scheduled_tokens <= 20
         assert len(s.running) <= 3
-        enc = sum(s.requests[r].images[i].length
-                  for r, idxs in so.scheduled_encoder_inputs.items() for i in idxs)
+        enc = sum(img.length for img in so.encoder_inputs.values())
         assert enc <= 12
         assert s.encoder_cache.used_rows <= s.encoder_cache.capacity_rows
 
     outs = run(sched, on_step=check)
-    encoded = [(r, i) for so in outs for r, idxs in so.scheduled_encoder_inputs.items()
-               for i in idxs]
-    assert sorted(encoded) == sorted((r.request_id, i) for r in reqs for i in range(len(r.images)))
+    encoded = [h for so in outs for h in so.encoder_inputs]
+    assert sorted(encoded) == sorted(f.mm_hash for r in reqs for f in r.mm_features)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.encoder_cache.used_rows == 0 and sched.encoder_cache.num_entries == 0
     freed = [h for so in outs for h in so.free_encoder_hashes] + sched.encoder_cache.take_freed()
-    assert sorted(freed) == sorted(img.mm_hash for r in reqs for img in r.images)
+    assert sorted(freed) == sorted(f.mm_hash for r in reqs for f in r.mm_features)
 
 
 def test_image_encoded_in_step_whose_chunk_first_needs_it_and_chunk_cuts_through_it():
@@ -91,10 +89,12 @@ def test_image_encoded_in_step_whose_chunk_first_needs_it_and_chunk_cuts_through
     sched.add_request(req)
     so1 = sched.schedule()
     assert so1.num_scheduled_tokens == {"a": 8}  # tokens 0..7: needs rows 0..2 of the image
-    assert so1.scheduled_encoder_inputs == {"a": [0]}
+    assert list(so1.encoder_inputs) == ["a-img0"]
+    assert so1.encoder_inputs["a-img0"] is req.encoder_inputs["a-img0"]  # the payload
+    assert not hasattr(so1.new_requests[0].mm_features[0], "pixels")  # scheduling data only
     sched.update_from_output(so1, {})
     so2 = sched.schedule()  # tokens 8..15 take rows 3..10; the image is not encoded again
-    assert so2.num_scheduled_tokens == {"a": 8} and not so2.scheduled_encoder_inputs
+    assert so2.num_scheduled_tokens == {"a": 8} and not so2.encoder_inputs
     sched.update_from_output(so2, {})
     so3 = sched.schedule()  # rows 11.. consumed at token 16; the entry is freed after it
     sched.update_from_output(so3, {})
@@ -106,10 +106,10 @@ def test_one_token_chunk_through_an_image_is_not_treated_as_a_decode():
     sched = make_scheduler(max_num_batched_tokens=8, max_num_encoder_tokens=16)
     sched.add_request(make_request("a", 9, [(8, 1)]))
     so1 = sched.schedule()
-    assert so1.num_scheduled_tokens == {"a": 8} and not so1.scheduled_encoder_inputs
+    assert so1.num_scheduled_tokens == {"a": 8} and not so1.encoder_inputs
     sched.update_from_output(so1, {})
     so2 = sched.schedule()
-    assert so2.num_scheduled_tokens == {"a": 1} and so2.scheduled_encoder_inputs == {"a": [0]}
+    assert so2.num_scheduled_tokens == {"a": 1} and list(so2.encoder_inputs) == ["a-img0"]
     sched.update_from_output(so2, {"a": 100})
     assert sched.schedule().free_encoder_hashes == ["a-img0"]
 
@@ -118,7 +118,7 @@ def test_chunk_stops_before_image_when_encoder_budget_is_spent():
     sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_tokens=10)
     sched.add_request(make_request("a", 40, [(2, 8), (12, 8)]))
     so = sched.schedule()
-    assert so.scheduled_encoder_inputs == {"a": [0]}
+    assert list(so.encoder_inputs) == ["a-img0"]
     assert so.num_scheduled_tokens == {"a": 12}  # stops right before the second image
 
 
@@ -170,7 +170,7 @@ def test_shared_image_encoded_once_across_requests():
     for r in reqs:
         sched.add_request(r)
     outs = run(sched)
-    assert sum(len(v) for so in outs for v in so.scheduled_encoder_inputs.values()) == 1
+    assert sum(len(so.encoder_inputs) for so in outs) == 1
     assert sched.encoder_cache.num_entries == 0
 
 

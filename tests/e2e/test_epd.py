@@ -82,7 +82,7 @@ def test_encode_endpoint_json_and_its_errors(epd) -> None:
                                                   "transport": "bytes"}, timeout=60)
     assert r.status_code == 200, r.text
     img = msgspec.json.decode(r.content, type=EncodeResponse).images[0]
-    assert img.length == 6 and img.grid_thw == (1, 6, 4)  # 84x56 px: 6x4 patches, merged 2x2
+    assert img.length == 6 and img.encoder_meta == (1, 6, 4)  # 84x56 px: 6x4 patches, merged 2x2
     rows = from_wire(img.handle).open()
     assert rows.shape[0] == img.length and rows.abs().sum() > 0
     for body, needle in [({"images": []}, "at least one image"),
@@ -138,7 +138,7 @@ def test_completion_with_multi_modal_embeddings_from_the_encoder_server(epd) -> 
             "ignore_eos": True, "multi_modal_embeddings": encoded})
 
     encoded = encode("bytes")
-    assert len(encoded["images"]) == 1 and len(encoded["mrope_positions"]) == 3
+    assert len(encoded["images"]) == 1 and len(encoded["prompt_positions"]) == 3
     r = complete(encoded)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want

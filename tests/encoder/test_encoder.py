@@ -38,16 +38,16 @@ def test_exported_rows_equal_the_engine_encoder(vlmserve_cache, model):
         assert (stats.batches, stats.encoded_images, stats.images) == (1, 4, 5)
         processed = [llm.engine.input_processor.process(p) for p in prompts]
         runner = llm.engine.core.executor.runner
-        runner.encoder.run([img for p in processed for img in p.images])
+        runner.encoder.run({img.mm_hash: img for p in processed for img in p.images})
         assert runner.encoder.num_batches == 1
         for out, ref in zip(outputs, processed, strict=True):
             assert out.prompt_token_ids == ref.prompt_token_ids
-            assert torch.equal(out.mrope_positions, ref.mrope_positions)
-            assert out.mrope_delta == ref.mrope_delta
+            assert torch.equal(out.prompt_positions, ref.prompt_positions)
+            assert out.position_offset == ref.position_offset
             assert len(out.images) == len(ref.images)
             for img, want in zip(out.images, ref.images, strict=True):
-                assert (img.mm_hash, img.offset, img.length, img.grid_thw) == (
-                    want.mm_hash, want.offset, want.length, tuple(want.grid_thw))
+                assert (img.mm_hash, img.offset, img.length, img.encoder_meta) == (
+                    want.mm_hash, want.offset, want.length, tuple(want.encoder_meta))
                 assert isinstance(img.handle, ShmHandle)
                 assert img.handle.shape == (want.length, enc.hidden_size)
                 rows = img.handle.open()

@@ -86,12 +86,12 @@ def test_tp2_rows_equal_tp1(tp2, model):
     assert len(got) == len(want)
     for out, ref_out, ref_rows in zip(got, want, want_rows, strict=True):
         assert out.prompt_token_ids == ref_out.prompt_token_ids
-        assert torch.equal(out.mrope_positions, ref_out.mrope_positions)
-        assert out.mrope_delta == ref_out.mrope_delta
+        assert torch.equal(out.prompt_positions, ref_out.prompt_positions)
+        assert out.position_offset == ref_out.position_offset
         assert len(out.images) == len(ref_out.images)
         for img, ref_img, rows in zip(out.images, ref_out.images, ref_rows, strict=True):
-            assert (img.mm_hash, img.offset, img.length, img.grid_thw) == (
-                ref_img.mm_hash, ref_img.offset, ref_img.length, ref_img.grid_thw)
+            assert (img.mm_hash, img.offset, img.length, img.encoder_meta) == (
+                ref_img.mm_hash, ref_img.offset, ref_img.length, ref_img.encoder_meta)
             got_rows = img.handle.open()
             assert got_rows.shape == (img.length, enc.hidden_size)
             # another batch composition per rank: equal up to float32 GEMM blocking

@@ -98,7 +98,7 @@ class HFOracle:
         kwargs = {}
         if processed.images:
             kwargs["pixel_values"] = pixel_values(processed.images)
-            kwargs["image_grid_thw"] = torch.tensor([img.grid_thw for img in processed.images])
+            kwargs["image_grid_thw"] = torch.tensor([img.encoder_meta for img in processed.images])
             # transformers 5.2x computes mRoPE positions only when told which tokens are images
             mm = torch.zeros_like(ids)
             for img in processed.images:

@@ -130,10 +130,10 @@ def test_messages_carry_tensors_as_frames_without_copies() -> None:
     assert np.shares_memory(np.asarray(frames[1]), pixels.numpy())
     got = Decoder(ToCore).decode([bytearray(f) for f in frames])
     assert isinstance(got, AddRequest) and got.sampling_params == greedy(5)
-    assert torch.equal(got.images[0].pixels, pixels) and torch.equal(got.mrope_positions,
+    assert torch.equal(got.images[0].pixels, pixels) and torch.equal(got.prompt_positions,
                                                                       positions)
-    assert (got.request_id, got.mrope_delta, got.eos_token_ids) == ("r1", -4, (7, 8))
-    assert got.images[0].grid_thw == (1, 4, 6) and got.images[0].embeds is None
+    assert (got.request_id, got.position_offset, got.eos_token_ids) == ("r1", -4, (7, 8))
+    assert got.images[0].encoder_meta == (1, 4, 6) and got.images[0].embeds is None
     # embedding rows from an encoder service, bfloat16 included (numpy has no such dtype)
     rows = torch.randn(6, 16).to(torch.bfloat16)
     msg.images = [ImageData("h", 3, 6, (1, 4, 6), torch.empty(0, dtype=torch.uint8), rows)]

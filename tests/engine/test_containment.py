@@ -88,13 +88,13 @@ def test_a_failing_image_is_not_left_in_the_encoder_cache(vlmserve_cache, monkey
               enable_mm_cache=True)
     bad_img, good_img = make_image(140, 84, 5), make_image(56, 112, 6)
     bad_grid = llm.engine.input_processor.process(chat_prompt(llm, "x", [bad_img])
-                                                  ).images[0].grid_thw
+                                                  ).images[0].encoder_meta
     real = EncoderRunner.run
 
-    def run(self, images):
-        if any(tuple(img.grid_thw) == tuple(bad_grid) for img in images):
+    def run(self, inputs):
+        if any(tuple(img.encoder_meta) == tuple(bad_grid) for img in inputs.values()):
             raise RuntimeError("injected encoder fault")
-        return real(self, images)
+        return real(self, inputs)
 
     monkeypatch.setattr(EncoderRunner, "run", run)
     good = chat_prompt(llm, "Good.", [good_img])

@@ -48,11 +48,11 @@ def procs(tiny_qwen2_vl_path):
 
 
 def _same(a, b) -> None:
-    assert a.prompt_token_ids == b.prompt_token_ids and a.mrope_delta == b.mrope_delta
-    assert torch.equal(a.mrope_positions, b.mrope_positions)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.position_offset == b.position_offset
+    assert torch.equal(a.prompt_positions, b.prompt_positions)
     for x, y in zip(a.images, b.images, strict=True):
-        assert (x.mm_hash, x.offset, x.length, x.grid_thw) == (y.mm_hash, y.offset, y.length,
-                                                                y.grid_thw)
+        assert (x.mm_hash, x.offset, x.length, x.encoder_meta) == (y.mm_hash, y.offset, y.length,
+                                                                y.encoder_meta)
         assert torch.equal(x.pixels, y.pixels)
 
 

@@ -27,8 +27,8 @@ class LlavaNextOracle(HFOracle):
             batch = torch.zeros(len(tiles), max(t.shape[0] for t in tiles), *tiles[0].shape[1:])
             for i, t in enumerate(tiles):
                 batch[i, :t.shape[0]] = t
-            kwargs = {"pixel_values": batch,
-                      "image_sizes": torch.tensor([img.grid_thw[1:] for img in processed.images])}
+            sizes = [img.encoder_meta[1:] for img in processed.images]  # original (h, w)
+            kwargs = {"pixel_values": batch, "image_sizes": torch.tensor(sizes)}
         return ids.to(self.device), {k: v.to(self.device) for k, v in kwargs.items()}
 
 

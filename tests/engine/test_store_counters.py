@@ -153,7 +153,7 @@ def test_retained_embeddings_hold_only_their_own_rows(vlmserve_cache) -> None:
     images = llm.engine.input_processor.process(prompt).images
     runner = llm.engine.core.executor.runner
     store = runner.store
-    runner.encoder.run(images)
+    runner.encoder.run({img.mm_hash: img for img in images})
     assert runner.encoder.num_batches == 1 and store.num_entries == 4
     store.free([img.mm_hash for img in images[:3]])
     assert store.num_entries == 1

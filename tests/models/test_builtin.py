@@ -103,7 +103,7 @@ def test_tiny_greedy_output_varies_and_depends_on_image(tiny: tuple[str, Path]) 
             out = model.generate(
                 input_ids=torch.tensor([p.prompt_token_ids]),
                 pixel_values=pixel_values(p.images),
-                image_grid_thw=torch.tensor([i.grid_thw for i in p.images]),
+                image_grid_thw=torch.tensor([i.encoder_meta for i in p.images]),
                 max_new_tokens=12,
                 do_sample=False,
                 output_logits=True,

@@ -67,7 +67,7 @@ def test_token_expansion_matches_transformers_for_50_sizes(processor, hf_process
         ref = hf_processor(images=images, text=text, return_tensors="pt")
         assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
         assert [img.length for img in ours.images] == [36] * n
-        assert ours.mrope_positions is None
+        assert ours.prompt_positions is None
 
 
 @pytest.mark.parametrize("size", [(84, 84), (60, 90), (200, 50), (17, 400), (333, 334), (5, 3)])

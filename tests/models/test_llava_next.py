@@ -72,7 +72,7 @@ def test_token_counts_match_transformers_for_50_sizes(processor, hf_processor) -
         ref = hf_processor(images=images, text=text, return_tensors="pt")
         assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
         for img, (h, w) in zip(ours.images, sizes, strict=True):
-            assert img.grid_thw[1:] == (h, w)
+            assert img.encoder_meta[1:] == (h, w)
             grids.add(hf_select((h, w), processor.pinpoints))
             counts.add(img.length)
     assert grids == set(processor.pinpoints)
@@ -97,7 +97,7 @@ def test_pixels_match_transformers_bit_for_bit(processor, hf_processor, size) ->
     ref = hf_processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
     img = ours.images[0]
     assert img.pixels.dtype == torch.uint8 and img.pixels.shape[1:] == (56, 56, 3)
-    assert img.grid_thw[0] == img.pixels.shape[0] == ref.shape[0]
+    assert img.encoder_meta[0] == img.pixels.shape[0] == ref.shape[0]
     assert torch.equal(pixel_values(ours.images), ref)
 
 
@@ -151,10 +151,9 @@ def test_image_features_match_transformers(path: Path) -> None:
     batch = torch.zeros(len(tiles), max(t.shape[0] for t in tiles), 3, 56, 56)
     for i, t in enumerate(tiles):
         batch[i, :t.shape[0]] = t
-    sizes = torch.tensor([img.grid_thw[1:] for img in out.images])
+    sizes = torch.tensor([img.encoder_meta[1:] for img in out.images])
     with torch.no_grad():
-        rows = ours.encode_images(torch.cat(tiles),
-                                  torch.tensor([img.grid_thw for img in out.images]))
+        rows = ours.encode_images(torch.cat(tiles), [img.encoder_meta for img in out.images])
         ref = torch.cat(hf.model.get_image_features(pixel_values=batch,
                                                     image_sizes=sizes).pooler_output)
     assert rows.shape == ref.shape == (sum(i.length for i in out.images), 64)

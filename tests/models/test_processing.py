@@ -75,7 +75,7 @@ def test_expansion_matches_hf_image_processor(model_and_processor) -> None:
     hf = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
 
     grids = [tuple(g) for g in hf["image_grid_thw"].tolist()]
-    assert [i.grid_thw for i in out.images] == grids
+    assert [i.encoder_meta for i in out.images] == grids
     assert len(set(grids)) == 3
     assert torch.equal(pixel_values(out.images), hf["pixel_values"])
     image_token = model.config.image_token_id
@@ -112,7 +112,8 @@ def test_pixels_match_hf_bit_for_bit(processor: Qwen2VLInputProcessor, device: s
     out = processor.process(None, [pad, sep] * len(images), images)
     assert [tuple(i.pixels.shape) for i in out.images][:2] == [(56, 84, 3)] * 2  # not resized
     ref = hf(images=[im.convert("RGB") for im in images], return_tensors="pt")
-    assert [i.grid_thw for i in out.images] == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    grids = [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    assert [i.encoder_meta for i in out.images] == grids
     on_device = [i.pixels.to(device) for i in out.images]
     assert torch.equal(pixel_values(out.images, on_device).cpu(), ref["pixel_values"])
     half = pixel_values(out.images, on_device, torch.bfloat16).cpu()
@@ -129,19 +130,19 @@ def test_mrope_positions_match_hf_get_rope_index(model_and_processor, num_images
     ids = torch.tensor([out.prompt_token_ids])
     kwargs = {}
     if images:
-        kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in out.images])
+        kwargs["image_grid_thw"] = torch.tensor([i.encoder_meta for i in out.images])
     if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     positions, delta = model.model.get_rope_index(ids, **kwargs)
 
-    assert out.mrope_positions.shape == (3, len(out.prompt_token_ids))
-    assert torch.equal(out.mrope_positions, positions[:, 0])
-    assert out.mrope_delta == int(delta)
+    assert out.prompt_positions.shape == (3, len(out.prompt_token_ids))
+    assert torch.equal(out.prompt_positions, positions[:, 0])
+    assert out.position_offset == int(delta)
     if num_images == 0:
-        assert out.mrope_delta == 0
-        assert torch.equal(out.mrope_positions[0], torch.arange(ids.shape[1]))
+        assert out.position_offset == 0
+        assert torch.equal(out.prompt_positions[0], torch.arange(ids.shape[1]))
     else:
-        assert out.mrope_delta < 0  # images use fewer positions than tokens
+        assert out.position_offset < 0  # images use fewer positions than tokens
 
 
 def test_placeholder_count_mismatch_names_both_counts(processor: Qwen2VLInputProcessor) -> None:

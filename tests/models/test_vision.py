@@ -192,8 +192,9 @@ def test_empty_batch() -> None:
 
 @torch.no_grad()
 def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
-    """The runner encodes a step's distinct images in one forward, largest first with the
-    grid on the host; every image's stored rows equal that image encoded alone."""
+    """The runner encodes a step's distinct images in one forward, largest first, each with
+    its processor's `encoder_meta`; every image's stored rows equal that image encoded
+    alone."""
     from vlmserve.models.qwen2_vl_processing import Qwen2VLPixels
     from vlmserve.multimodal.inputs import ImageInput, pixel_values
     from vlmserve.worker.encoder_runner import EncoderRunner
@@ -203,9 +204,9 @@ def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
     seen = []
 
     class Model:
-        def encode_images(self, pixels, grid):
-            seen.append(grid)
-            return ours(pixels, grid)
+        def encode_images(self, pixels, meta):
+            seen.append(meta)
+            return ours(pixels, torch.tensor(meta))
 
     transform = Qwen2VLPixels(patch_size=14, temporal_patch_size=2, merge_size=2,
                               rescale_factor=1 / 255, mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.25),
@@ -219,13 +220,12 @@ def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
         images.append(ImageInput(h, 0, g[1] * g[2] // 4, pixels, tuple(g), transform))
     store = MMEmbeddingStore(torch.device("cpu"), 64, torch.float32)
     runner = EncoderRunner(Model(), torch.device("cpu"), torch.float32, store)
-    runner.run(images + images[:1])  # an image due twice in one step is encoded once
+    runner.run({img.mm_hash: img for img in images})
     assert runner.num_batches == 1 and runner.num_images == 4
-    (grid,) = seen
-    assert grid.device.type == "cpu"
-    assert grid.tolist() == [[1, 16, 16], [1, 6, 8], [1, 8, 6], [1, 4, 4]]  # equal sizes together
+    (meta,) = seen
+    assert meta == [(1, 16, 16), (1, 6, 8), (1, 8, 6), (1, 4, 4)]  # equal sizes together
     for img in images:
-        alone = ours(pixel_values([img]), torch.tensor([img.grid_thw]))
+        alone = ours(pixel_values([img]), torch.tensor([img.encoder_meta]))
         _assert_close(store.gather([(img.mm_hash, 0, img.length)]), alone)
-    runner.run(images)  # all stored: nothing to encode
+    runner.run({img.mm_hash: img for img in images})  # all stored: nothing to encode
     assert runner.num_batches == 1

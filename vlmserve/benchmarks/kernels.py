@@ -193,7 +193,7 @@ def request_flops(model, cfg, processed, output_len: int = 1) -> float:
     lm = 2 * body * n + 2 * head + per_key * n * n
     extra = max(output_len - 1, 0)  # decoded tokens at contexts n + 1 .. n + extra
     lm += extra * (2 * body + 2 * head) + 2 * per_key * (extra * n + extra * (extra + 1) // 2)
-    return lm + sum(_vision_flops(cfg.vision_config, img.grid_thw) for img in processed.images)
+    return lm + sum(_vision_flops(cfg.vision_config, img.encoder_meta) for img in processed.images)
 
 
 def device_idle_during(engine, fn):
@@ -291,13 +291,14 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
     runner = engine.executor.runner
     pixels = pixel_values(images, [img.pixels.to(runner.device) for img in images],
                           runner.dtype)
-    grid = torch.tensor([img.grid_thw for img in images])  # on the host, as the engine passes it
+    meta = [img.encoder_meta for img in images]  # Qwen2-VL's patch grids
+
     def encode():
         with torch.inference_mode():
-            runner.model.encode_images(pixels, grid)
+            runner.model.encode_images(pixels, meta)
 
     ms = _time_cuda(encode, iters=5)
-    flops = sum(_vision_flops(engine.hf_config.vision_config, img.grid_thw) for img in images)
+    flops = sum(_vision_flops(engine.hf_config.vision_config, img.encoder_meta) for img in images)
     rate = flops / (ms / 1e3)
     row = {"images": num_images, "size": size, "ms": ms, "tflops": rate / 1e12,
            "fraction_of_matmul_rate": rate / (ceilings["matmul_bf16_tflops"] * 1e12)}

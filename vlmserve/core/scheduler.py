@@ -147,7 +147,7 @@ class Scheduler:
 
     def check_admissible(self, req: Request) -> str | None:
         """Why a request can never be served with this configuration, or None."""
-        return self.limits.check(req.num_prompt_tokens, [img.length for img in req.images])
+        return self.limits.check(req.num_prompt_tokens, [f.length for f in req.mm_features])
 
     def add_request(self, req: Request) -> None:
         reason = self.check_admissible(req)
@@ -269,7 +269,7 @@ class Scheduler:
         have = len(req.block_keys)
         if num_blocks > have:
             req.block_keys += block_keys(
-                req.all_token_ids, req.images, self.kv.block_size,
+                req.all_token_ids, req.mm_features, self.kv.block_size,
                 req.block_keys[-1] if have else b"", have, num_blocks - have)
         return req.block_keys
 
@@ -333,10 +333,7 @@ class Scheduler:
             self._finished_ids |= so.finished_request_ids
             self._preempted_ids |= so.preempted_request_ids
         # images those steps encoded may never have reached the store: forget them
-        self.encoder_cache.forget([self.requests[rid].images[i].mm_hash
-                                   for so in outs
-                                   for rid, idxs in so.scheduled_encoder_inputs.items()
-                                   if rid in self.requests for i in idxs])
+        self.encoder_cache.forget([h for so in outs for h in so.encoder_inputs])
         culprits = [self.requests[rid] for rid in failed.num_scheduled_tokens
                     if rid in self.requests]
         errored = []
@@ -371,7 +368,7 @@ class Scheduler:
                 continue
             budget -= n
             if start < req.images_end:  # else it has no image rows left to read
-                for img in req.images:
+                for img in req.mm_features:
                     lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
                     if lo < hi and img.mm_hash in self.encoder_cache:
                         spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
@@ -390,7 +387,7 @@ class Scheduler:
         enc_cost = 0
         pending: set[str] = set()
         reused: set[str] = set()
-        for idx, img in enumerate(req.images):
+        for idx, img in enumerate(req.mm_features):
             if img.offset >= start + num_new:
                 break
             if img.offset + img.length <= start:
@@ -435,9 +432,9 @@ class Scheduler:
                 request_id=rid,
                 token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
-                images=req.images,
-                mrope_positions=req.mrope_positions,
-                mrope_delta=req.mrope_delta,
+                mm_features=req.mm_features,
+                prompt_positions=req.prompt_positions,
+                position_offset=req.position_offset,
                 sampling_params=req.sampling_params,
                 block_ids=list(block_ids),
                 num_computed_tokens=start,
@@ -452,17 +449,17 @@ class Scheduler:
     ) -> None:
         """Reference the images the chunk reads and reserve those it encodes."""
         start = req.num_computed_tokens
-        needed = [img for img in req.images
+        needed = [img for img in req.mm_features
                   if img.offset < start + num_new and img.offset + img.length > start]
-        new_hashes = {req.images[idx].mm_hash for idx in enc_ids}
+        new_hashes = {req.mm_features[idx].mm_hash for idx in enc_ids}
         # reuse present entries first, so that allocating new ones cannot evict them
         for img in needed:
             if img.mm_hash not in new_hashes:
                 self.encoder_cache.add_ref(img.mm_hash, req.request_id)
         for idx in enc_ids:
-            img = req.images[idx]
+            img = req.mm_features[idx]
             self.encoder_cache.allocate(img.mm_hash, img.length, req.request_id)
-            out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(idx)
+            out.encoder_inputs[img.mm_hash] = req.encoder_inputs[img.mm_hash]
 
     def _drop_from_worker(self, req: Request) -> None:
         if req.request_id in self._on_worker:
@@ -472,7 +469,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
-        self.encoder_cache.release_all(req.request_id, [img.mm_hash for img in req.images])
+        self.encoder_cache.release_all(req.request_id, [img.mm_hash for img in req.mm_features])
         self._drop_from_worker(req)
 
     def _preempt(self, req: Request) -> None:
@@ -515,8 +512,8 @@ class Scheduler:
         return updated
 
     def _release_consumed_images(self, req: Request, done: int) -> None:
-        needed = {img.mm_hash for img in req.images if img.offset + img.length > done}
-        for img in req.images:
+        needed = {img.mm_hash for img in req.mm_features if img.offset + img.length > done}
+        for img in req.mm_features:
             if img.offset + img.length <= done and img.mm_hash not in needed:
                 self.encoder_cache.release(img.mm_hash, req.request_id)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vlmserve.multimodal.inputs import ImageInput
+from vlmserve.multimodal.inputs import ImageInput, MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -15,14 +15,15 @@ if TYPE_CHECKING:
 @dataclass
 class NewRequestData:
     """Everything the worker needs about a request it has not seen (or saw before a
-    preemption): all its tokens so far, its images and positions."""
+    preemption): all its tokens so far, where its images sit, its position data (the model's,
+    opaque here: see layers/positions.py)."""
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    images: list[ImageInput]
-    mrope_positions: torch.Tensor | None
-    mrope_delta: int
+    mm_features: list[MultiModalFeature]
+    prompt_positions: torch.Tensor | None
+    position_offset: int
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
@@ -45,8 +46,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # request id -> position its chunk ends at (the scheduler's own bookkeeping)
     chunk_ends: dict[str, int] = field(default_factory=dict)
-    # request id -> indices of its images to run through the vision tower this step
-    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # the encoder's input of every image to encode this step, by content hash: the only place
+    # pixels travel
+    encoder_inputs: dict[str, ImageInput] = field(default_factory=dict)
     # encoder outputs nobody needs any more (content hashes)
     free_encoder_hashes: list[str] = field(default_factory=list)
     # requests finished, aborted or preempted since the last step: the worker drops them

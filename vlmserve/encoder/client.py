@@ -109,7 +109,7 @@ class EncoderClient:
         for k in range(len(self.urls)):
             i = (start + k) % len(self.urls)
             body = self._encoder.encode(EncodeRequest(images=[
-                PixelImage(mm_hash=img.mm_hash, grid_thw=tuple(img.grid_thw),
+                PixelImage(mm_hash=img.mm_hash, encoder_meta=tuple(img.encoder_meta),
                            length=img.length, shape=tuple(img.pixels.shape),
                            pixels=img.pixels.contiguous().numpy().tobytes())
                 for img in images], transport=self.transports[i]))

@@ -1,10 +1,11 @@
 """`MultimodalEncoder`: the vision tower of a checkpoint as a service of its own.
 
 It loads only the tower's weights (``visual.*``: patch embedding, blocks, merger), preprocesses
-prompts exactly as the engine's admission does (same token ids, content hashes, grids, mRoPE
-positions), runs every image of every given request through the tower in one forward, and
-returns per request an `EncoderOutput` whose images carry embedding handles (see handles.py)
-recorded in a `HandleLedger` until the consumer releases them or their lease runs out.
+prompts exactly as the engine's admission does (same token ids, content hashes, encoder
+metadata, position data), runs every image of every given request through the tower in one
+forward, and returns per request an `EncoderOutput` whose images carry embedding handles
+(see handles.py) recorded in a `HandleLedger` until the consumer releases them or their lease
+runs out.
 With ``tensor_parallel_size=N`` it runs N ranks (see parallel.py): each encodes its share of
 a call's images, every rank holds all the rows, only rank 0 (whose outputs are returned)
 exports handles.
@@ -29,7 +30,7 @@ from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.registry import resolve_model_class
-from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, pixel_values
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
 
 
 @dataclass
@@ -41,7 +42,7 @@ class EncodedImage:
     mm_hash: str
     offset: int
     length: int
-    grid_thw: tuple[int, int, int]
+    encoder_meta: tuple[int, ...]
     handle: EmbeddingHandle | None
 
 
@@ -52,8 +53,10 @@ class EncoderOutput:
     prompt: str | None
     prompt_token_ids: list[int]  # image placeholders expanded
     images: list[EncodedImage] = field(default_factory=list)
-    mrope_positions: torch.Tensor | None = None  # [3, len(prompt_token_ids)] int64
-    mrope_delta: int = 0  # token i >= len(prompt) sits at i + mrope_delta
+    # the model's position data, as `ProcessedPrompt`'s: [rows, len(prompt_token_ids)] int64
+    # or None; token i >= len(prompt) sits at i + position_offset
+    prompt_positions: torch.Tensor | None = None
+    position_offset: int = 0
 
     def release(self) -> None:
         """Release every handle not opened or released yet (a consumer that gives up)."""
@@ -227,9 +230,9 @@ class MultimodalEncoder:
                 handle = self.ledger.export(rows[img.mm_hash], transport) if export else None
                 s.handles_not_exported += handle is None
                 images.append(EncodedImage(img.mm_hash, img.offset, img.length,
-                                           tuple(img.grid_thw), handle))
+                                           tuple(img.encoder_meta), handle))
             outputs.append(EncoderOutput(p.prompt, list(p.prompt_token_ids), images,
-                                         p.mrope_positions, p.mrope_delta))
+                                         p.prompt_positions, p.position_offset))
             s.requests += 1
             s.images += len(images)
         return outputs
@@ -239,8 +242,7 @@ class MultimodalEncoder:
         together (as the engine's encoder runner orders them); with tensor parallelism each
         rank runs its share (`split_by_rows`) and the rows are all-gathered: every rank ends
         with every image's rows. A rank whose share fails makes every rank raise."""
-        unique = list({img.mm_hash: img for img in images}.values())
-        unique.sort(key=lambda img: (-img.length, img.pixels.shape))
+        unique = encoder_order({img.mm_hash: img for img in images}.values())
         if self.group is None:
             return self._run_tower(unique)
         if not unique:
@@ -268,9 +270,8 @@ class MultimodalEncoder:
         return {img.mm_hash: r for img, r in zip(unique, rows, strict=True)}
 
     def _run_tower(self, unique: list[ImageInput]) -> dict[str, torch.Tensor]:
-        """Rows of ``unique`` (distinct, in order) from one forward: the grid on the host,
-        uint8 pixels to the device in one copy, then rescaled, normalized and patchified
-        there."""
+        """Rows of ``unique`` (distinct, in order) from one forward: uint8 pixels to the
+        device in one copy, then transformed there; each image's ``encoder_meta`` as it is."""
         if not unique:
             return {}
         parts = [img.pixels for img in unique]
@@ -279,9 +280,8 @@ class MultimodalEncoder:
             flat = torch.cat([p.reshape(-1) for p in parts])
             flat = flat.pin_memory().to(self.device, non_blocking=True)
             parts = [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
-        grid = torch.tensor([img.grid_thw for img in unique], dtype=torch.int64)
-        pixels = pixel_values(unique, parts, self.dtype)  # [sum(t*h*w), C*T*P*P]
-        out = self.vision(pixels, grid)  # [sum(length), hidden]
+        pixels = pixel_values(unique, parts, self.dtype)  # the tower's input
+        out = self.vision(pixels, [img.encoder_meta for img in unique])  # [sum(length), hidden]
         lengths = [img.length for img in unique]
         assert out.shape[0] == sum(lengths), (
             f"vision tower returned {out.shape[0]} rows for {lengths}")

@@ -107,12 +107,12 @@ def from_wire(w: HandleWire) -> EmbeddingHandle:
 
 class PixelImage(msgspec.Struct, kw_only=True):
     """An image already preprocessed by an LLM server's front end: its content hash, its
-    ``grid_thw`` and token count (``length``) as the model's processor gave them, and its
+    ``encoder_meta`` and token count (``length``) as the model's processor gave them, and its
     resized uint8 pixels of ``shape`` (``[H, W, 3]``, or ``[tiles, S, S, 3]`` for LLaVA-NeXT);
     the encoder does not decode, resize or hash it again."""
 
     mm_hash: str
-    grid_thw: tuple[int, int, int]
+    encoder_meta: tuple[int, ...]
     length: int
     shape: tuple[int, ...]
     pixels: bytes
@@ -134,32 +134,32 @@ class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class EncodedImageWire(msgspec.Struct, kw_only=True):
     mm_hash: str
     length: int  # embedding rows == the image's placeholder tokens
-    grid_thw: tuple[int, int, int]
+    encoder_meta: tuple[int, ...]
     handle: HandleWire
     offset: int = 0  # its placeholder run's start in the prompt (with a prompt)
 
 
 class EncoderOutputWire(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """An `EncoderOutput` on the wire: the prompt as the engine's admission would expand
-    it, its mRoPE positions, and its images with their handles."""
+    it, its position data, and its images with their handles."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     images: list[EncodedImageWire]
-    mrope_positions: list[list[int]] | None = None
-    mrope_delta: int = 0
+    prompt_positions: list[list[int]] | None = None
+    position_offset: int = 0
 
 
 def output_to_wire(out: Any) -> EncoderOutputWire:
     """`EncoderOutput` -> `EncoderOutputWire` (its handles must exist: a delivering rank)."""
     return EncoderOutputWire(
         prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
-        images=[EncodedImageWire(mm_hash=i.mm_hash, length=i.length, grid_thw=i.grid_thw,
+        images=[EncodedImageWire(mm_hash=i.mm_hash, length=i.length, encoder_meta=i.encoder_meta,
                                  handle=to_wire(i.handle), offset=i.offset)
                 for i in out.images],
-        mrope_positions=(None if out.mrope_positions is None
-                         else out.mrope_positions.tolist()),
-        mrope_delta=out.mrope_delta)
+        prompt_positions=(None if out.prompt_positions is None
+                          else out.prompt_positions.tolist()),
+        position_offset=out.position_offset)
 
 
 def output_from_wire(w: EncoderOutputWire, kinds: Sequence[str] = ("bytes",)) -> Any:
@@ -175,14 +175,14 @@ def output_from_wire(w: EncoderOutputWire, kinds: Sequence[str] = ("bytes",)) ->
         if kind not in kinds:
             raise ValueError(f"image {i}: {kind} handles are not accepted here (only "
                              f"{', '.join(kinds)}; see --accept-encoder-handles)")
-    positions = None if w.mrope_positions is None else torch.tensor(w.mrope_positions,
-                                                                     dtype=torch.int64)
+    positions = (None if w.prompt_positions is None
+                 else torch.tensor(w.prompt_positions, dtype=torch.int64))
     handles = [from_wire(msgspec.structs.replace(i.handle, release_address=None)
                          if isinstance(i.handle, BytesWire) else i.handle) for i in w.images]
     return EncoderOutput(w.prompt, list(w.prompt_token_ids),
-                         [EncodedImage(i.mm_hash, i.offset, i.length, tuple(i.grid_thw), h)
+                         [EncodedImage(i.mm_hash, i.offset, i.length, tuple(i.encoder_meta), h)
                           for i, h in zip(w.images, handles, strict=True)],
-                         positions, w.mrope_delta)
+                         positions, w.position_offset)
 
 
 class EncodeResponse(msgspec.Struct, kw_only=True):

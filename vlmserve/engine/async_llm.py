@@ -5,12 +5,13 @@ interpreter lock.
 `AsyncLLM(config)` starts an engine-core process and talks to it; `AsyncLLM(config,
 core=CoreHandle(...))` joins one that another process started (`--api-server-count N`: N
 front ends, one core). On the caller's event loop (any number of them) a request is
-preprocessed (engine/preprocess.py: tokens, images decoded, resized and hashed, mRoPE
-positions; in a pool of processes, or a worker thread), checked against the core's limits and
-handed over; its stream (engine/streams.py) is returned. One I/O thread owns the zmq
-socket: it sends what callers queued, receives each step's tokens, detokenizes them, applies
-stop strings and hands each event loop its streams' outputs at once. It also watches the
-core: if the core dies, every stream ends with `EngineDeadError` within `CORE_CHECK_S`.
+preprocessed (engine/preprocess.py: tokens, images decoded, resized and hashed, the
+model's position data; in a pool of processes, or a worker thread), checked against the
+core's limits and handed over; its stream (engine/streams.py) is returned. One I/O thread
+owns the zmq socket: it sends what callers queued, receives each step's tokens, detokenizes
+them, applies stop strings and hands each event loop its streams' outputs at once. It also
+watches the core: if the core dies, every stream ends with `EngineDeadError` within
+`CORE_CHECK_S`.
 """
 
 from __future__ import annotations

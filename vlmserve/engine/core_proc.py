@@ -133,10 +133,10 @@ class EngineCoreProc:
                 f"server ({e})"))
             return
         images = [ImageInput(img.mm_hash, img.offset, img.length, img.pixels,
-                             tuple(img.grid_thw), self.transform, rows)
+                             tuple(img.encoder_meta), self.transform, rows)
                   for img, rows in zip(msg.images, embeds, strict=True)]
-        prompt = ProcessedPrompt(None, msg.prompt_token_ids, images, msg.mrope_positions,
-                                 msg.mrope_delta)
+        prompt = ProcessedPrompt(None, msg.prompt_token_ids, images, msg.prompt_positions,
+                                 msg.position_offset)
         req = Request(msg.request_id, prompt, msg.sampling_params, tuple(msg.eos_token_ids))
         try:
             self.core.add_request(req)

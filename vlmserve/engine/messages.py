@@ -1,7 +1,7 @@
 """What crosses between the server's front ends and the engine-core process.
 
 Typed msgspec structs, one per message kind, encoded as msgpack. Tensors (an image's uint8
-pixels, mRoPE positions) do not go through msgpack: each becomes a frame of its own in the
+pixels, prompt positions) do not go through msgpack: each becomes a frame of its own in the
 same zmq multipart message, sent and received without a copy, and the msgpack body holds
 only its dtype, shape and frame index.
 
@@ -31,7 +31,7 @@ class ImageData(msgspec.Struct, array_like=True):
     mm_hash: str
     offset: int
     length: int
-    grid_thw: tuple[int, int, int]
+    encoder_meta: tuple[int, ...]
     pixels: Any  # torch.Tensor [H, W, 3] uint8
     embeds: Any = None  # torch.Tensor [length, hidden]: encoded elsewhere (pixels empty)
     # or its rows held by an encoder server, for the core to open (pixels empty)
@@ -46,8 +46,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     images: list[ImageData]
-    mrope_positions: Any  # torch.Tensor [3, num_prompt_tokens] int64, or None
-    mrope_delta: int
+    prompt_positions: Any  # torch.Tensor [rows, num_prompt_tokens] int64, or None
+    position_offset: int
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
 

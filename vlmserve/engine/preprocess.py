@@ -45,7 +45,7 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
     elif default_max_tokens is not None:  # the server's cap, within what fits
         params = dataclasses.replace(
             params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
-    images = [ImageData(img.mm_hash, img.offset, img.length, img.grid_thw, img.pixels,
+    images = [ImageData(img.mm_hash, img.offset, img.length, img.encoder_meta, img.pixels,
                         img.embeds) for img in processed.images]
     # images given encoded (multi_modal_embeddings) are not sent again
     todo = [(data, img) for data, img in zip(images, processed.images, strict=True)
@@ -63,7 +63,7 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
             data.pixels, data.handle = _NO_PIXELS, enc.handle
     msg = AddRequest(
         request_id, processed.prompt_token_ids, images,
-        processed.mrope_positions, processed.mrope_delta, params, eos_token_ids)
+        processed.prompt_positions, processed.position_offset, params, eos_token_ids)
     return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
 
 

@@ -159,13 +159,13 @@ class InputProcessor:
                         f"({img.length}, {self.hidden_size or hidden})")
                 images.append(ImageInput(img.mm_hash, img.offset, img.length,
                                          torch.empty(0, dtype=torch.uint8),
-                                         tuple(img.grid_thw), None,
+                                         tuple(img.encoder_meta), None,
                                          embeds=img.handle.open("cpu")))
         except Exception:
             out.release()  # the handles not opened yet go back
             raise
         return ProcessedPrompt(out.prompt, list(out.prompt_token_ids), images,
-                               out.mrope_positions, out.mrope_delta)
+                               out.prompt_positions, out.position_offset)
 
     def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
         """Validate and preprocess; `load` turns each image source into a decoded image (a

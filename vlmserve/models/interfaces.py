@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from vlmserve.layers.attention import AttentionMetadata
+from vlmserve.layers.positions import PositionScheme
 from vlmserve.multimodal.inputs import PixelTransform, ProcessedPrompt
 
 
@@ -33,14 +34,16 @@ class ModelInputProcessor(Protocol):
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image]) -> ProcessedPrompt:
         """Token ids with every image's placeholder run expanded to its exact length, one
-        `ImageInput` per image (hash, offset, length, resized uint8 pixels), and mRoPE
-        positions when the model `uses_mrope`."""
+        `ImageInput` per image (hash, offset, length, resized uint8 pixels, `encoder_meta`),
+        and the position data the model's `position_scheme` reads (`prompt_positions`,
+        `position_offset`)."""
 
 
 class VisionLanguageModel(Protocol):
-    #: whether positions are [3, T] mRoPE rows (Qwen-VL, from the processor's
-    #: `mrope_positions` / `mrope_delta`) or [T] token indices (LLaVA)
-    uses_mrope: bool
+    #: how the decoder's positions are built from token indices and the processor's position
+    #: data (`prompt_positions`, `position_offset`): `layers.positions.TokenPositions` ([T],
+    #: LLaVA) or `MRopePositions` ([3, T], Qwen2-VL)
+    position_scheme: PositionScheme
     #: class that turns prompt + images into a ProcessedPrompt (run at admission), a
     #: `ModelInputProcessor`
     input_processor_cls: type
@@ -53,18 +56,19 @@ class VisionLanguageModel(Protocol):
     @classmethod
     def build_encoder(cls, hf_config: Any) -> torch.nn.Module:
         """The image encoder alone, no language model (`vlmserve.MultimodalEncoder`): a module
-        with `forward(pixel_values, grid_thw)` (as `encode_images`), `load_weights(checkpoint
+        with `forward(pixel_values, encoder_meta)` (as `encode_images`), `load_weights(checkpoint
         names and tensors) -> loaded names`, `out_hidden_size` and `set_attention_backend`."""
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]"""
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor,
+                      encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
         """All images due this step in one batch -> [sum of rows, hidden], in image order.
         `pixel_values` is the processor's `pixel_transform` output of the images (one call
-        per run of equal sizes, concatenated on dim 0); `grid_thw` [N, 3] is each image's
-        `ImageInput.grid_thw` (a model whose images are all one size may ignore it; LLaVA-NeXT
-        reads its tiles and original size there)."""
+        per run of equal `ImageInput.batch_key`, concatenated on dim 0); `encoder_meta` is
+        each image's `ImageInput.encoder_meta`, as the model's processor made it (Qwen2-VL:
+        patch grids; LLaVA-NeXT: tiles and original size; LLaVA-1.5: empty)."""
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from vlmserve.layers.positions import TokenPositions
 from vlmserve.models.llava_processing import LlavaInputProcessor, tokens_per_image
 from vlmserve.models.qwen2 import DecoderVLM
 from vlmserve.models.vision.clip import CLIPVisionTower
@@ -25,7 +28,7 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(DecoderVLM):
-    uses_mrope = False
+    position_scheme = TokenPositions()
     input_processor_cls = LlavaInputProcessor
     # checkpoint names an encoder service reads (hub and transformers 5.x layouts)
     encoder_prefixes = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
@@ -56,8 +59,9 @@ class LlavaForConditionalGeneration(DecoderVLM):
         """The image encoder alone (no language model), for `vlmserve.MultimodalEncoder`."""
         return LlavaEncoder(cls, hf_config)
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, S, S]`` (all images one size; ``grid_thw`` unused) -> ``[B * tokens,
+    def encode_images(self, pixel_values: torch.Tensor,
+                      encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """``[B, 3, S, S]`` (all images one size; ``encoder_meta`` empty) -> ``[B * tokens,
         hidden]``, image by image."""
         feats = self.vision_tower(pixel_values)  # [B, tokens, vision_dim * layers]
         return self.multi_modal_projector(feats).flatten(0, 1)  # [B * tokens, hidden]
@@ -110,8 +114,9 @@ class LlavaEncoder(nn.Module):
         model_cls._init_vision(self, hf_config)
         self.out_hidden_size: int = hf_config.text_config.hidden_size
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self._encode(self, pixel_values, grid_thw)
+    def forward(self, pixel_values: torch.Tensor,
+                encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        return self._encode(self, pixel_values, encoder_meta)
 
     def load_weights(self, weights) -> set[str]:
         """The tower's, the projector's (and ``image_newline``) from checkpoint names."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -33,15 +35,16 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         self.pinpoints = [tuple(map(int, p)) for p in hf_config.image_grid_pinpoints]
         self.image_newline = nn.Parameter(torch.empty(hf_config.text_config.hidden_size))
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor,
+                      encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
         """``[sum of tiles, 3, S, S]`` (each image's base tile, then its grid row by row) and
-        ``grid_thw`` ``[N, 3]`` = (tiles, original height, original width) on the host ->
+        each image's ``encoder_meta`` (tiles, original height, original width) ->
         ``[sum of rows, hidden]``, image by image: the base tile's features, then each
         unpadded feature row of the grid followed by ``image_newline``."""
         feats = self.multi_modal_projector(self.vision_tower(pixel_values))  # [tiles, p*p, D]
         p, d = self.patches, feats.shape[-1]
         out, start = [], 0
-        for n, height, width in grid_thw.tolist():
+        for n, height, width in encoder_meta:
             rows, cols, (top, bottom, left, right) = anyres_geometry(
                 height, width, self.pinpoints, self.tile, p)
             assert n == 1 + rows * cols, f"{n} tiles for a {rows}x{cols} grid"
@@ -51,7 +54,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
             grid = grid.reshape(rows * p, cols * p, d)[top:bottom, left:right]  # [H', W', D]
             newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, d)
             out += [image[0], torch.cat([grid, newline], dim=1).reshape(-1, d)]
-        assert start == feats.shape[0], f"{feats.shape[0]} tiles for {grid_thw.tolist()}"
+        assert start == feats.shape[0], f"{feats.shape[0]} tiles for {list(encoder_meta)}"
         return torch.cat(out)
 
     def load_weights(self, weights) -> set[str]:

@@ -9,8 +9,8 @@ library); rescale and normalize run on the device (``TiledClipPixels``). Its tok
 scheduling, with transformers' arithmetic (``select_best_resolution``, the unpadded size
 rounded to 7 decimals and then truncated).
 
-``ImageInput.grid_thw`` of an image is ``(tiles, original height, original width)``: what the
-model needs to unpad its features (see ``llava_next.py``).
+``ImageInput.encoder_meta`` of an image is ``(tiles, original height, original width)``: what
+the model needs to unpad its features (see ``llava_next.py``).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class LlavaNextInputProcessor(HFInputProcessor):
             tiles = self._tiles(img, a)
             image_inputs.append(ImageInput(
                 mm_hash=hash_image(a, self._hash_extra), offset=off, length=n, pixels=tiles,
-                grid_thw=(tiles.shape[0], img.height, img.width),
+                encoder_meta=(tiles.shape[0], img.height, img.width),
                 transform=self.pixel_transform))
         return ProcessedPrompt(prompt, out_ids, images=image_inputs)
 

@@ -64,7 +64,6 @@ class LlavaInputProcessor(HFInputProcessor):
         self.image_token_id = image_token_id(hf_config)
         self.num_image_tokens = tokens_per_image(hf_config)
         vc = hf_config.vision_config
-        self.patch_size: int = vc.patch_size
         self.image_size: int = vc.image_size
         if getattr(ip, "do_pad", False):
             raise ValueError("LLaVA image processors that pad to a square (do_pad) are not "
@@ -112,10 +111,9 @@ class LlavaInputProcessor(HFInputProcessor):
         rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
         arrays = [np.array(img) for img in rgb]  # writable: torch.from_numpy shares it
         hashes = [hash_image(a, self._hash_extra) for a in arrays]
-        grid = (1, self.image_size // self.patch_size, self.image_size // self.patch_size)
         image_inputs = [
             ImageInput(mm_hash=h, offset=off, length=n, pixels=self._resize_crop(img, a),
-                       grid_thw=grid, transform=self.pixel_transform)
+                       encoder_meta=(), transform=self.pixel_transform)
             for h, off, img, a in zip(hashes, offsets, rgb, arrays, strict=True)
         ]
         return ProcessedPrompt(prompt, out_ids, images=image_inputs)

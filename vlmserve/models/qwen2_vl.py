@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from vlmserve.layers.positions import MRopePositions
 from vlmserve.models.qwen2 import DecoderVLM
 from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
 from vlmserve.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer
@@ -24,8 +27,9 @@ class QwenVisionEncoder(nn.Module):
         self.visual = tower
         self.out_hidden_size: int = tower.out_hidden_size
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.visual(pixel_values, grid_thw)
+    def forward(self, pixel_values: torch.Tensor,
+                encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        return self.visual(pixel_values, torch.tensor(encoder_meta, dtype=torch.int64))
 
     def load_weights(self, weights) -> set[str]:
         vision = [(name.split("visual.", 1)[1], t) for name, t in weights
@@ -37,7 +41,8 @@ class QwenVisionEncoder(nn.Module):
 
 
 class Qwen2VLForConditionalGeneration(DecoderVLM):
-    uses_mrope = True
+    # mRoPE: the processor computes a prompt's three position rows
+    position_scheme = MRopePositions()
     input_processor_cls = Qwen2VLInputProcessor
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
     # checkpoint names an encoder service reads (hub and transformers 5.x layouts)
@@ -55,8 +60,12 @@ class Qwen2VLForConditionalGeneration(DecoderVLM):
         self.visual = self.vision_cls(hf_config.vision_config)
         self._init_language_model(tcfg)
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.visual(pixel_values, grid_thw)  # [sum(t*h*w) / merge^2, hidden]
+    def encode_images(self, pixel_values: torch.Tensor,
+                      encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """``encoder_meta``: each image's patch grid (t, h, w), kept on the host (the tower
+        plans its launches from it without a device sync)."""
+        grid = torch.tensor(encoder_meta, dtype=torch.int64)  # [N, 3]
+        return self.visual(pixel_values, grid)  # [sum(t*h*w) / merge^2, hidden]
 
     def set_vision_attention_backend(self, fn) -> None:
         self.visual.set_attention_backend(fn)

@@ -147,7 +147,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         if not images:
             positions, delta = compute_mrope_positions(len(ids), [], self.merge_size)
             return ProcessedPrompt(
-                prompt, ids, images=[], mrope_positions=positions, mrope_delta=delta
+                prompt, ids, images=[], prompt_positions=positions, position_offset=delta
             )
 
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
@@ -177,14 +177,14 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                 offset=offset,
                 length=self.num_image_tokens(grid),
                 pixels=px,
-                grid_thw=grid,
+                encoder_meta=grid,
                 transform=self.pixel_transform,
             )
             for mm_hash, (offset, grid), px in zip(hashes, placed, resized, strict=True)
         ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
         return ProcessedPrompt(
-            prompt, out_ids, images=image_inputs, mrope_positions=positions, mrope_delta=delta
+            prompt, out_ids, images=image_inputs, prompt_positions=positions, position_offset=delta
         )
 
     @property

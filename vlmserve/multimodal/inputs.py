@@ -4,7 +4,7 @@ Tensors appear here only as values: importing this module (and so `core/`) needs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,9 +20,20 @@ class PixelTransform(Protocol):
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class MultiModalFeature:
+    """Where one image's rows sit in a prompt (``prompt_token_ids[offset : offset + length]``,
+    by content hash): all that scheduling, the encoder cache and prefix keys need of it."""
+
+    mm_hash: str
+    offset: int
+    length: int
+
+
 @dataclass
 class ImageInput:
-    """One image of a prompt, after the host part of the image processor (resize).
+    """One image of a prompt, after the host part of the image processor (resize): its
+    `feature` and the encoder's input (pixels, transform, `encoder_meta`, or embeds).
 
     Its placeholder run is ``prompt_token_ids[offset : offset + length]`` and the vision tower
     turns ``transform(pixels)`` into exactly ``length`` embedding rows. Pixels stay uint8 until
@@ -34,13 +45,30 @@ class ImageInput:
     length: int  # number of placeholder tokens == embedding rows
     pixels: torch.Tensor  # [H, W, 3] uint8 ([tiles, S, S, 3]: LLaVA-NeXT), resized as the
     # model's image processor would
-    # the model's image geometry: Qwen2-VL's patch grid (t, h, w) before spatial merge;
-    # LLaVA-NeXT's (tiles, original height, original width)
-    grid_thw: tuple[int, int, int]
+    # what the model's `encode_images` needs to know of the image besides its pixels, set by
+    # its processor and opaque to the engine (Qwen2-VL: the patch grid (t, h, w); LLaVA-NeXT:
+    # tiles, original height, width; LLaVA-1.5: nothing)
+    encoder_meta: tuple[int, ...]
     transform: PixelTransform | None  # rescale / normalize / patchify of `pixels`
     # the image's embedding rows [length, hidden] on the host, encoded elsewhere (an encoder
     # service): stored as they are instead of running the vision tower; `pixels` then empty
     embeds: torch.Tensor | None = None
+
+    @property
+    def feature(self) -> MultiModalFeature:
+        return MultiModalFeature(self.mm_hash, self.offset, self.length)
+
+    @property
+    def batch_key(self) -> tuple[int, ...]:
+        """Images of equal keys (the shape of their pixels) are transformed in one call and
+        sit side by side in the encoder's batch."""
+        return tuple(self.pixels.shape)
+
+
+def encoder_order(images: Iterable[ImageInput]) -> list[ImageInput]:
+    """``images`` as one encoder batch takes them: most rows first, equal batch keys together
+    (so the vision attention batches equal sizes without gathering)."""
+    return sorted(images, key=lambda img: (-img.length, img.batch_key))
 
 
 def pixel_values(
@@ -50,7 +78,7 @@ def pixel_values(
 ) -> torch.Tensor:
     """The vision tower's input for ``images`` in order (the HF image processor's
     ``pixel_values``), computed where ``pixels`` (default: each image's own) are, one batch
-    per run of equal sizes; ``dtype`` default float32."""
+    per run of equal batch keys; ``dtype`` default float32."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -59,7 +87,7 @@ def pixel_values(
     start = 0
     while start < len(images):
         end = start + 1
-        while (end < len(images) and pixels[end].shape == pixels[start].shape
+        while (end < len(images) and images[end].batch_key == images[start].batch_key
                and images[end].transform == images[start].transform):
             end += 1
         out.append(images[start].transform(torch.stack(pixels[start:end]), dtype))
@@ -85,7 +113,9 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
-    # mRoPE positions of the prompt tokens, [3, len(prompt_token_ids)]; None for 1-D RoPE models.
-    mrope_positions: torch.Tensor | None = None
-    # position of token i >= len(prompt) is i + mrope_delta in all three sections.
-    mrope_delta: int = 0
+    # the model's position data (see layers/positions.py), opaque to the engine: the prompt
+    # tokens' positions where the processor computes them ([rows, len(prompt_token_ids)]:
+    # Qwen2-VL's mRoPE), None for token indices; token i >= len(prompt) sits at
+    # i + position_offset
+    prompt_positions: torch.Tensor | None = None
+    position_offset: int = 0

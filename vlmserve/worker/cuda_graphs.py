@@ -1,11 +1,11 @@
 """CUDA graphs of the language model's decode step, one per padded batch size.
 
 Decode-only steps replay a captured graph instead of launching every kernel from Python.
-The graph reads persistent buffers (token ids, positions with the three mRoPE rows, KV
-slots, block tables, context lengths) that each step fills by copy; rows past the real batch
-are padding that writes its KV into a scratch block nobody owns. Image rows never enter a
-decode step (placeholders are prompt tokens), so multimodal requests decode on graphs too.
-Steps with prefill chunks run eagerly.
+The graph reads persistent buffers (token ids, positions: one row, viewed as the model's
+position scheme takes them; KV slots, block tables, context lengths) that each step fills by
+copy; rows past the real batch are padding that writes its KV into a scratch block nobody
+owns. Image rows never enter a decode step (placeholders are prompt tokens), so multimodal
+requests decode on graphs too. Steps with prefill chunks run eagerly.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class _Staging:
                 np64[0, i], np64[3, i] = st.token_ids[p], -1
             else:  # sampled by the previous step, still in flight
                 np64[3, i] = st.sample_row
-            np64[1, i] = p + st.mrope_delta
+            np64[1, i] = p + st.position_offset
             np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
             np32[i] = p + 1
             have = blocks[i] if owner[i] is st else 0
@@ -121,9 +121,7 @@ class DecodeGraphs:
             block_tables=self.dev32[n:n + bs * self.max_blocks].view(bs, self.max_blocks),
             max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
             block_size=self.block_size)
-        positions = self.dev64[1, :bs]
-        if self.model.uses_mrope:  # decode tokens have three equal positions
-            positions = positions.expand(3, bs)
+        positions = self.model.position_scheme.for_tokens(self.dev64[1, :bs])
 
         src = self.dev64[3, :bs]
 

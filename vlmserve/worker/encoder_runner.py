@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmserve.multimodal.inputs import ImageInput, pixel_values
+from vlmserve.multimodal.inputs import ImageInput, encoder_order, pixel_values
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
 
@@ -51,25 +51,24 @@ class EncoderRunner:
         self.num_images = 0
         self.num_batches = 0
 
-    def run(self, images: list[ImageInput]) -> None:
-        """Encode `images` in ONE forward (batch > 1) and store each image's rows by hash.
+    def run(self, inputs: dict[str, ImageInput]) -> None:
+        """Encode the images of `inputs` (by content hash) in ONE forward (batch > 1) and
+        store each image's rows by hash.
 
-        Images go in by size, largest first, so that equal sizes sit together and the vision
-        attention runs on them as one batch without gathering; the grid stays on the host
-        (the tower plans its launches from it without a device sync).
+        Images go in `encoder_order` (most rows first, equal batch keys together); each
+        image's `encoder_meta` goes to the model's `encode_images` as the processor made it.
         """
-        unique = {img.mm_hash: img for img in images if img.mm_hash not in self.store}
+        unique = {h: img for h, img in inputs.items() if h not in self.store}
         for h, img in list(unique.items()):
             if img.embeds is not None:  # encoded elsewhere: only the copy is left
                 self.store.put(h, img.embeds.to(self.device, self.dtype))
                 del unique[h]
         if not unique:
             return
-        images = sorted(unique.values(), key=lambda img: (-img.length, img.pixels.shape))
+        images = encoder_order(unique.values())
         pixels = self.staging.to_device([img.pixels for img in images])
-        grid = torch.tensor([img.grid_thw for img in images], dtype=torch.int64)
-        pixels = pixel_values(images, pixels, self.dtype)  # rescaled, normalized, patches
-        rows = self.model.encode_images(pixels, grid)  # [sum(length), hidden]
+        pixels = pixel_values(images, pixels, self.dtype)  # the tower's input
+        rows = self.model.encode_images(pixels, [img.encoder_meta for img in images])
         assert rows.shape[0] == sum(img.length for img in images), (
             f"vision tower returned {rows.shape[0]} rows for {[i.length for i in images]}")
         for img, part in zip(images, rows.split([img.length for img in images])):

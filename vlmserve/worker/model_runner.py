@@ -1,7 +1,8 @@
 """Executes one `SchedulerOutput`: encoder, embedding merge, LM forward over paged KV, sampling.
 
-The runner keeps a copy of each running request's state (tokens, images, blocks); the
-scheduler sends full data for new requests and deltas afterwards.
+The runner keeps a copy of each running request's state (tokens, where its images sit,
+blocks); the scheduler sends full data for new requests and deltas afterwards, and the
+encoder's inputs of a step's images with that step.
 
 `execute_model` returns as soon as the step is queued on the device: its sampled tokens
 stay in a device buffer (`sampled`) and are copied to the host asynchronously, and
@@ -210,9 +211,7 @@ class ModelRunner:
         self._update_states(so)
         self.store.begin_step()
         try:
-            self.encoder.run([self.requests[rid].images[i]
-                              for rid, idxs in so.scheduled_encoder_inputs.items()
-                              for i in idxs])
+            self.encoder.run(so.encoder_inputs)
             self.store.prefetch(so.prefetch)  # overlaps with this step's compute
             result = self._run_lm(so)
         finally:
@@ -264,8 +263,9 @@ class ModelRunner:
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
         sample from and their requests."""
         token_ids: list[int] = []
-        text_pos: list[int] = []  # 1-D position of every token (mRoPE: + delta past prompts)
-        prompt_spans: list[tuple[int, torch.Tensor]] = []  # (flat offset, [3, n] mRoPE rows)
+        text_pos: list[int] = []  # index + the request's position offset, of every token
+        # (flat offset, the processor's positions of those prompt tokens)
+        prompt_spans: list[tuple[int, torch.Tensor]] = []
         seq_lens = []
         dest_rows: list[int] = []
         spans: list[tuple[str, int, int]] = []
@@ -282,13 +282,13 @@ class ModelRunner:
                 assert st.in_flight and start == known
                 from_sampled.append((base, st.sample_row))
                 token_ids.append(0)
-            if self.model.uses_mrope and start < st.num_prompt_tokens:
+            if st.prompt_positions is not None and start < st.num_prompt_tokens:
                 prompt_spans.append(
-                    (base, st.mrope_positions[:, start:min(end, st.num_prompt_tokens)]))
-            delta = st.mrope_delta if self.model.uses_mrope else 0
-            text_pos.extend(range(start + delta, end + delta))
+                    (base, st.prompt_positions[:, start:min(end, st.num_prompt_tokens)]))
+            offset = st.position_offset
+            text_pos.extend(range(start + offset, end + offset))
             seq_lens.append(end)
-            for img in st.images:
+            for img in st.mm_features:
                 lo, hi = max(start, img.offset), min(end, img.offset + img.length)
                 if lo < hi:
                     spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
@@ -307,12 +307,8 @@ class ModelRunner:
         if rows is not None:
             dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             embeds.index_copy_(0, dest, rows.to(embeds.dtype))
-        pos = torch.tensor(text_pos, dtype=torch.int64)
-        if self.model.uses_mrope:  # three equal rows, prompt spans overwritten with theirs
-            pos = pos.expand(3, -1).clone()
-            for offset, rows in prompt_spans:
-                pos[:, offset:offset + rows.shape[1]] = rows
-        pos = pos.to(self.device, non_blocking=True)
+        pos = self.model.position_scheme.build(text_pos, prompt_spans).to(
+            self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
         hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]

@@ -223,7 +223,8 @@ def _real_steps(runner, prompts: list) -> None:
     def new(rid: str, p) -> NewRequestData:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
-                              list(p.images), p.mrope_positions, p.mrope_delta, greedy,
+                              [img.feature for img in p.images], p.prompt_positions,
+                              p.position_offset, greedy,
                               [next(blocks) % runner.num_blocks for _ in range(n)], 0)
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):
@@ -232,7 +233,7 @@ def _real_steps(runner, prompts: list) -> None:
             cached_requests=cached, num_scheduled_tokens=scheduled, **kw))
 
     results = [step({"w0": p0, "w1": p1 - 4}, {}, new_requests=[new("w0", vis), new("w1", text)],
-                    scheduled_encoder_inputs={"w0": list(range(len(vis.images)))})]
+                    encoder_inputs={img.mm_hash: img for img in vis.images})]
     # a decode beside a prefill chunk; a decode-shaped step with a prompt's last token (eager)
     results.append(step({"w0": 1, "w1": 3}, {"w0": p0, "w1": p1 - 4}))
     results.pop(0).get()

@@ -1,8 +1,8 @@
 """The encoder server (`vlmserve serve MODEL --role encoder`): the vision tower alone.
 
     POST /v1/encode   {"images": [URL | data URL | preprocessed pixels], "transport": ...}
-                      -> {"images": [{mm_hash, length, grid_thw, handle}]}  (JSON or msgpack)
-                      with "prompt": the whole encoded prompt (token ids, mRoPE positions,
+                      -> {"images": [{mm_hash, length, encoder_meta, handle}]}  (JSON or msgpack)
+                      with "prompt": the whole encoded prompt (token ids, position data,
                       images with offsets), for an LLM server's `multi_modal_embeddings`
     GET  /health, /stats, /metrics
 
@@ -120,7 +120,7 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
             raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes of "
                                     f"pixels for shape {img.shape}, {img.length} tokens")
         pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
-        return ImageInput(img.mm_hash, 0, img.length, pixels, tuple(img.grid_thw),
+        return ImageInput(img.mm_hash, 0, img.length, pixels, tuple(img.encoder_meta),
                           processor.pixel_transform)
 
     def preprocess(req: EncodeRequest) -> ProcessedPrompt:
@@ -174,7 +174,7 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
         transport = encoder.transport if req.transport == "auto" else req.transport
         out = await batcher.encode(prompt, transport)
         resp: Any = output_to_wire(out) if req.prompt is not None else EncodeResponse(images=[
-            EncodedImageWire(mm_hash=img.mm_hash, length=img.length, grid_thw=img.grid_thw,
+            EncodedImageWire(mm_hash=img.mm_hash, length=img.length, encoder_meta=img.encoder_meta,
                              handle=to_wire(img.handle)) for img in out.images])
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
