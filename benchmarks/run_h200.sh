@@ -34,8 +34,8 @@
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
 #             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
-#             batch-1 decode; LN_SIDE=ours|vllm|both (vLLM from the peers kit; sbs.py's
-#             SBS_PROMPT=llava_next)
+#             batch-1 decode; LN_SIDE=ours|vllm|both (vLLM from the peers kit, with
+#             benchmarks/vllm_compat on its path; sbs.py's SBS_PROMPT=llava_next)
 # Logs and JSON go to $OUT.
 set -u
 export VLMSERVE_CACHE=/tmp/vlmcache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -165,7 +165,7 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"
   kill $pid; wait $pid ;;
 w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old, this tree
-  S=${SBS:-.cache/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
+  S=${SBS:-benchmarks/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
   BS1=0 step w1_512_new 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W
   (cd .cache/old && PYTHONPATH=$PWD BS1=0 step w1_512_old 150 python3 "../../$S" vlmserve \
     qwen2-vl-2b-random 512 $W)
@@ -187,7 +187,7 @@ multiturn)  # the multi-turn client against each server in turn (peers kit set u
     pid=$!; up 8002 && mt vllm 8002; kill $pid; wait $pid
   fi ;;
 w1prefix)  # W1 offline (sbs.py, 512 requests, no shared prefixes): prefix caching on, off, on
-  S=${SBS:-.cache/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
+  S=${SBS:-benchmarks/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"
   BS1=0 step w1_prefix_on 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W
   BS1=0 step w1_prefix_off 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W \
     enable_prefix_caching=False
@@ -229,16 +229,20 @@ epdserve)
     kill $pid; wait $pid
   done ;;
 llavanext)
-  [ -d /tmp/llnext ] || step llnext_create 300 python3 -c "from vlmserve.models.builtin import \
-create_checkpoint as c; import torch; c('llava-next-mistral-7b-random', '/tmp/llnext', \
-dtype=torch.bfloat16, device='cuda')"
-  S=${SBS:-.cache/sbs.py}
+  if [ ! -d /tmp/llnext ]; then  # the hub's names, which vLLM reads (vlmserve reads both)
+    step llnext_create 300 python3 -c "from vlmserve.models.builtin import create_checkpoint \
+as c; import torch; c('llava-next-mistral-7b-random', '/tmp/llnext', dtype=torch.bfloat16, \
+device='cuda')"
+    python3 benchmarks/hub_names.py /tmp/llnext
+  fi
+  S=${SBS:-benchmarks/sbs.py}
   if [ "${LN_SIDE:-both}" != vllm ]; then
     SBS_PROMPT=llava_next PYTHONPATH=$PWD:/tmp/deps step llnext_ours 280 python3 "$S" vlmserve /tmp/llnext 512 \
       max_num_seqs=512 max_num_batched_tokens=16384
   fi
   if [ "${LN_SIDE:-both}" != ours ]; then
-    SBS_PROMPT=llava_next VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vsite:/tmp/deps \
+    SBS_PROMPT=llava_next VLLM_USE_FLASHINFER_SAMPLER=0 \
+      PYTHONPATH=$PWD/benchmarks/vllm_compat:/tmp/vsite:/tmp/deps \
       step llnext_vllm 400 python3 "$S" vllm /tmp/llnext 512
   fi ;;
 *) echo "unknown section $section" ;;
