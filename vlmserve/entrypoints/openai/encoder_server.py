@@ -40,7 +40,12 @@ from vlmserve.encoder.wire import (
     to_wire,
 )
 from vlmserve.entrypoints.args import ServerConfig
-from vlmserve.entrypoints.openai.server import ApiError, check_bearer, error_response, read_body
+from vlmserve.entrypoints.openai.http_util import (
+    check_bearer,
+    error_response,
+    install_error_handlers,
+    read_body,
+)
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
@@ -151,15 +156,7 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
     async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(e))
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code, e.type)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.error("internal error: %r", e)
-        return error_response(500, f"internal server error: {type(e).__name__}",
-                              type="server_error")
+    install_error_handlers(app)
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:

@@ -11,20 +11,17 @@ import json
 import logging
 import os
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.encoder.client import EncoderUnavailableError
 from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
@@ -32,6 +29,13 @@ from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.streams import RequestFailedError
 from vlmserve.entrypoints.args import ServerConfig
+from vlmserve.entrypoints.openai.http_util import (
+    ApiError,
+    check_bearer,
+    error_response,
+    install_error_handlers,
+    read_body,
+)
 from vlmserve.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
 from vlmserve.entrypoints.openai.protocol import (
@@ -67,68 +71,6 @@ from vlmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 # a UTF-16 surrogate escape: when the body fails to decode, the likely cause is a lone one
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def check_bearer(request: Request, api_key: str | None) -> None:
-    """A 401 unless the request carries `Authorization: Bearer <api_key>` (if a key is set)."""
-    if api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                       code="invalid_api_key")
-
-
-async def read_body(request: Request, cfg: ServerConfig) -> bytearray:
-    """The request's body, at most `--max-request-bytes` (a 413 beyond), arriving within
-    `--request-body-timeout` (a 408 after)."""
-    limit = cfg.max_request_bytes
-    too_large = ApiError(413, f"request body exceeds the limit of {limit} bytes",
-                         code="request_too_large")
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > limit:
-        raise too_large
-    body = bytearray()
-
-    async def read() -> None:
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
-                raise too_large
-
-    timeout = cfg.request_body_timeout
-    try:
-        await asyncio.wait_for(read(), timeout)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
-                            "(--request-body-timeout)", code="request_timeout") from None
-    return body
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, type: str = "invalid_request_error") -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
-    parts, param = [], None
-    for e in errors[:3]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unrecognized request argument"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-        param = param or loc or None
-    return "; ".join(parts), param
 
 
 class _TextChunk:
@@ -526,9 +468,7 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     app = FastAPI(title="vlmserve", description="OpenAI-compatible vision-language server")
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code, e.type)
+    install_error_handlers(app)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
@@ -541,18 +481,6 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
             param, code = "messages", "invalid_image"
         return error_response(400, str(e), param, code)
 
-    @app.exception_handler(ValidationError)
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: ValidationError | RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(e.errors()))
-        return error_response(400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        response = error_response(e.status_code, str(e.detail))
-        response.headers.update(e.headers or {})  # a 405's `Allow`
-        return response
-
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(503, str(e), type="server_error")
@@ -564,12 +492,6 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, e: RequestFailedError) -> JSONResponse:
         return error_response(500, str(e), type="server_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.error("internal error: %r", e)
-        return error_response(500, f"internal server error: {type(e).__name__}",
-                              type="server_error")
 
     @app.get("/health")
     async def health() -> Response:
