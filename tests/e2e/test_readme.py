@@ -91,3 +91,19 @@ def test_benchmark_command_lines_parse() -> None:
         line = line.split("#", 1)[0].strip()
         if line.startswith("vlmserve "):
             parser.parse_args(shlex.split(line)[1:])  # exits 2 on an unknown flag
+
+
+def test_torchrun_command_lines_parse() -> None:
+    """The two-host commands: torchrun's part by torchrun's parser, vlmserve's by ours, and
+    the tensor-parallel size is the number of ranks."""
+    from torch.distributed.run import get_args_parser
+
+    (block,) = [b for b in blocks("bash") if "torchrun" in b]
+    lines = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines()
+             if line.startswith("torchrun ")]
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        run = get_args_parser().parse_args(shlex.split(line)[1:])
+        assert run.module and run.training_script == "vlmserve" and run.node_rank == node
+        args = make_parser().parse_args(run.training_script_args)
+        assert args.tensor_parallel_size == int(run.nnodes) * int(run.nproc_per_node)

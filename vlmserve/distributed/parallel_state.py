@@ -16,12 +16,18 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int
     world_size: int
+    local_rank: int  # this host's GPU index (cuda:local_rank)
     device_group: Any  # collectives on the model's tensors (nccl on CUDA, gloo on CPU)
     cpu_group: Any  # gloo: control messages
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` into `parts` (rank order)."""
+        dist.all_gather(parts, x, group=self.device_group)
+        return parts
 
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (in place, on the model's device)."""
@@ -39,6 +45,12 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out
+
 
 class RankFailedError(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot go on (no
@@ -47,14 +59,40 @@ class RankFailedError(RuntimeError):
     fatal = True
 
 
-def init_tensor_parallel(rank: int, world_size: int, port: int, device: torch.device,
-                         timeout_s: float = 300.0) -> TensorParallel:
-    """Join the group; a collective that waits `timeout_s` for a rank raises."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in a group that torchrun started (on one host or several)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torchrun variables of this process (and of the processes it spawns, which inherit
+    them), when it is one of more than one rank; None otherwise."""
+    if not all(v in os.environ for v in _TORCHRUN_VARS) or int(os.environ["WORLD_SIZE"]) < 2:
+        return None
+    return TorchrunEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                       int(os.environ["LOCAL_RANK"]))
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
+                         timeout_s: float = 300.0, local_rank: int | None = None
+                         ) -> TensorParallel:
+    """Join the group at `init_method` (`tcp://host:port`, or `env://`: MASTER_ADDR and
+    MASTER_PORT, as torchrun sets them); a collective that waits `timeout_s` for a rank
+    raises."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timeout)
     cpu_group = (dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo"
                  else dist.group.WORLD)
-    return TensorParallel(rank, world_size, dist.group.WORLD, cpu_group)
+    return TensorParallel(rank, world_size, rank if local_rank is None else local_rank,
+                          dist.group.WORLD, cpu_group)

@@ -1,13 +1,17 @@
-"""Tensor-parallel executor: rank 0 in this process, ranks 1..N-1 in spawned processes.
+"""Tensor-parallel executor: rank 0 in this process; ranks 1..N-1 either spawned here (one
+host), or started by torchrun on this and other hosts (`torchrun_env()`: every rank runs
+`vlmserve serve`, rank 0 the server, the others `run_torchrun_worker`).
 
-Every step rank 0 broadcasts the `SchedulerOutput` (a small picklable delta) on a gloo group;
-all ranks run the same step, their sharded layers meet in all-reduces, and each computes the
-same logits and samples the same tokens, so every rank's request state stays identical. Rank
-0's tokens go back to the scheduler.
+Rank 0 sends its engine config to the others when the group forms, so every rank builds the
+same executor, and then each step's `SchedulerOutput` (a small picklable delta) on a gloo
+group; all ranks run the same step, their sharded layers meet in collectives, and every rank
+takes rank 0's sampled tokens, so every rank's request state stays identical. Rank 0's tokens
+go back to the scheduler.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import socket
 
@@ -15,10 +19,18 @@ import torch.distributed as dist
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.distributed.parallel_state import RankFailedError, init_tensor_parallel
+from vlmserve.distributed.parallel_state import (
+    RankFailedError,
+    TensorParallel,
+    TorchrunEnv,
+    init_tensor_parallel,
+    torchrun_env,
+)
 from vlmserve.distributed.tensor_parallel import check_divisible
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.worker.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -27,14 +39,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
-            max_model_len: int) -> None:
+def _collective_failed(e: RuntimeError) -> bool:
+    """Whether `e` is a collective's failure (a peer gone or silent), not the model's."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(
+        word in text for word in ("timed out", "timeout", "gloo", "connection"))
+
+
+def serve_rank(tp: TensorParallel) -> None:
+    """The loop of a rank other than 0: rank 0's config, this rank's share of the model, then
+    rank 0's steps until it sends None."""
+    from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
 
-    tp = init_tensor_parallel(rank, world, port, resolve_device(config.model_config.device),
-                              config.parallel_config.tp_timeout)
+    config, max_model_len = tp.broadcast_object()
+    model_path = resolve_model(config.model_config.model)
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
+    tp.gather_object(executor.load_stats)
     warmup = config.model_config.kernel_warmup
     if warmup or (warmup is None and executor.device.type == "cuda"):
         executor.warmup()  # the same fake steps as rank 0's: their collectives pair up
@@ -47,22 +69,57 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, model_path,
     dist.destroy_process_group()
 
 
+def _spawned_rank(rank: int, world: int, init_method: str, device: str,
+                  timeout_s: float) -> None:
+    serve_rank(init_tensor_parallel(rank, world, init_method, resolve_device(device, rank),
+                                    timeout_s))
+
+
+def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
+    """`vlmserve serve` on a torchrun rank other than 0: no server, the worker loop until
+    rank 0 shuts down (0) or is gone (1)."""
+    device = resolve_device(config.model_config.device, env.local_rank)
+    tp = init_tensor_parallel(env.rank, env.world_size, "env://", device,
+                              config.parallel_config.tp_timeout, env.local_rank)
+    try:
+        serve_rank(tp)
+    except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
+        logger.error("tensor-parallel rank %d stops: %s", env.rank, e)
+        return 1
+    return 0
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int) -> None:
         world = config.parallel_config.tensor_parallel_size
         check_divisible(getattr(hf_config, "text_config", None) or hf_config, world)
-        port = _free_port()
-        ctx = mp.get_context("spawn")
-        self._procs = [ctx.Process(target=_worker, daemon=True, name=f"vlmserve-tp{rank}",
-                                   args=(rank, world, port, config, model_path, max_model_len))
-                       for rank in range(1, world)]
-        for p in self._procs:
-            p.start()
-        self.timeout_s = config.parallel_config.tp_timeout
-        self.tp = init_tensor_parallel(0, world, port, resolve_device(config.model_config.device),
-                                       self.timeout_s)
+        mc, self.timeout_s = config.model_config, config.parallel_config.tp_timeout
+        env = torchrun_env()
+        self._procs: list[mp.process.BaseProcess] = []
+        if env is None:  # one host: ranks 1..N-1 are ours
+            init_method, local_rank = f"tcp://127.0.0.1:{_free_port()}", 0
+            ctx = mp.get_context("spawn")
+            self._procs = [ctx.Process(target=_spawned_rank, daemon=True,
+                                       name=f"vlmserve-tp{rank}",
+                                       args=(rank, world, init_method, mc.device,
+                                             self.timeout_s))
+                           for rank in range(1, world)]
+            for p in self._procs:
+                p.start()
+        else:  # torchrun started every rank; this is rank 0 (the others run the worker loop)
+            if env.rank != 0 or env.world_size != world:
+                raise ValueError(
+                    f"under torchrun the engine runs on global rank 0 with WORLD_SIZE equal to "
+                    f"tensor_parallel_size; this is rank {env.rank} of {env.world_size}, "
+                    f"tensor_parallel_size={world}")
+            init_method, local_rank = "env://", env.local_rank
+        self.tp = init_tensor_parallel(0, world, init_method,
+                                       resolve_device(mc.device, local_rank), self.timeout_s,
+                                       local_rank)
         try:
+            self.tp.broadcast_object((config, max_model_len))
             self.local = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=self.tp)
+            self.rank_load_stats = self.tp.gather_object(self.local.load_stats)  # by rank
         except BaseException:
             for p in self._procs:
                 p.terminate()
@@ -74,23 +131,28 @@ class MultiprocExecutor:
         self._closed = False
 
     def warmup(self, processor=None) -> float:
-        """Rank 0's warm-up; the other ranks run theirs as they start (see `_worker`)."""
+        """Rank 0's warm-up; the other ranks run theirs as they start (see `serve_rank`)."""
         return self.local.warmup(processor)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self._check_ranks()
         try:
             self.tp.broadcast_object(so)
-            return self.local.execute_model(so)
-        except RuntimeError as e:  # a collective failed: a rank that died is the cause
+        except RuntimeError as e:  # the control message failed: a rank is gone
             self._check_ranks(wait_s=1.0)
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise RankFailedError(f"a tensor-parallel rank did not answer within "
-                                      f"{self.timeout_s:g} s (--tp-timeout): {e}") from e
+            raise RankFailedError(f"a tensor-parallel rank is gone or did not answer within "
+                                  f"{self.timeout_s:g} s (--tp-timeout): {e}") from e
+        try:
+            return self.local.execute_model(so)
+        except RuntimeError as e:
+            self._check_ranks(wait_s=1.0)
+            if _collective_failed(e):
+                raise RankFailedError(f"a tensor-parallel rank is gone or did not answer "
+                                      f"within {self.timeout_s:g} s (--tp-timeout): {e}") from e
             raise
 
     def _check_ranks(self, wait_s: float = 0.0) -> None:
-        """Raise `RankFailedError` if a rank's process has exited."""
+        """Raise `RankFailedError` if a rank's process (spawned here) has exited."""
         for rank, p in enumerate(self._procs, 1):
             p.join(wait_s if rank == 1 else 0.0)
             if p.exitcode is not None:

@@ -11,11 +11,11 @@ import torch
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.distributed.tensor_parallel import shard_language_model
 from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
-from vlmserve.models.loader import load_model
+from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
+from vlmserve.models.registry import resolve_model_class
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
 from vlmserve.worker.warmup_plan import Limits
@@ -27,7 +27,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 
 def resolve_device(name: str, rank: int | None = None) -> torch.device:
-    """`auto` is CUDA when available; a tensor-parallel rank takes GPU `rank`."""
+    """`auto` is CUDA when available; a tensor-parallel rank takes this host's GPU `rank`
+    (its local rank)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -56,12 +57,13 @@ class UniprocExecutor:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.config, self.model_path, self.hf_config = config, model_path, hf_config
         self.max_model_len = max_model_len
-        self.device = resolve_device(mc.device, tp.rank if tp else None)
+        self.device = resolve_device(mc.device, tp.local_rank if tp else None)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)  # every rank draws the same random numbers
-        model = load_model(model_path, hf_config, self.dtype, self.device)
-        if tp is not None and tp.world_size > 1:
-            shard_language_model(model.language_model, tp)
+        resolve_model_class(hf_config)  # imported before the load is measured
+        with peak_rss_delta() as rss:  # a tensor-parallel rank reads and holds its share
+            model = load_model(model_path, hf_config, self.dtype, self.device, tp)
+        self.load_stats = LoadStats(weight_bytes(model), rss[0])
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
             model, config, max_model_len)
         if tp is not None:

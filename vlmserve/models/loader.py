@@ -1,14 +1,25 @@
-"""Build a model from a Hugging Face checkpoint folder (config.json + *.safetensors)."""
+"""Build a model from a Hugging Face checkpoint folder (config.json + *.safetensors).
+
+The model is built with its parameters on the meta device (its buffers computed on the
+device), so that a tensor-parallel rank can swap in modules of its shard size before any
+weight exists; then every parameter is allocated once, at its final size, and filled from the
+checkpoint, a tensor-parallel rank reading only its slices of the split tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig
 
+from vlmserve.distributed.parallel_state import TensorParallel
+from vlmserve.distributed.tensor_parallel import ShardPlan, TensorSlice, shard_model
 from vlmserve.models.registry import resolve_model_class
 
 
@@ -19,38 +30,164 @@ def load_hf_config(path: str | Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = ()
+def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
+                     slice_for: Callable[[str], TensorSlice | None] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the checkpoint's weights; with `prefixes`, only the names starting
-    with one of them (no other tensor is read from disk)."""
+    with one of them (no other tensor is read from disk). `slice_for(name)`: the part of that
+    tensor to read instead of all of it, or None."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if not prefixes or name.startswith(prefixes):
+                if prefixes and not name.startswith(prefixes):
+                    continue
+                part = slice_for(name) if slice_for is not None else None
+                if part is None:
                     yield name, fh.get_tensor(name)
+                    continue
+                whole = fh.get_slice(name)
+                t = (whole[part.start:part.stop] if part.dim == 0
+                     else whole[:, part.start:part.stop])
+                if part.dim == 0 and t.shape[0] < part.size:  # the last vocabulary shard
+                    pad = torch.zeros((part.size - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+                    t = torch.cat([t, pad])
+                yield name, t
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model with uninitialised weights on `device`."""
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered meanwhile is moved to the meta device as it is created, and
+    `torch.nn.init`'s in-place initialisers do nothing (the checkpoint sets every weight; on
+    meta tensors they would pull in torch's Python decompositions, ~70 MB per process);
+    buffers stay where they are made."""
+    register = nn.Module.register_parameter
+    initialisers = {name: fn for name, fn in vars(nn.init).items()
+                    if name.endswith("_") and not name.startswith("__") and callable(fn)}
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    def skip(tensor, *args, **kwargs):
+        return tensor
+
+    nn.Module.register_parameter = on_meta
+    for name in initialisers:
+        setattr(nn.init, name, skip)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for name, fn in initialisers.items():
+            setattr(nn.init, name, fn)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Each meta parameter allocated (uninitialised) on `device`, tied ones once."""
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in made:
+                made[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                                            device=device),
+                                               requires_grad=p.requires_grad))
+            module._parameters[name] = made[id(p)][1]
+
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> torch.nn.Module:
+    """The model with uninitialised weights on `device`; with `tp` (a `TensorParallel` of
+    more than one rank), the language model's split modules at this rank's size."""
     cls = resolve_model_class(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _parameters_on_meta():
             model = cls(hf_config)
+            if tp is not None:
+                shard_model(model, _shard_plan(hf_config, tp), tp)
     finally:
         torch.set_default_dtype(old)
+    _materialize(model, device)
     return model.eval()
 
 
-def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device
-               ) -> torch.nn.Module:
-    model = build_model(hf_config, dtype, device)
-    loaded = model.load_weights(iter_safetensors(path))
+def _shard_plan(hf_config, tp: TensorParallel) -> ShardPlan:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return ShardPlan.for_config(text, tp.rank, tp.world_size)
+
+
+def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel | None = None) -> torch.nn.Module:
+    """The model with the checkpoint's weights; with `tp` (more than one rank), only this
+    rank's share of the language model is read and held."""
+    tp = tp if tp is not None and tp.world_size > 1 else None
+    model = build_model(hf_config, dtype, device, tp)
+    slice_for = None
+    if tp is not None:
+        plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
+
+        def slice_for(name: str) -> TensorSlice | None:
+            return None if name.startswith(vision) else plan.slice_for(name)
+
+    loaded = model.load_weights(iter_safetensors(path, slice_for=slice_for))
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
     return model
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What loading the model cost this process: bytes of its parameters and buffers, and
+    how far its anonymous resident memory (RssAnon: not the checkpoint's mapped file pages)
+    rose above its size before the load, at the peak."""
+
+    weight_bytes: int
+    peak_rss_delta: int
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied ones once)."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _rss_anon() -> int:
+    """Bytes of this process's anonymous resident memory (0 without /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@contextlib.contextmanager
+def peak_rss_delta(interval_s: float = 0.001) -> Iterator[list[int]]:
+    """Yields a list that holds, after the block, the peak of RssAnon during it (sampled
+    every `interval_s` by a thread, and at its end) less RssAnon before it, in bytes."""
+    out, before, done = [0], _rss_anon(), threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            out[0] = max(out[0], _rss_anon() - before)
+
+    thread = threading.Thread(target=sample, name="vlmserve-rss", daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join()
+        out[0] = max(out[0], _rss_anon() - before)

@@ -5,6 +5,10 @@
       '- child: engine core                 |- child: engine core
                                             '- N children: HTTP front ends, one shared socket
 
+Under torchrun (`torchrun ... -m vlmserve serve ... --tensor-parallel-size N`), global rank 0
+is this server, whose engine core (a child: it inherits torchrun's variables) is tensor-parallel
+rank 0; every other rank runs the executor's worker loop instead, until rank 0 shuts down.
+
 The port is bound before anything loads, so a port in use fails at once. Every child dies
 with its parent (PR_SET_PDEATHSIG): killing the server leaves no engine process behind.
 If the engine core dies, each front end ends its in-flight requests with an error, answers
@@ -32,6 +36,7 @@ import uvicorn
 from prometheus_client.multiprocess import mark_process_dead
 
 from vlmserve.config import EngineConfig
+from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
 from vlmserve.engine.core_proc import die_with_parent
@@ -252,6 +257,11 @@ def run_server(args: Any) -> None:
     if cfg.role == "encoder":
         sys.exit(serve_encoder(cfg, engine_kwargs(args)))
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    env = torchrun_env()
+    if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
+        from vlmserve.executor.multiproc import run_torchrun_worker
+
+        sys.exit(run_torchrun_worker(config, env))
     sock = bind_socket(cfg.host, cfg.port)
     if cfg.api_server_count == 1:
         code = serve_frontend(config, cfg, sock)
