@@ -144,9 +144,10 @@ def test_streaming_equals_non_streamed(server: Server) -> None:
     assert text == full
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
-    # one chunk per token, text or not (the role comes with the first): clients time tokens
-    assert [c.choices[0].delta.content is not None for c in chunks if c.choices] == (
-        [True] * 20 + [False])
+    # a chunk per output with tokens, text or not (the role comes with the first): one per
+    # token while the client keeps up, the tokens that came meanwhile when it falls behind
+    content = [c.choices[0].delta.content is not None for c in chunks if c.choices]
+    assert 2 <= len(content) <= 21 and all(content[:-1]) and not content[-1]
     finishing = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishing[-1] == "length" and not any(finishing[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
@@ -177,7 +178,7 @@ def test_completions(server: Server, llm: LLM) -> None:
         model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
         extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == expected.text
-    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) == 10 + 1
+    assert chunks[-1].choices[0].finish_reason == "length" and 2 <= len(chunks) <= 10 + 1
 
 
 def test_chat_logprobs_in_openai_format(server: Server, llm: LLM) -> None:
@@ -216,7 +217,8 @@ def test_chat_logprobs_in_openai_format(server: Server, llm: LLM) -> None:
     chunks = list(chat(server, messages, n, logprobs=True, top_logprobs=k, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
-    assert [c.choices[0].logprobs is not None for c in chunks] == [True] * n + [False]
+    with_logprobs = [c.choices[0].logprobs is not None for c in chunks]  # a merged chunk
+    assert len(chunks) <= n + 1 and with_logprobs == [True] * (len(chunks) - 1) + [False]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in lp.content]
     assert chunks[0].choices[0].delta.role == "assistant"
 

@@ -62,10 +62,15 @@ def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine)
     sequential = [asyncio.run(run(p)) for p in ps]
     together = asyncio.run(concurrently())
     for seq, tog in zip(sequential, together):
-        assert [o.outputs[0].token_ids for o in seq] == [o.outputs[0].token_ids for o in tog]
-        assert [len(o.outputs[0].token_ids) for o in seq] == list(range(1, 11))
-        assert [o.finished for o in seq] == [False] * 9 + [True]
-        assert seq[-1].outputs[0].finish_reason == "length"
+        assert seq[-1].outputs[0].token_ids == tog[-1].outputs[0].token_ids
+        for outs in (seq, tog):  # cumulative: each a longer prefix of the last (a reader
+            # that fell behind a step or more gets the newest)
+            final = outs[-1].outputs[0].token_ids
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            assert lengths == sorted(set(lengths)) and lengths[-1] == 10
+            assert all(o.outputs[0].token_ids == final[:n] for o, n in zip(outs, lengths))
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            assert outs[-1].outputs[0].finish_reason == "length"
 
 
 def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
@@ -85,10 +90,11 @@ def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
         loop.call_soon_threadsafe = counting
         steps = (await engine.get_stats())["num_steps"]
 
-        async def run(p) -> int:
-            return len([o async for o in engine.generate(p, greedy(10))])
+        async def run(p) -> tuple[bool, int]:  # (at most one output a token, tokens)
+            outs = [o async for o in engine.generate(p, greedy(10))]
+            return len(outs) <= 10, len(outs[-1].outputs[0].token_ids)
 
-        assert await asyncio.gather(*(run(p) for p in prompts(8))) == [10] * 8
+        assert await asyncio.gather(*(run(p) for p in prompts(8))) == [(True, 10)] * 8
         assert len(handed) <= (await engine.get_stats())["num_steps"] - steps  # one a step
 
     asyncio.run(main())
@@ -217,7 +223,7 @@ def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
     async def consume() -> None:
         gen = engine.generate(p, greedy(400))
         async for out in gen:
-            if len(out.outputs[0].token_ids) == 3:
+            if len(out.outputs[0].token_ids) >= 3:  # (a reader behind skips outputs)
                 seen.set()
                 if how == "aclose":
                     await gen.aclose()
@@ -324,3 +330,46 @@ def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_
         assert asyncio.run(run()) == before and eng.is_running
     finally:
         eng.shutdown()
+
+
+def test_a_consumer_behind_takes_the_newest_output_and_never_skips_an_error() -> None:
+    """Outputs are cumulative: a reader that fell behind gets the newest of those waiting
+    (one chunk with all their tokens), but an error after them still arrives, after them."""
+    from vlmserve.engine.streams import RequestStream
+    from vlmserve.outputs import CompletionOutput, RequestOutput
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort(self, rid: str) -> None:
+            self.aborted.append(rid)
+
+    def out(n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "x" * n, list(range(n)),
+                                                               "length" if finished else None)],
+                             finished=finished)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        engine = Engine()
+        stream = RequestStream(engine, "r", loop, RequestTiming(time.monotonic()))
+        stream._put(out(1))
+        assert len((await anext(stream)).outputs[0].token_ids) == 1  # kept up: each output
+        for n in (2, 3, 4):
+            stream._put(out(n))
+        assert len((await anext(stream)).outputs[0].token_ids) == 4  # behind: the newest
+        stream._put(out(5))
+        stream._put(out(6))
+        stream._put(EngineDeadError("gone"))
+        assert len((await anext(stream)).outputs[0].token_ids) == 6
+        with pytest.raises(EngineDeadError):
+            await anext(stream)
+        done = RequestStream(engine, "d", loop, RequestTiming(time.monotonic()))
+        loop.call_later(0.01, done._put, out(3, finished=True))  # a reader that waits
+        final = await anext(done)
+        assert final.finished and done.finished
+        with pytest.raises(StopAsyncIteration):
+            await anext(done)
+        assert engine.aborted == []
+
+    asyncio.run(main())

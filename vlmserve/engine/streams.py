@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,10 @@ def put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loo
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s.
+    """Async iterator over one request's cumulative `RequestOutput`s: the newest at each
+    step, or, when the consumer falls behind the engine, the newest of those waiting (one
+    chunk then carries all their tokens: less work per token for a loaded front end and its
+    clients, as vLLM's output collector merges).
 
     Leaving the iteration early (`aclose()`, `abort()`, cancellation, or dropping the stream)
     aborts the request in the engine core, which frees its KV blocks and encoder cache
@@ -72,11 +76,13 @@ class RequestStream:
         self.request_id = request_id
         self.timing = timing
         self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._items: deque[Any] = deque()  # outputs not yet taken, then an exception
+        self._ready = asyncio.Event()
         self.finished = False
 
     def _put(self, item: Any) -> None:  # on the event loop
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -84,11 +90,19 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.abort()
-            raise
+        while not self._items:
+            self._ready.clear()
+            try:
+                await self._ready.wait()
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                self.abort()
+                raise
+        item = self._items.popleft()
+        # a consumer that fell behind takes the newest output: they are cumulative, so it
+        # holds every token of those it skips (an error is never skipped)
+        while (self._items and not isinstance(item, BaseException)
+               and not isinstance(self._items[0], BaseException)):
+            item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item

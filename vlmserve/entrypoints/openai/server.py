@@ -356,7 +356,8 @@ async def _text_deltas(stream: RequestStream, params: SamplingParams
     """(new text, output, new tokens) per engine output. A stream sends a chunk for every
     output with new tokens, as vLLM does, even when they add no text yet (an incomplete
     UTF-8 sequence, text held back for a stop string, tokens that decode to nothing): a
-    client then sees each token arrive. With stop strings, the last `len(stop) - 1`
+    client then sees each token arrive, or, when it reads slower than the engine makes
+    them, every token that came meanwhile in one chunk. With stop strings, the last `len(stop) - 1`
     characters are held back until the request ends, because a stop string found later
     truncates text that may span outputs."""
     hold = max((len(s) for s in params.stop), default=1) - 1
