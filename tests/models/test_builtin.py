@@ -134,6 +134,23 @@ def test_create_checkpoint_is_deterministic(tmp_path: Path) -> None:
         assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def test_random_presets_are_seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full-size preset's HF random init comes from a fixed seed: every host of a torchrun
+    job creates the same weights (here a tiny recipe run through the full-size path), and
+    the caller's random state is left as it was."""
+    import dataclasses
+
+    spec = dataclasses.replace(BUILTIN_MODELS["tiny-qwen2-vl"], tiny=False)
+    monkeypatch.setitem(BUILTIN_MODELS, "tiny-random-preset", spec)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = load_file(create_checkpoint("tiny-random-preset", tmp_path / "a") / "model.safetensors")
+    assert torch.equal(torch.rand(1), before)  # fork_rng: the caller's stream untouched
+    b = load_file(create_checkpoint("tiny-random-preset", tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resolve_model_paths_and_errors(tmp_path: Path) -> None:
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ValueError, match="tiny-qwen2-vl") as err:

@@ -459,7 +459,9 @@ def create_checkpoint(
     """Write built-in model ``name`` as a Hugging Face checkpoint folder at ``path``.
 
     Tiny models get a deterministic init (same bytes every time); full-size presets get
-    HF's random init (std 0.02), built directly on ``device`` in ``dtype``.
+    HF's random init (std 0.02), built directly on ``device`` in ``dtype`` from a fixed seed
+    (so hosts with the same kind of device create the same weights: a torchrun job's ranks
+    agree).
     """
     import transformers
 
@@ -471,7 +473,9 @@ def create_checkpoint(
     tokenizer = build_tokenizer(spec.family)
     config = build_config(name, tokenizer)
     model_cls = getattr(transformers, spec.architecture)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), torch.random.fork_rng(
+            devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(0)  # also seeds every CUDA device
         model = model_cls(config)
     if spec.tiny:
         init_tiny_weights(model)
