@@ -89,6 +89,10 @@ class ParallelConfig:
     tp_timeout: float = _opt(
         300.0, "Seconds a tensor-parallel collective may wait for a rank before the engine "
         "gives up (a rank that died is noticed before each step, at once).")
+    mm_encoder_tp_mode: str = _opt(
+        "data", "The vision tower under tensor parallelism: data (each rank encodes a share "
+        "of a step's images, split by rows, and the rows are all-gathered) or replicate "
+        "(every rank encodes every image).", choices=("data", "replicate"))
 
 
 _SECTIONS = {
@@ -138,6 +142,9 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.parallel_config.mm_encoder_tp_mode not in ("data", "replicate"):
+            raise ValueError("mm_encoder_tp_mode must be 'data' or 'replicate', got "
+                             f"{self.parallel_config.mm_encoder_tp_mode!r}")
 
 
 def sized_scheduler_limits(device_type: str, device_memory: int | None, serving: bool

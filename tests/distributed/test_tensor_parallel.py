@@ -26,6 +26,8 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         assert (attn.heads, attn.kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over 2
         outs = tp.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
+        enc = runner.encoder  # data mode (the default): rank 0 encoded only its share
+        assert enc.tp is not None and 0 < enc.num_own_images < enc.num_images
         encoded = tp.engine.get_stats()["num_images_encoded"]
         again = tp.generate(prompts, params, use_tqdm=False)  # prefix caching across ranks
         assert [o.outputs[0].token_ids for o in again] == expected
@@ -100,10 +102,13 @@ def test_tp2_llava_matches_single_process(vlmserve_cache, model):
     convs.append([{"role": "user", "content": "Just text."}])
     single = LLM(model, **kw)
     expected = [o.outputs[0].token_ids for o in single.chat(convs, params, use_tqdm=False)]
-    tp = LLM(model, tensor_parallel_size=2, **kw)
+    # the vision tower replicated on both ranks (the default, data mode, runs in the Qwen tests)
+    tp = LLM(model, tensor_parallel_size=2, mm_encoder_tp_mode="replicate", **kw)
     try:
         outs = tp.chat(convs, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
+        enc = tp.engine.executor.runner.encoder
+        assert enc.tp is None and enc.num_own_images == enc.num_images > 0
     finally:
         tp.engine.shutdown()
 

@@ -16,8 +16,9 @@ import torch
 
 from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import make_image
+from vlmserve.distributed.parallel_state import split_by_rows
 from vlmserve.encoder.encoder import MultimodalEncoder
-from vlmserve.encoder.parallel import EncoderRankError, split_by_rows
+from vlmserve.encoder.parallel import EncoderRankError
 
 MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
 OPTIONS = {"dtype": "float32", "device": "cpu"}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -50,6 +51,49 @@ class TensorParallel:
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
+
+
+    def gather_rows(self, lengths: Sequence[int], shares: list[list[int]],
+                    own: torch.Tensor) -> list[torch.Tensor]:
+        """Every image's rows on every rank, from each rank's `own` (see `gather_rows`)."""
+        return gather_rows(self.all_gather, self.rank, self.world_size, lengths, shares, own)
+
+
+def split_by_rows(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Indices of each rank's share of images whose row counts are ``lengths`` (given largest
+    first): each image goes to the rank with the fewest rows so far, the lowest such rank on a
+    tie. Deterministic, so every rank computes the same split; each share keeps the given
+    order (equal sizes stay together for the tower's batches)."""
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for i, n in enumerate(lengths):
+        r = min(range(world), key=lambda k: (loads[k], k))
+        shares[r].append(i)
+        loads[r] += n
+    return shares
+
+
+def gather_rows(all_gather: Callable[[list[torch.Tensor], torch.Tensor], Any], rank: int,
+                world: int, lengths: Sequence[int], shares: list[list[int]],
+                own: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of every image (``lengths[i]`` rows each) on every rank, from each rank's ``own``
+    rows (its share's images, in share order): one `all_gather(outs, buf)` of a buffer
+    padded to the largest share."""
+    counts = [sum(lengths[i] for i in share) for share in shares]
+    n = max(counts)
+    assert own.shape[0] == counts[rank], (own.shape, counts)
+    buf = own
+    if own.shape[0] < n:
+        buf = own.new_zeros((n, own.shape[1]))
+        buf[:own.shape[0]] = own
+    outs = [torch.empty_like(buf) for _ in range(world)]
+    all_gather(outs, buf.contiguous())
+    rows: list[torch.Tensor | None] = [None] * len(lengths)
+    for r, share in enumerate(shares):
+        for i, part in zip(share, outs[r][:counts[r]].split([lengths[i] for i in share]),
+                           strict=True):
+            rows[i] = part
+    return rows  # type: ignore[return-value]
 
 
 class RankFailedError(RuntimeError):

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from vlmserve.config import EngineConfig
+from vlmserve.distributed.parallel_state import split_by_rows
 from vlmserve.encoder.handles import EmbeddingHandle
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
-from vlmserve.encoder.parallel import EncoderGroup, Followers, split_by_rows
+from vlmserve.encoder.parallel import EncoderGroup, Followers
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.executor.uniproc import resolve_device, resolve_dtype
 from vlmserve.layers.fused import FusedOps

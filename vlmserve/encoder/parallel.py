@@ -35,26 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlmserve.distributed.parallel_state import gather_rows
+
 _FOLLOWER_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for rank 0 as long as it
 # lives (rank 0 gone closes the connections, which ends the wait at once)
 
 
 class EncoderRankError(RuntimeError):
     """A tensor-parallel rank of the encoder died, stopped answering or failed a call."""
-
-
-def split_by_rows(lengths: Sequence[int], world: int) -> list[list[int]]:
-    """Indices of each rank's share of images whose row counts are ``lengths`` (given largest
-    first): each image goes to the rank with the fewest rows so far, the lowest such rank on a
-    tie. Deterministic, so every rank computes the same split; each share keeps the given
-    order (equal sizes stay together for the tower's batches)."""
-    loads = [0] * world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for i, n in enumerate(lengths):
-        r = min(range(world), key=lambda k: (loads[k], k))
-        shares[r].append(i)
-        loads[r] += n
-    return shares
 
 
 @dataclass
@@ -114,24 +102,10 @@ class EncoderGroup:
 
     def gather_rows(self, lengths: Sequence[int], shares: list[list[int]],
                     own: torch.Tensor) -> list[torch.Tensor]:
-        """Rows of every image (``lengths[i]`` rows each) on every rank, from each rank's
-        ``own`` rows (its share's images, in share order): one all-gather of a buffer padded
-        to the largest share."""
-        counts = [sum(lengths[i] for i in share) for share in shares]
-        n = max(counts)
-        assert own.shape[0] == counts[self.rank], (own.shape, counts)
-        buf = own
-        if own.shape[0] < n:
-            buf = own.new_zeros((n, own.shape[1]))
-            buf[:own.shape[0]] = own
-        outs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._wait(self.device.allgather(outs, buf.contiguous(), **self._kw()))
-        rows: list[torch.Tensor | None] = [None] * len(lengths)
-        for r, share in enumerate(shares):
-            parts = outs[r][:counts[r]].split([lengths[i] for i in share])
-            for i, part in zip(share, parts, strict=True):
-                rows[i] = part
-        return rows  # type: ignore[return-value]
+        """Every image's rows on every rank, from each rank's ``own`` (`gather_rows`)."""
+        return gather_rows(
+            lambda outs, buf: self._wait(self.device.allgather(outs, buf, **self._kw())),
+            self.rank, self.world_size, lengths, shares, own)
 
     def close(self, abort: bool = False) -> None:
         """Drop the group (``abort``: a broken one; its pending collectives fail)."""

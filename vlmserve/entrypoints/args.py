@@ -158,8 +158,11 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
+            choices = f.metadata.get("choices")
             parser.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
-                                help=help_text, metavar=typ.__name__.upper())
+                                help=help_text, choices=choices,
+                                metavar="{" + ",".join(choices) + "}" if choices
+                                else typ.__name__.upper())
         added.append(f.name)
     return added
 

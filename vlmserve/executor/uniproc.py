@@ -89,7 +89,8 @@ class UniprocExecutor:
             attention_backend=mc.attention_backend,
             cuda_graph_max_batch=sc.max_num_seqs if graphs else 0,
             max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows,
-            tp=tp if tp is not None and tp.world_size > 1 else None)
+            tp=tp if tp is not None and tp.world_size > 1 else None,
+            encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data")
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from vlmserve.distributed.parallel_state import TensorParallel, split_by_rows
 from vlmserve.multimodal.inputs import ImageInput, encoder_order, pixel_values
 from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
 
@@ -42,13 +43,17 @@ class _PixelStaging:
 
 class EncoderRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype,
-                 store: MMEmbeddingStore) -> None:
+                 store: MMEmbeddingStore, tp: TensorParallel | None = None) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype  # the vision tower's
         self.store = store
+        # tensor parallelism, data mode: each rank encodes a share of the images and the
+        # rows are all-gathered (every rank's store holds every image, as the LM needs)
+        self.tp = tp
         self.staging = _PixelStaging(device)
-        self.num_images = 0
+        self.num_images = 0  # images encoded for this engine (by every rank together)
+        self.num_own_images = 0  # of them, by this rank's tower
         self.num_batches = 0
 
     def run(self, inputs: dict[str, ImageInput]) -> None:
@@ -66,12 +71,26 @@ class EncoderRunner:
         if not unique:
             return
         images = encoder_order(unique.values())
+        lengths = [img.length for img in images]
+        if self.tp is None:
+            parts = self._encode(images).split(lengths)
+        else:  # every rank takes this branch with the same images (the same step)
+            shares = split_by_rows(lengths, self.tp.world_size)
+            mine = [images[i] for i in shares[self.tp.rank]]
+            own = (self._encode(mine) if mine else
+                   torch.empty(0, self.model.hidden_size, dtype=self.dtype, device=self.device))
+            parts = self.tp.gather_rows(lengths, shares, own)
+        for img, part in zip(images, parts, strict=True):
+            self.store.put(img.mm_hash, part)
+        self.num_images += len(images)
+
+    def _encode(self, images: list[ImageInput]) -> torch.Tensor:
+        """``images``' rows from one tower forward: [sum(lengths), hidden]."""
         pixels = self.staging.to_device([img.pixels for img in images])
         pixels = pixel_values(images, pixels, self.dtype)  # the tower's input
         rows = self.model.encode_images(pixels, [img.encoder_meta for img in images])
         assert rows.shape[0] == sum(img.length for img in images), (
             f"vision tower returned {rows.shape[0]} rows for {[i.length for i in images]}")
-        for img, part in zip(images, rows.split([img.length for img in images])):
-            self.store.put(img.mm_hash, part)
-        self.num_images += len(images)
+        self.num_own_images += len(images)
         self.num_batches += 1
+        return rows

@@ -126,7 +126,7 @@ class ModelRunner:
                  block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
                  attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
                  max_model_len: int = 0, encoder_cache_rows: int = 0,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, encoder_tp: bool = False) -> None:
         self.model = model
         # tensor parallelism: every rank uses rank 0's sampled tokens, so no rank's state
         # depends on its logits being bitwise equal to rank 0's
@@ -144,7 +144,8 @@ class ModelRunner:
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens,
                                       host_rows=encoder_cache_rows)
-        self.encoder = EncoderRunner(model, device, dtype, self.store)
+        self.encoder = EncoderRunner(model, device, dtype, self.store,
+                                     tp if encoder_tp else None)
         # the last step's sampled tokens on the device, and two host buffers for reading
         # them back (one per step in flight)
         rows = max(max_num_batched_tokens, 1)
