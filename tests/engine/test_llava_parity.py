@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import HFOracle, chat_prompt, make_image, mixed_prompts
+from tests.engine.helpers import HFOracle, chat_prompt, make_image
+from tests.engine.llava_shared import (  # noqa: F401  (run here on this module's setup)
+    test_chunks_cut_through_images,
+    test_eight_requests_together,
+    test_offload_cache_and_repeated_images,
+    test_preemption_keeps_output,
+    test_prefix_cache_hits_match,
+)
 from tests.engine.test_parity import MAX_TOKENS, check
 from vlmserve import LLM
 from vlmserve.multimodal.inputs import pixel_values
@@ -57,50 +64,14 @@ def test_three_images_of_different_sizes(setup):
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
 
 
-def test_eight_requests_together(setup):
-    llm, oracle = setup
-    check(llm, oracle, mixed_prompts(llm))
+@pytest.fixture
+def preemption_kv_blocks():
+    return 24
 
 
-@pytest.mark.parametrize("budget", [16, 37, 64])
-def test_chunks_cut_through_images(setup, budget):
-    llm, oracle = setup
-    engine = check(llm, oracle, mixed_prompts(llm), max_num_batched_tokens=budget).engine
-    assert engine.num_steps > 8
-
-
-def test_preemption_keeps_output(setup):
-    llm, oracle = setup
-    engine = check(llm, oracle, mixed_prompts(llm), num_kv_blocks=24, block_size=8,
-                   max_num_batched_tokens=128).engine
-    assert engine.scheduler.num_preemptions > 0
-
-
-def test_offload_cache_and_repeated_images(setup):
-    """Embedding offload and the encoder cache: each distinct image encoded once."""
-    llm, oracle = setup
-    a, b = make_image(112, 84, 21), make_image(84, 112, 22)
-    prompts = [chat_prompt(llm, "Twice the same?", [a, b, a]),
-               chat_prompt(llm, "And again.", [a]),
-               chat_prompt(llm, "Only b.", [b, b])]
-    engine = check(llm, oracle, prompts, max_num_batched_tokens=37, max_num_seqs=2,
-                   mm_embedding_offload=True).engine
-    stats = engine.get_stats()
-    assert stats["num_images_encoded"] == 2
-    assert stats["prefetch_hit_rows"] > 0
-
-
-def test_prefix_cache_hits_match(setup):
-    llm, oracle = setup
-    prompts = mixed_prompts(llm)[:5]
-    llm = check(llm, oracle, prompts, max_num_batched_tokens=23, max_num_seqs=4,
-                enable_prefix_caching=True)
-    encoded = llm.engine.get_stats()["num_images_encoded"]
-    check(llm, oracle, prompts)
-    s = llm.engine.get_stats()
-    assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
-        len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
-    assert s["num_images_encoded"] == encoded  # every image lay inside a hit
+@pytest.fixture
+def second_image_size():
+    return (84, 112)
 
 
 def _params():

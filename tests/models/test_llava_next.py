@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 from transformers.image_processing_utils import select_best_resolution as hf_select
 
+from tests.models.test_llava import chat, hf_processor, random_image  # noqa: F401
 from vlmserve.errors import InvalidRequestError
 from vlmserve.models import builtin
 from vlmserve.models.builtin import build_config, create_checkpoint, resolve_model
@@ -25,16 +25,6 @@ from vlmserve.models.loader import load_model
 from vlmserve.multimodal.inputs import pixel_values
 
 
-def random_image(h: int, w: int, seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def chat(num_images: int, text: str = "Describe.") -> list[dict]:
-    return [{"role": "user",
-             "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}]
-
-
 @pytest.fixture(scope="module")
 def path(vlmserve_cache) -> Path:
     return resolve_model("tiny-llava-next")
@@ -45,11 +35,6 @@ def processor(path: Path) -> LlavaNextInputProcessor:
     return LlavaNextInputProcessor(path)
 
 
-@pytest.fixture(scope="module")
-def hf_processor(path: Path):
-    return AutoProcessor.from_pretrained(path)
-
-
 def test_chat_template(processor) -> None:
     assert processor.apply_chat_template(chat(2, "What?")) == \
         "[INST] <image>\n<image>\nWhat? [/INST]"
@@ -57,7 +42,7 @@ def test_chat_template(processor) -> None:
         "[INST] Hi [/INST]"
 
 
-def test_token_counts_match_transformers_for_50_sizes(processor, hf_processor) -> None:
+def test_token_counts_match_transformers_for_50_sizes(processor, hf_processor) -> None:  # noqa: F811
     """Our token ids (every <image> expanded to its anyres count) equal LlavaNextProcessor's
     for 50 random sizes, one to three images a prompt; every grid of the pinpoints is picked
     and unpadding removes rows and columns."""
@@ -91,7 +76,7 @@ def test_select_best_resolution_matches_transformers() -> None:
 
 @pytest.mark.parametrize("size", [(56, 56), (60, 90), (200, 50), (17, 400), (333, 334), (5, 3),
                                   (112, 56), (130, 131)])
-def test_pixels_match_transformers_bit_for_bit(processor, hf_processor, size) -> None:
+def test_pixels_match_transformers_bit_for_bit(processor, hf_processor, size) -> None:  # noqa: F811
     image = random_image(*size, seed=sum(size))
     ours = processor.process(processor.apply_chat_template(chat(1)), None, [image])
     ref = hf_processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]

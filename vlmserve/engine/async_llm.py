@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from vlmserve.config import EngineConfig
-from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient
 from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core

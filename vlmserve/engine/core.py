@@ -21,7 +21,8 @@ import torch
 from transformers import GenerationConfig
 
 from vlmserve.config import EngineConfig, with_sized_limits
-from vlmserve.core.scheduler import AdmissionLimits, Scheduler
+from vlmserve.core.admission import AdmissionLimits
+from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.encoder.ledger import consumer_ledger
 from vlmserve.errors import PromptTooLongError

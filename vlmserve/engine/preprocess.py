@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from vlmserve.core.scheduler import AdmissionLimits
+from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import die_with_parent

@@ -63,20 +63,18 @@ def _text(
 _QWEN2_VIS = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 
 
-def _llama_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None
-                ) -> dict:
-    return dict(model_type="llama", hidden_size=hidden, intermediate_size=inter,
+def _llama_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None,
+                model_type: str = "llama", max_positions: int = 4096, rope_theta: float = 1e4,
+                **extra) -> dict:
+    return dict(model_type=model_type, hidden_size=hidden, intermediate_size=inter,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=max_positions,
+                rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **extra)
 
 
-def _mistral_text(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int | None
-                  ) -> dict:
-    return dict(model_type="mistral", hidden_size=hidden, intermediate_size=inter,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=32768,
-                sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+def _mistral_text(*shape) -> dict:
+    return _llama_text(*shape, model_type="mistral", max_positions=32768, rope_theta=1e6,
+                       sliding_window=None)
 
 
 def _clip_vision(hidden: int, inter: int, layers: int, heads: int, image_size: int) -> dict:

@@ -17,11 +17,9 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 
 from vlmserve.encoder.client import EncoderUnavailableError
 from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
@@ -38,6 +36,7 @@ from vlmserve.entrypoints.openai.http_util import (
 )
 from vlmserve.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
+from vlmserve.entrypoints.openai.openapi import openapi_schema
 from vlmserve.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -390,75 +389,6 @@ def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streamin
                              headers={"Cache-Control": "no-cache"})
 
 
-_ERROR_STATUSES = {
-    400: "Invalid request: not JSON, an unknown argument, a bad value or image, a prompt too long",
-    401: "Missing or wrong API key (`--api-key`)",
-    404: "Unknown model: this server serves one",
-    413: "Request body larger than `--max-request-bytes`",
-    503: "The server is shutting down, or its engine core is dead",
-}
-
-
-def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
-    """`/openapi.json`: FastAPI's, plus what it cannot see because the endpoints parse their
-    bodies themselves (msgspec, then the pydantic models): request bodies and responses."""
-    if app.openapi_schema is not None:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                         routes=app.routes)
-    refs, defs = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
-         (ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
-         (ChatCompletionChunk, "serialization"), (ModelList, "serialization"),
-         (ErrorResponse, "serialization")],
-        ref_template="#/components/schemas/{model}")
-    components = defs.get("$defs", {})
-    for req in (ChatCompletionRequest, CompletionRequest):  # any other model: 404
-        props = components[refs[req, "validation"]["$ref"].rsplit("/", 1)[1]]["properties"]
-        props["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}],
-                          "title": "Model", "default": None}
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
-
-    def body(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
-        return {"application/json": {"schema": refs[model, mode]}}
-
-    def events(chunk: type[BaseModel]) -> dict[str, Any]:
-        """Each server-sent event: `data: CHUNK`, an error, or `data: [DONE]` at the end."""
-        return {"text/event-stream": {"schema": {
-            "type": "object", "required": ["data"], "properties": {"data": {
-                "type": "string", "if": {"const": "[DONE]"}, "else": {
-                    "contentMediaType": "application/json", "contentSchema": {
-                        "anyOf": [refs[chunk, "serialization"],
-                                  refs[ErrorResponse, "serialization"]]}}}}}}}
-
-    errors = {str(status): {"description": text, "content": body(ErrorResponse)}
-              for status, text in _ERROR_STATUSES.items()}
-    paths = schema["paths"]
-    for path, req, resp, chunk in (
-            ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse,
-             ChatCompletionChunk),
-            ("/v1/completions", CompletionRequest, CompletionResponse, CompletionResponse)):
-        paths[path]["post"]["requestBody"] = {"required": True,
-                                              "content": body(req, "validation")}
-        paths[path]["post"]["responses"] = {"200": {
-            "description": "The completion; with `stream: true`, server-sent events of chunks "
-                           "ending in `data: [DONE]`",
-            "content": {**body(resp), **events(chunk)}},
-            **errors}
-    paths["/v1/models"]["get"]["responses"] = {
-        "200": {"description": "The served model", "content": body(ModelList)},
-        "401": errors["401"]}
-    paths["/health"]["get"]["responses"] = {
-        "200": {"description": "Serving", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"status": {"const": "ok"}}}}}},
-        "503": errors["503"]}
-    paths["/metrics"]["get"]["responses"] = {"200": {
-        "description": "Prometheus text format", "content": {"text/plain": {"schema": {
-            "type": "string"}}}}}
-    app.openapi_schema = schema
-    return schema
-
-
 def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; `args` carries `ServerConfig`
     fields (an argparse namespace or a `ServerConfig`)."""
@@ -533,5 +463,5 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
 
     app.post("/v1/chat/completions")(serving.chat)
     app.post("/v1/completions")(serving.completions)
-    app.openapi = functools.partial(_openapi, app, model_name)  # type: ignore[method-assign]
+    app.openapi = functools.partial(openapi_schema, app, model_name)  # type: ignore[method-assign]
     return app
