@@ -196,7 +196,7 @@ def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, coun
     async def main() -> tuple[BaseException | str, float]:
         async with srv.client() as client:
             task = asyncio.create_task(_stream(client, user("Talk."), 900, events))
-            while len(events) < 3:
+            while len(events) < 3 and not task.done():
                 await asyncio.sleep(0.01)
             os.kill(core_pid, signal.SIGKILL)
             killed = time.monotonic()
@@ -311,7 +311,7 @@ def test_a_killed_tensor_parallel_rank_fails_the_stream_and_the_server_exits(ser
     async def main() -> BaseException | str:
         async with srv.client() as client:
             task = asyncio.create_task(_stream(client, user("Talk."), 900, events))
-            while len(events) < 3:
+            while len(events) < 3 and not task.done():
                 await asyncio.sleep(0.01)
             os.kill(ranks[0], signal.SIGKILL)
             return (await asyncio.gather(task, return_exceptions=True))[0]

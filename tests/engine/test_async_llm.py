@@ -182,9 +182,12 @@ def test_streamed_outputs_carry_logprobs(engine, vlmserve_cache: Path) -> None:
 
     outs, plain = asyncio.run(both())
     assert all(o.outputs[0].logprobs is None for o in plain)
-    for i, o in enumerate(outs, 1):
+    # A reader that lags gets queued outputs merged, so count tokens, not outputs.
+    sizes = [len(o.outputs[0].token_ids) for o in outs]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 6
+    for o in outs:
         c = o.outputs[0]
-        assert len(c.logprobs) == len(c.token_ids) == i
+        assert len(c.logprobs) == len(c.token_ids)
         assert all(t in lps and len(lps) == 3 for t, lps in zip(c.token_ids, c.logprobs))
     offline = LLM(**OPTS).generate([p], asking, use_tqdm=False)[0].outputs[0]
     assert offline.token_ids == outs[-1].outputs[0].token_ids
