@@ -20,6 +20,15 @@ class TensorParallel:
     local_rank: int  # this host's GPU index (cuda:local_rank)
     device_group: Any  # collectives on the model's tensors (nccl on CUDA, gloo on CPU)
     cpu_group: Any  # gloo: control messages
+    # the ranks on this rank's host: their device group (None when this rank is alone on its
+    # host) and the lowest of them, the host's leader (see `broadcast_in_host`)
+    host_group: Any = None
+    host_leader: int = 0
+
+    @property
+    def is_host_leader(self) -> bool:
+        return self.rank == self.host_leader
+
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.device_group)
@@ -33,6 +42,12 @@ class TensorParallel:
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (in place, on the model's device)."""
         dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
+    def broadcast_in_host(self, x: torch.Tensor) -> torch.Tensor:
+        """The host leader's `x` into `x` of every rank on its host (in place)."""
+        if self.host_group is not None:
+            dist.broadcast(x, src=self.host_leader, group=self.host_group)
         return x
 
     def min_int(self, value: int) -> int:
@@ -138,5 +153,26 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
                             timeout=timeout)
     cpu_group = (dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo"
                  else dist.group.WORLD)
-    return TensorParallel(rank, world_size, rank if local_rank is None else local_rank,
-                          dist.group.WORLD, cpu_group)
+    tp = TensorParallel(rank, world_size, rank if local_rank is None else local_rank,
+                        dist.group.WORLD, cpu_group)
+    tp.host_group, tp.host_leader = _host_group(rank, world_size, cpu_group, timeout)
+    return tp
+
+
+def _host_group(rank: int, world_size: int, cpu_group: Any, timeout: timedelta
+                ) -> tuple[Any, int]:
+    """This rank's host group (None if it is alone on its host) and host leader. A host is a
+    torchrun node (`GROUP_RANK`); ranks spawned by the engine share rank 0's host. Every rank
+    creates every group, in the same order, as `new_group` requires."""
+    nodes: list[Any] = [None] * world_size
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)), group=cpu_group)
+    mine: tuple[Any, int] = (None, rank)
+    for node in sorted(set(nodes)):
+        members = [r for r, n in enumerate(nodes) if n == node]
+        if len(members) == world_size:
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+        if rank in members:
+            mine = (group, members[0])
+    return mine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -91,6 +92,8 @@ class UniprocExecutor:
             max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows,
             tp=tp if tp is not None and tp.world_size > 1 else None,
             encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data")
+        self.load_stats = dataclasses.replace(
+            self.load_stats, host_cache_bytes=self.runner.store.host_pool_bytes)
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 

@@ -151,6 +151,9 @@ class LoadStats:
 
     weight_bytes: int
     peak_rss_delta: int
+    # host memory the rank then reserved for offloaded image embeddings (held once per host
+    # under tensor parallelism: by the host's leader)
+    host_cache_bytes: int = 0
 
 
 def weight_bytes(model: nn.Module) -> int:

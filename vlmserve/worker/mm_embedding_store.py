@@ -12,6 +12,12 @@ Events order each copy before the reads of its buffer, and each overwrite of a b
 the reads of the step that used it last. Rows the prediction missed are copied on the spot
 (counted), so a wrong guess costs time, never correctness. On the CPU there are no streams,
 but the same code path and buffer rotation run.
+
+Under tensor parallelism every rank needs every image's rows, but the ranks of one host hold
+the offloaded rows once (`HostShare`): the host's leader keeps the host rows and the
+ping-pong buffers; the other ranks keep only which entries exist and receive each step's
+rows from the leader (one broadcast within the host, on the device), unless every row of the
+step is fresh from this step's encoder, which every rank holds.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,15 @@ class StoreStats:
     prefetch_waits: int = 0  # steps whose prefetch copy had not finished when needed
     host_pool_misses: int = 0  # offloaded entries that found no free range in the host rows
     peak_device_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """This rank's part in holding offloaded rows once per host: whether it is the host's
+    leader, and the broadcast of a tensor from the leader to the host's other ranks."""
+
+    leader: bool
+    broadcast: Callable[[torch.Tensor], torch.Tensor]
 
 
 class _Events:
@@ -105,11 +121,19 @@ class _HostRows:
 
 class MMEmbeddingStore:
     def __init__(self, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 offload: bool = False, buffer_rows: int = 0, host_rows: int = 0) -> None:
+                 offload: bool = False, buffer_rows: int = 0, host_rows: int = 0,
+                 host_share: HostShare | None = None) -> None:
         """``host_rows``: the host rows allocated up front for offloaded entries (the encoder
-        cache's capacity); an entry that finds no free range there gets its own tensor."""
+        cache's capacity); an entry that finds no free range there gets its own tensor.
+        ``host_share``: with offload, a tensor-parallel rank that shares its host with others
+        (a rank not the leader holds no host rows and no buffers)."""
         self.device = device
         self.offload = offload
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.share = host_share if offload else None
+        self.holds_rows = self.share is None or self.share.leader
+        if not self.holds_rows:
+            buffer_rows = host_rows = 0
         self.stats = StoreStats()
         self._device: dict[str, torch.Tensor] = {}  # entries kept on the device
         self._host: dict[str, torch.Tensor] = {}  # offloaded entries
@@ -154,6 +178,9 @@ class MMEmbeddingStore:
             self._note_peak()
             return
         self._fresh[mm_hash] = rows
+        if not self.holds_rows:  # the host's leader holds them
+            self._host[mm_hash] = None
+            return
         host = self._pool.take(rows.shape[0])
         if host is None:  # the pool is fragmented or too small: a tensor of its own
             self.stats.host_pool_misses += 1
@@ -191,7 +218,7 @@ class MMEmbeddingStore:
     def prefetch(self, spans: list[tuple[str, int, int]]) -> None:
         """Copy rows the NEXT step is expected to need into the other buffer, on the copy
         stream, once the step that last read that buffer is done with it."""
-        if not self.offload:
+        if not self.offload or not self.holds_rows:
             return
         nxt = self.cur ^ 1
         if not spans:  # nothing to copy (decode steps): no stream work at all
@@ -222,6 +249,15 @@ class MMEmbeddingStore:
             return None
         if not self.offload:
             return torch.cat([self._device[h][s:e] for h, s, e in spans])
+        if self.share is None or all(h in self._fresh for h, _, _ in spans):
+            return self._gather_offloaded(spans)
+        if self.share.leader:
+            return self.share.broadcast(self._gather_offloaded(spans))
+        rows = sum(e - s for _, s, e in spans)
+        return self.share.broadcast(torch.empty(rows, self.hidden_size, dtype=self.dtype,
+                                                device=self.device))
+
+    def _gather_offloaded(self, spans: list[tuple[str, int, int]]) -> torch.Tensor:
         cur, buf = self.cur, self._buffers[self.cur]
         if not self._ev.done(self._copy_done[cur]):
             self.stats.prefetch_waits += 1
@@ -275,6 +311,11 @@ class MMEmbeddingStore:
     @property
     def bytes_on_host(self) -> int:
         return self._host_bytes
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """Host memory reserved up front for offloaded entries."""
+        return _nbytes(self._pool.buf) if self.offload else 0
 
 
 def _nbytes(t: torch.Tensor) -> int:

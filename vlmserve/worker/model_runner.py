@@ -25,7 +25,7 @@ from vlmserve.layers.attention import build_attention_metadata, get_paged_attent
 from vlmserve.layers.sampler import compute_logprobs, logprob_dict, logprob_rows, sample
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
-from vlmserve.worker.mm_embedding_store import MMEmbeddingStore
+from vlmserve.worker.mm_embedding_store import HostShare, MMEmbeddingStore
 
 
 @dataclass
@@ -141,9 +141,11 @@ class ModelRunner:
                           for _ in range(model.num_layers)]
         self.attention_fn = get_paged_attention_backend(attention_backend, device)
         model.set_attention_backend(self.attention_fn)
+        share = (HostShare(tp.is_host_leader, tp.broadcast_in_host)
+                 if tp is not None and tp.host_group is not None else None)
         self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens,
-                                      host_rows=encoder_cache_rows)
+                                      host_rows=encoder_cache_rows, host_share=share)
         self.encoder = EncoderRunner(model, device, dtype, self.store,
                                      tp if encoder_tp else None)
         # the last step's sampled tokens on the device, and two host buffers for reading
