@@ -6,11 +6,15 @@ msgpack), round-robin over the URLs, trying the next one when a server cannot be
 answers with a server error, and returns an embedding handle per image for the engine core to
 open. Images whose content hash this client had encoded recently are not sent again: the
 engine core's encoder cache very likely still holds them, and their pixels travel with the
-request so that the core encodes them itself if it does not.
+request so that the core encodes them itself if it does not. The same holds for the images the
+encoder server answers as "known" (no handle): handles of theirs were recently opened and
+released by the same LLM server (`consumer_id`), through another of its clients (each front end
+and preprocessing process has one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -45,6 +49,13 @@ def _is_local(url: str) -> bool:
         return False
 
 
+def consumer_id(core_address: str) -> str:
+    """An LLM server's id at its encoder servers, from its engine core's address: the same for
+    all its front ends and their preprocessing processes, another for every other server (or
+    a restarted one)."""
+    return hashlib.sha256(f"{socket.gethostname()} {core_address}".encode()).hexdigest()[:24]
+
+
 class EncoderClient:
     """Args:
         urls: base URLs of encoder servers (``http://host:port``).
@@ -53,10 +64,14 @@ class EncoderClient:
         timeout: seconds for one server to answer.
         api_key: the encoder servers' key (default: ``$VLMSERVE_ENCODER_API_KEY``).
         remember: content hashes of images encoded recently to keep (not sent again).
+        consumer: this LLM server's `consumer_id`; images the server knows it holds come
+            back without a handle (None: every image sent gets one).
+        consumer_rows: the rows of the engine core's encoder cache (what it can hold).
     """
 
     def __init__(self, urls: Sequence[str], transport: str = "auto", timeout: float = 60.0,
-                 remember: int = 4096, api_key: str | None = None) -> None:
+                 remember: int = 4096, api_key: str | None = None,
+                 consumer: str | None = None, consumer_rows: int | None = None) -> None:
         import httpx
 
         # the encoder servers' --api-key (`vlmserve serve --encoder-api-key` sets the variable)
@@ -68,6 +83,7 @@ class EncoderClient:
             raise ValueError("no encoder URL given")
         self.transports = [transport if transport != "auto" or _is_local(u) else "bytes"
                            for u in self.urls]
+        self.consumer, self.consumer_rows = consumer, consumer_rows
         self._http = httpx.Client(timeout=timeout)
         self._next = itertools.count()
         self._remember = remember
@@ -75,19 +91,22 @@ class EncoderClient:
         self._lock = threading.Lock()
         self._decoder = msgspec.msgpack.Decoder(EncodeResponse)
         self._encoder = msgspec.msgpack.Encoder()
-        self.sent_images = self.skipped_images = self.failovers = 0
+        # images: encoded (a handle), not sent (sent recently), sent and known to the server
+        self.sent_images = self.skipped_images = self.known_images = self.failovers = 0
 
     def encode(self, images: Sequence[ImageInput]) -> list[EncodedImageWire | None]:
-        """A handle per image, None for the images not sent (encoded recently). Raises
+        """A handle per image; None for the images not sent (sent recently) or answered as
+        known (the engine core holds them already): their pixels go to the core. Raises
         `EncoderUnavailableError` when no server could encode them, `InvalidRequestError`
         when a server refused them as bad input."""
         with self._lock:
             send = [img for img in images if img.mm_hash not in self._recent]
+        unique = list({img.mm_hash: img for img in send}.values())
         out: dict[str, EncodedImageWire] = {}
-        if send:
-            unique = list({img.mm_hash: img for img in send}.values())
+        if unique:
             for img, enc in zip(unique, self._post(unique), strict=True):
-                out[img.mm_hash] = enc
+                if enc.handle is not None:
+                    out[img.mm_hash] = enc
         with self._lock:
             for img in images:
                 self._recent[img.mm_hash] = None
@@ -95,6 +114,7 @@ class EncoderClient:
             while len(self._recent) > self._remember:
                 self._recent.popitem(last=False)
             self.sent_images += len(out)
+            self.known_images += len(unique) - len(out)
             self.skipped_images += len(images) - len(send)
         # each occurrence needs a handle of its own: a repeated image within the request is
         # opened once by the core, the other occurrences go with their pixels
@@ -112,7 +132,8 @@ class EncoderClient:
                 PixelImage(mm_hash=img.mm_hash, encoder_meta=tuple(img.encoder_meta),
                            length=img.length, shape=tuple(img.pixels.shape),
                            pixels=img.pixels.contiguous().numpy().tobytes())
-                for img in images], transport=self.transports[i]))
+                for img in images], transport=self.transports[i], consumer=self.consumer,
+                consumer_rows=self.consumer_rows))
             try:
                 r = self._http.post(self.urls[i] + "/v1/encode", content=body,
                                     headers={"content-type": MSGPACK, "accept": MSGPACK,

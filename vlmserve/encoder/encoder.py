@@ -21,6 +21,7 @@ import torch
 
 from vlmserve.config import EngineConfig
 from vlmserve.distributed.parallel_state import split_by_rows
+from vlmserve.encoder.delivered import DeliveredImages
 from vlmserve.encoder.handles import EmbeddingHandle
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
 from vlmserve.encoder.parallel import EncoderGroup, Followers
@@ -79,6 +80,7 @@ class EncoderStats:
     encoded_images: int = 0  # distinct images through the tower
     batches: int = 0  # tower forwards
     handles_not_exported: int = 0  # images of requests this rank does not deliver
+    known_images: int = 0  # answered as held by their consumer already (`delivered`)
     ledger: LedgerStats = field(default_factory=LedgerStats)
     # tensor-parallel rank 0 only: every rank's own stats, index = rank (rank 0's first)
     ranks: list[EncoderStats] = field(default_factory=list)
@@ -146,7 +148,10 @@ class MultimodalEncoder:
             self._load(mc)
             if self.followers is not None:
                 self.group = self.followers.connect()
-            self.ledger = HandleLedger(ledger_address, lease_s=lease_s)
+            # which images each consumer holds (its released handles): see delivered.py
+            self.delivered = DeliveredImages()
+            self.ledger = HandleLedger(ledger_address, lease_s=lease_s,
+                                       on_free=self.delivered.freed)
         except BaseException:
             if self.followers is not None:
                 self.followers.stop(join_s=2.0)
@@ -293,7 +298,8 @@ class MultimodalEncoder:
     def _own_stats(self) -> EncoderStats:
         s = self._stats
         return EncoderStats(s.requests, s.images, s.encoded_images, s.batches,
-                            s.handles_not_exported, self.ledger.stats())
+                            s.handles_not_exported, self.delivered.known_images,
+                            self.ledger.stats())
 
     def get_stats(self) -> EncoderStats:
         """This rank's stats; on rank 0 of a tensor-parallel encoder also every rank's, in

@@ -7,6 +7,9 @@ Consumers report on a zmq PULL socket (``ipc://`` or ``tcp://``) with one-line m
 ``"opened <handle_id> <pid>"`` and ``"released <handle_id> <pid>"``, read by a background
 thread (or by `poll` in the producer's own loop). A handle opened twice is recorded.
 
+`on_free` tells the producer each handle's fate (the encoder server learns from it which images
+a consumer holds: delivered.py).
+
 Consumer (`ConsumerLedger`, one per process: `consumer_ledger()`): refuses a second open of a
 handle id in this process, sends the messages, counts what was opened and released.
 """
@@ -22,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import util as mp_util
 from typing import Any
@@ -109,12 +113,15 @@ class HandleLedger:
         cuda_pool: CUDA handles are slots of a pool shared once per block (`CudaPool`: a
             consumer maps each block once; released slots are reused); False exports each
             handle as an IPC allocation of its own (a mapping per open, ~1 ms).
+        on_free: ``on_free(handle_id, delivered)`` after each handle is freed (on the
+            ledger's thread); ``delivered``: its consumer opened and released it.
     """
 
     def __init__(self, address: str | None = None, lease_s: float = 30.0,
                  grace_s: float = 0.5, background: bool = True,
                  advertise: str | None = None, poll_interval_s: float = 0.05,
-                 cuda_pool: bool = True) -> None:
+                 cuda_pool: bool = True,
+                 on_free: Callable[[str, bool], None] | None = None) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
         self.token = f"{os.getpid()}x{secrets.token_hex(3)}"
@@ -131,6 +138,7 @@ class HandleLedger:
         self.address = advertise or bound
         self._ids = itertools.count()
         self._cuda_pool = cuda_pool
+        self._on_free = on_free
         self._pools: dict[torch.device, CudaPool] = {}
         self._lock = threading.Lock()
         self._live: dict[str, HandleRecord] = {}
@@ -308,6 +316,8 @@ class HandleLedger:
             with self._lock:
                 self._stats.free_errors += 1
                 self.errors.append(f"handle {rec.handle_id}: freeing failed: {e!r}")
+        if self._on_free is not None:
+            self._on_free(rec.handle_id, rec.released_at is not None and rec.opens > 0)
 
     # ---- state -----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -124,18 +124,23 @@ class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     a CUDA encoder, shared memory on a CPU one: both need the consumer on the same host),
     ``shm``, ``cuda`` or ``bytes`` (inline, for a consumer on another host). With ``prompt``
     (text with one image placeholder per image, image URLs only), the answer is the whole
-    `EncoderOutputWire` of that prompt, for an LLM server's ``multi_modal_embeddings``."""
+    `EncoderOutputWire` of that prompt, for an LLM server's ``multi_modal_embeddings``.
+    ``consumer``: the id of the LLM server that opens the handles (without a prompt): images
+    whose handles it recently opened and released are answered without one (delivered.py);
+    ``consumer_rows``: the rows its encoder cache holds."""
 
     images: list[str | PixelImage]
     transport: str = "auto"
     prompt: str | None = None
+    consumer: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+    consumer_rows: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class EncodedImageWire(msgspec.Struct, kw_only=True):
     mm_hash: str
     length: int  # embedding rows == the image's placeholder tokens
     encoder_meta: tuple[int, ...]
-    handle: HandleWire
+    handle: HandleWire | None  # None: the request's consumer holds its rows already
     offset: int = 0  # its placeholder run's start in the prompt (with a prompt)
 
 

@@ -34,7 +34,7 @@ import zmq
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.admission import AdmissionLimits
-from vlmserve.encoder.client import EncoderClient
+from vlmserve.encoder.client import EncoderClient, consumer_id
 from vlmserve.engine.core import load_model_processor, text_config
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
 from vlmserve.engine.messages import (
@@ -51,7 +51,12 @@ from vlmserve.engine.messages import (
     UtilityResult,
 )
 from vlmserve.engine.output import OutputProcessor
-from vlmserve.engine.preprocess import preprocess, preprocess_in_worker, start_pool
+from vlmserve.engine.preprocess import (
+    encoder_client,
+    preprocess,
+    preprocess_in_worker,
+    start_pool,
+)
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.engine.streams import (
     EngineDeadError,
@@ -97,8 +102,7 @@ class AsyncLLM:
         self.image_cache_bytes = image_cache_bytes
         # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
         self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
-        self._encoder_client = (EncoderClient(encoder_urls, encoder_transport)
-                                if encoder_urls and preprocess_workers == 0 else None)
+        self._encoder_client: EncoderClient | None = None
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._proc: mp.process.BaseProcess | None = None
         if core is None:
@@ -135,6 +139,11 @@ class AsyncLLM:
             self.eos_token_ids = tuple(info.eos_token_ids)
             self.limits = AdmissionLimits(**info.limits)
             self.core_pid = info.pid
+            # every front end of this core is one consumer to the encoder servers
+            self.encoder_consumer = consumer_id(core.address)
+            if preprocess_workers == 0:
+                self._encoder_client = encoder_client(self.encoder_urls, encoder_transport,
+                                                      self.encoder_consumer, self.limits)
             self._preprocess_workers = preprocess_workers
             if preprocess_workers > 0:
                 self._pool = self._new_pool()
@@ -291,6 +300,7 @@ class AsyncLLM:
         return start_pool(self._preprocess_workers, self.config.model_config.model,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
                            wait, self.encoder_urls, self.encoder_transport,
+                           self.encoder_consumer,
                            self.image_cache_bytes)
 
     def _kill_core(self) -> None:

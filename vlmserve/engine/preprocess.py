@@ -72,13 +72,22 @@ _NO_PIXELS = torch.empty((0, 0, 3), dtype=torch.uint8)
 _worker: tuple | None = None
 
 
+def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
+                   limits: AdmissionLimits) -> EncoderClient | None:
+    """A front end's (or preprocessing process's) client of the encoder servers at `urls`,
+    if any, for the engine core `consumer` (its `consumer_id`) with these limits."""
+    return EncoderClient(urls, transport, consumer=consumer,
+                         consumer_rows=limits.encoder_cache_rows) if urls else None
+
+
 def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...], encoder_urls: tuple[str, ...] = (),
-                 encoder_transport: str = "auto", image_cache_bytes: int = 0) -> None:
+                 encoder_transport: str = "auto", encoder_consumer: str | None = None,
+                 image_cache_bytes: int = 0) -> None:
     global _worker
     die_with_parent()
     _, hf_config, model_processor = load_model_processor(model)
-    client = EncoderClient(encoder_urls, encoder_transport) if encoder_urls else None
+    client = encoder_client(encoder_urls, encoder_transport, encoder_consumer, limits)
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
                               image_cache_bytes), limits, eos_token_ids, Encoder(), client)
 
@@ -100,13 +109,14 @@ def _ready() -> int:
 def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
                 encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto",
+                encoder_consumer: str | None = None,
                 image_cache_bytes: int = 0) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
     model's processor (so the first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
         initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport,
-                  image_cache_bytes))
+                  encoder_consumer, image_cache_bytes))
     if not wait:
         return pool
     pids: set[int] = set()

@@ -3,13 +3,15 @@
     POST /v1/encode   {"images": [URL | data URL | preprocessed pixels], "transport": ...}
                       -> {"images": [{mm_hash, length, encoder_meta, handle}]}  (JSON or msgpack)
                       with "prompt": the whole encoded prompt (token ids, position data,
-                      images with offsets), for an LLM server's `multi_modal_embeddings`
+                      images with offsets), for an LLM server's `multi_modal_embeddings`;
+                      with "consumer": handle null for images it holds (delivered.py)
     GET  /health, /stats, /metrics
 
 Requests that arrive while the tower runs wait and then go together: every step encodes all
 images of all waiting requests in one forward (`MultimodalEncoder.encode`). Each image gets an
 embedding handle recorded in the encoder's ledger until its consumer (an LLM server started
-with `--encoder-url`) opens and releases it, or its lease runs out.
+with `--encoder-url`) opens and releases it, or its lease runs out; images whose handles the
+request's consumer opened and released recently are not encoded again (handle null).
 """
 
 from __future__ import annotations
@@ -150,6 +152,25 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
                   for src in req.images]
         return ProcessedPrompt(None, [], images)
 
+    async def encode_images(prompt: ProcessedPrompt, req: EncodeRequest,
+                            transport: str) -> EncodeResponse:
+        """A handle per image, None for those ``req.consumer`` holds already."""
+        known = (encoder.delivered.known(req.consumer, req.consumer_rows,
+                                         [img.mm_hash for img in prompt.images])
+                 if req.consumer is not None else set())
+        todo = [img for img in prompt.images if img.mm_hash not in known]
+        encoded = []
+        if todo:
+            encoded = (await batcher.encode(ProcessedPrompt(None, [], todo), transport)).images
+        if req.consumer is not None:
+            encoder.delivered.exported(req.consumer, [(e.handle.handle_id, e.mm_hash, e.length)
+                                                      for e in encoded])
+        handles = iter(encoded)
+        return EncodeResponse(images=[EncodedImageWire(
+            mm_hash=img.mm_hash, length=img.length, encoder_meta=tuple(img.encoder_meta),
+            handle=None if img.mm_hash in known else to_wire(next(handles).handle))
+            for img in prompt.images])
+
     api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
 
     @app.exception_handler(InvalidRequestError)
@@ -169,10 +190,8 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
             return error_response(400, f"bad request body: {e}")
         prompt = await asyncio.to_thread(preprocess, req)
         transport = encoder.transport if req.transport == "auto" else req.transport
-        out = await batcher.encode(prompt, transport)
-        resp: Any = output_to_wire(out) if req.prompt is not None else EncodeResponse(images=[
-            EncodedImageWire(mm_hash=img.mm_hash, length=img.length, encoder_meta=img.encoder_meta,
-                             handle=to_wire(img.handle)) for img in out.images])
+        resp: Any = (output_to_wire(await batcher.encode(prompt, transport))
+                     if req.prompt is not None else await encode_images(prompt, req, transport))
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")
@@ -205,6 +224,7 @@ _GAUGES = {
     "images": "Images in the requests encoded.",
     "encoded_images": "Distinct images through the vision tower.",
     "batches": "Vision-tower forwards.",
+    "known_images": "Images answered as held by their consumer already (not encoded again).",
     "live_handles": "Embedding handles exported and not freed yet.",
     "live_bytes": "Bytes held for live handles (shared memory, GPU blocks).",
     "exported": "Embedding handles exported.",
