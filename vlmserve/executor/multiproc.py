@@ -4,9 +4,11 @@ host), or started by torchrun on this and other hosts (`torchrun_env()`: every r
 
 Rank 0 sends its engine config to the others when the group forms, so every rank builds the
 same executor, and then each step's `SchedulerOutput` (a small picklable delta) on a gloo
-group; all ranks run the same step, their sharded layers meet in collectives, and every rank
-takes rank 0's sampled tokens, so every rank's request state stays identical. Rank 0's tokens
-go back to the scheduler.
+group, in the vision tower's data mode without pixels (a rank gets those of its share of the
+step's images from rank 0 as it encodes them: worker/encoder_runner.py); all ranks run the
+same step, their sharded layers meet in collectives, and every rank takes rank 0's sampled
+tokens, so every rank's request state stays identical. Rank 0's tokens go back to the
+scheduler.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -37,6 +40,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def without_pixels(so: SchedulerOutput) -> SchedulerOutput:
+    """`so` with each image's pixels left out (`ImageInput.without_pixels`)."""
+    if not so.encoder_inputs:
+        return so
+    return replace(so, encoder_inputs={h: img.without_pixels()
+                                       for h, img in so.encoder_inputs.items()})
 
 
 def _collective_failed(e: RuntimeError) -> bool:
@@ -128,6 +139,9 @@ class MultiprocExecutor:
         for name in ("device", "dtype", "num_kv_blocks", "mm_offload",
                      "bytes_per_embedding_row", "encoder_cache_rows", "runner"):
             setattr(self, name, getattr(self.local, name))
+        # data mode: the followers get the pixels of their share only, as they encode it;
+        # in the other modes every rank encodes every image
+        self._pixels_to_all = config.parallel_config.mm_encoder_tp_mode != "data"
         self._closed = False
 
     def warmup(self, processor=None) -> float:
@@ -137,7 +151,7 @@ class MultiprocExecutor:
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self._check_ranks()
         try:
-            self.tp.broadcast_object(so)
+            self.tp.broadcast_object(so if self._pixels_to_all else without_pixels(so))
         except RuntimeError as e:  # the control message failed: a rank is gone
             self._check_ranks(wait_s=1.0)
             raise RankFailedError(f"a tensor-parallel rank is gone or did not answer within "

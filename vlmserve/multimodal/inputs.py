@@ -5,7 +5,7 @@ Tensors appear here only as values: importing this module (and so `core/`) needs
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -63,6 +63,15 @@ class ImageInput:
         """Images of equal keys (the shape of their pixels) are transformed in one call and
         sit side by side in the encoder's batch."""
         return tuple(self.pixels.shape)
+
+    def without_pixels(self) -> ImageInput:
+        """This image with its pixels left out: a tensor of their shape and dtype on the meta
+        device (no bytes; `batch_key` unchanged), for a rank that is to receive its pixels
+        later or never. An image encoded elsewhere (`embeds`) is returned as it is."""
+        if self.embeds is not None:
+            return self
+        stand_in = self.pixels.new_empty(self.pixels.shape, device="meta")
+        return replace(self, pixels=stand_in)
 
 
 def encoder_order(images: Iterable[ImageInput]) -> list[ImageInput]:

@@ -48,12 +48,14 @@ class EncoderRunner:
         self.device = device
         self.dtype = dtype  # the vision tower's
         self.store = store
-        # tensor parallelism, data mode: each rank encodes a share of the images and the
-        # rows are all-gathered (every rank's store holds every image, as the LM needs)
+        # tensor parallelism, data mode: each rank encodes a share of the images (rank 0
+        # holds every image's pixels and sends each rank those of its share) and the rows are
+        # all-gathered (every rank's store holds every image, as the LM needs)
         self.tp = tp
         self.staging = _PixelStaging(device)
         self.num_images = 0  # images encoded for this engine (by every rank together)
         self.num_own_images = 0  # of them, by this rank's tower
+        self.pixel_bytes_received = 0  # from rank 0, for this rank's tower (data mode)
         self.num_batches = 0
 
     def run(self, inputs: dict[str, ImageInput]) -> None:
@@ -62,6 +64,8 @@ class EncoderRunner:
 
         Images go in `encoder_order` (most rows first, equal batch keys together); each
         image's `encoder_meta` goes to the model's `encode_images` as the processor made it.
+        With tensor parallelism (data mode) every rank calls it with the same images, whose
+        pixels only rank 0 needs to hold (`ImageInput.without_pixels` elsewhere).
         """
         unique = {h: img for h, img in inputs.items() if h not in self.store}
         for h, img in list(unique.items()):
@@ -73,20 +77,25 @@ class EncoderRunner:
         images = encoder_order(unique.values())
         lengths = [img.length for img in images]
         if self.tp is None:
-            parts = self._encode(images).split(lengths)
+            parts = self._encode(images, [img.pixels for img in images]).split(lengths)
         else:  # every rank takes this branch with the same images (the same step)
             shares = split_by_rows(lengths, self.tp.world_size)
             mine = [images[i] for i in shares[self.tp.rank]]
-            own = (self._encode(mine) if mine else
+            pixels = self.tp.scatter_from_first([[images[i].pixels for i in share]
+                                                 for share in shares])
+            if self.tp.rank != 0:
+                self.pixel_bytes_received += sum(p.nbytes for p in pixels)
+            own = (self._encode(mine, pixels) if mine else
                    torch.empty(0, self.model.hidden_size, dtype=self.dtype, device=self.device))
             parts = self.tp.gather_rows(lengths, shares, own)
         for img, part in zip(images, parts, strict=True):
             self.store.put(img.mm_hash, part)
         self.num_images += len(images)
 
-    def _encode(self, images: list[ImageInput]) -> torch.Tensor:
-        """``images``' rows from one tower forward: [sum(lengths), hidden]."""
-        pixels = self.staging.to_device([img.pixels for img in images])
+    def _encode(self, images: list[ImageInput], pixels: list[torch.Tensor]) -> torch.Tensor:
+        """``images``' rows from one tower forward (``pixels``: theirs, on the host):
+        [sum(lengths), hidden]."""
+        pixels = self.staging.to_device(pixels)
         pixels = pixel_values(images, pixels, self.dtype)  # the tower's input
         rows = self.model.encode_images(pixels, [img.encoder_meta for img in images])
         assert rows.shape[0] == sum(img.length for img in images), (
