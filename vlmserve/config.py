@@ -90,9 +90,14 @@ class ParallelConfig:
         300.0, "Seconds a tensor-parallel collective may wait for a rank before the engine "
         "gives up (a rank that died is noticed before each step, at once).")
     mm_encoder_tp_mode: str = _opt(
-        "data", "The vision tower under tensor parallelism: data (each rank encodes a share "
-        "of a step's images, split by rows, and the rows are all-gathered) or replicate "
-        "(every rank encodes every image).", choices=("data", "replicate"))
+        "data", "The vision tower (and projector) under tensor parallelism: data (each rank "
+        "encodes a share of a step's images with a whole copy of the tower, split by rows, "
+        "and the rows are all-gathered), replicate (every rank encodes every image with a "
+        "whole copy) or weights (the tower's heads and MLP split across the ranks like the "
+        "language model's, all-reduced: each rank holds about 1/N of its weights and runs "
+        "every image through its share). data is the default: vLLM measured it 10 to 45 "
+        "percent faster than weights on several GPUs; weights saves device memory.",
+        choices=("data", "replicate", "weights"))
 
 
 _SECTIONS = {
@@ -142,9 +147,15 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.parallel_config.mm_encoder_tp_mode not in ("data", "replicate"):
-            raise ValueError("mm_encoder_tp_mode must be 'data' or 'replicate', got "
+        modes = _choices(ParallelConfig, "mm_encoder_tp_mode")
+        if self.parallel_config.mm_encoder_tp_mode not in modes:
+            raise ValueError(f"mm_encoder_tp_mode must be one of {', '.join(modes)}, got "
                              f"{self.parallel_config.mm_encoder_tp_mode!r}")
+
+
+def _choices(section: type, name: str) -> tuple[str, ...]:
+    """An option's allowed values, from its field's metadata (as the CLI reads them)."""
+    return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]
 
 
 def sized_scheduler_limits(device_type: str, device_memory: int | None, serving: bool

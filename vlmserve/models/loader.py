@@ -3,7 +3,8 @@
 The model is built with its parameters on the meta device (its buffers computed on the
 device), so that a tensor-parallel rank can swap in modules of its shard size before any
 weight exists; then every parameter is allocated once, at its final size, and filled from the
-checkpoint, a tensor-parallel rank reading only its slices of the split tensors."""
+checkpoint, a tensor-parallel rank reading only its slices of the split tensors (the image
+encoder's too with `shard_vision`: `mm_encoder_tp_mode="weights"`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from torch import nn
 from transformers import AutoConfig
 
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.distributed.tensor_parallel import ShardPlan, TensorSlice, shard_model
+from vlmserve.distributed.tensor_parallel import (
+    ShardPlan,
+    TensorSlice,
+    VisionShardPlan,
+    shard_model,
+    shard_vision_encoder,
+)
 from vlmserve.models.registry import resolve_model_class
 
 
@@ -49,8 +56,14 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
                     yield name, fh.get_tensor(name)
                     continue
                 whole = fh.get_slice(name)
-                t = (whole[part.start:part.stop] if part.dim == 0
-                     else whole[:, part.start:part.stop])
+                if part.blocks > 1:  # a fused q/k/v: the rows of each third
+                    n = whole.get_shape()[0] // part.blocks
+                    t = torch.cat([whole[b * n + part.start:b * n + part.stop]
+                                   for b in range(part.blocks)])
+                elif part.dim == 0:
+                    t = whole[part.start:part.stop]
+                else:
+                    t = whole[:, part.start:part.stop]
                 if part.dim == 0 and t.shape[0] < part.size:  # the last vocabulary shard
                     pad = torch.zeros((part.size - t.shape[0], *t.shape[1:]), dtype=t.dtype)
                     t = torch.cat([t, pad])
@@ -101,21 +114,33 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> torch.nn.Module:
+                tp: TensorParallel | None = None, shard_vision: bool = False
+                ) -> torch.nn.Module:
     """The model with uninitialised weights on `device`; with `tp` (a `TensorParallel` of
-    more than one rank), the language model's split modules at this rank's size."""
+    more than one rank), the language model's split modules at this rank's size, and with
+    `shard_vision` the image encoder's."""
+    return _build(hf_config, dtype, device, tp, shard_vision)[0]
+
+
+def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None,
+           vision: bool) -> tuple[torch.nn.Module, VisionShardPlan | None]:
+    """`build_model`, and the image encoder's plan when it is split."""
     cls = resolve_model_class(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    vision_plan = None
     try:
         with torch.device(device), _parameters_on_meta():
             model = cls(hf_config)
             if tp is not None:
                 shard_model(model, _shard_plan(hf_config, tp), tp)
+                if vision:
+                    vision_plan = VisionShardPlan.for_model(model, tp.rank, tp.world_size)
+                    shard_vision_encoder(model, vision_plan, tp)
     finally:
         torch.set_default_dtype(old)
     _materialize(model, device)
-    return model.eval()
+    return model.eval(), vision_plan
 
 
 def _shard_plan(hf_config, tp: TensorParallel) -> ShardPlan:
@@ -124,17 +149,21 @@ def _shard_plan(hf_config, tp: TensorParallel) -> ShardPlan:
 
 
 def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel | None = None) -> torch.nn.Module:
+               tp: TensorParallel | None = None, shard_vision: bool = False
+               ) -> torch.nn.Module:
     """The model with the checkpoint's weights; with `tp` (more than one rank), only this
-    rank's share of the language model is read and held."""
+    rank's share of the language model is read and held, and with `shard_vision`
+    (`mm_encoder_tp_mode="weights"`) only its share of the image encoder."""
     tp = tp if tp is not None and tp.world_size > 1 else None
-    model = build_model(hf_config, dtype, device, tp)
+    model, vision_plan = _build(hf_config, dtype, device, tp, shard_vision)
     slice_for = None
     if tp is not None:
         plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
 
         def slice_for(name: str) -> TensorSlice | None:
-            return None if name.startswith(vision) else plan.slice_for(name)
+            if not name.startswith(vision):
+                return plan.slice_for(name)
+            return None if vision_plan is None else vision_plan.slice_for(name)
 
     loaded = model.load_weights(iter_safetensors(path, slice_for=slice_for))
     missing = {n for n, _ in model.named_parameters()} - loaded
