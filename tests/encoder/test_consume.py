@@ -11,7 +11,7 @@ import pytest
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.encoder import MultimodalEncoder
-from vlmserve.encoder.ledger import consumer_ledger
+from vlmserve.encoder.consumer_ledger import consumer_ledger
 from vlmserve.errors import InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

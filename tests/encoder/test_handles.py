@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.encoder.helpers import segments, wait_until
+from vlmserve.encoder.consumer_ledger import ConsumerLedger
 from vlmserve.encoder.handles import BytesHandle, HandleExpiredError, HandleOpenedTwiceError
-from vlmserve.encoder.ledger import ConsumerLedger, HandleLedger
+from vlmserve.encoder.ledger import HandleLedger
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ class EncoderOutput:
 
     def release(self) -> None:
         """Release every handle not opened or released yet (a consumer that gives up)."""
-        from vlmserve.encoder.ledger import consumer_ledger
+        from vlmserve.encoder.consumer_ledger import consumer_ledger
 
         seen = consumer_ledger()
         for img in self.images:

@@ -1,22 +1,18 @@
-"""The lifetime ledgers of embedding handles, one on each side.
-
-Producer (`HandleLedger`): every exported handle is recorded (exported, opened, released
-times) until its backing storage is freed, which happens exactly once: when the consumer
-releases it, or when its lease runs out (a consumer that died or never came), or at `close`.
-Consumers report on a zmq PULL socket (``ipc://`` or ``tcp://``) with one-line messages
-``"opened <handle_id> <pid>"`` and ``"released <handle_id> <pid>"``, read by a background
-thread (or by `poll` in the producer's own loop). A handle opened twice is recorded.
+"""The producer's lifetime ledger of embedding handles (`HandleLedger`): every exported
+handle is recorded (exported, opened, released times) until its backing storage is freed,
+which happens exactly once: when the consumer releases it, or when its lease runs out (a
+consumer that died or never came), or at `close`. Consumers report on a zmq PULL socket
+(``ipc://`` or ``tcp://``) with one-line messages ``"opened <handle_id> <pid>"`` and
+``"released <handle_id> <pid>"``, read by a background thread (or by `poll` in the
+producer's own loop). A handle opened twice is recorded.
 
 `on_free` tells the producer each handle's fate (the encoder server learns from it which images
-a consumer holds: delivered.py).
-
-Consumer (`ConsumerLedger`, one per process: `consumer_ledger()`): refuses a second open of a
-handle id in this process, sends the messages, counts what was opened and released.
+a consumer holds: delivered.py). The consumer's side, which sends those messages, is
+consumer_ledger.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import os
@@ -27,7 +23,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import util as mp_util
 from typing import Any
 
 import torch
@@ -36,7 +31,6 @@ import zmq
 from vlmserve.encoder.handles import (
     CudaPool,
     EmbeddingHandle,
-    HandleOpenedTwiceError,
     PooledBacking,
     make_bytes,
     make_cuda,
@@ -355,115 +349,3 @@ class HandleLedger:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@dataclass
-class ConsumerStats:
-    opened: int = 0
-    released: int = 0  # releases sent: after an open, or of a handle given up unread
-    discarded: int = 0  # given up unread (`EmbeddingHandle.release`)
-    refused: int = 0  # second opens refused in this process
-    failed: int = 0  # opens whose read failed (expired, segment gone)
-    copied_bytes: int = 0
-    live: int = 0  # opened, not released yet (a copy in progress)
-
-
-class ConsumerLedger:
-    """The consumer's side: one PUSH socket per producer address, the handle ids this
-    process has opened or released (the latest ``remember`` of them), counters.
-    Thread-safe."""
-
-    def __init__(self, remember: int = _REMEMBER_IDS, linger_ms: int = 2000) -> None:
-        self.pid = os.getpid()
-        self._remember, self._linger_ms = remember, linger_ms
-        self._lock = threading.Lock()
-        self._ctx: zmq.Context | None = None
-        self._sockets: dict[str, zmq.Socket] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._live: set[str] = set()
-        self._stats = ConsumerStats()
-        self.dropped_messages = 0  # a producer that is gone or not reading
-
-    def begin(self, handle: EmbeddingHandle) -> None:
-        """Before reading ``handle``: refuse a second open, tell the producer."""
-        with self._lock:
-            self._claim(handle)
-            self._live.add(handle.handle_id)
-            self._stats.opened += 1
-            self._send(handle, "opened")
-
-    def finish(self, handle: EmbeddingHandle, copied: bool) -> None:
-        """After reading ``handle`` (``copied``: successfully): release it."""
-        with self._lock:
-            self._live.discard(handle.handle_id)
-            self._stats.released += 1
-            if copied:
-                self._stats.copied_bytes += handle.nbytes
-            else:
-                self._stats.failed += 1
-            self._send(handle, "released")
-
-    def discard(self, handle: EmbeddingHandle) -> None:
-        """Release ``handle`` unread."""
-        with self._lock:
-            self._claim(handle)
-            self._stats.released += 1
-            self._stats.discarded += 1
-            self._send(handle, "released")
-
-    def _claim(self, handle: EmbeddingHandle) -> None:
-        if handle.handle_id in self._seen:
-            self._stats.refused += 1
-            raise HandleOpenedTwiceError(f"handle {handle.handle_id} was already opened or "
-                                         "released in this process")
-        self._seen[handle.handle_id] = None
-        if len(self._seen) > self._remember:
-            self._seen.popitem(last=False)
-
-    def _send(self, handle: EmbeddingHandle, event: str) -> None:
-        address = handle.release_address
-        if address is None:
-            return
-        sock = self._sockets.get(address)
-        if sock is None:
-            if self._ctx is None:
-                self._ctx = zmq.Context()
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, self._linger_ms)
-            sock.connect(address)
-            self._sockets[address] = sock
-        try:  # never block on a producer that is gone: its lease reclaims instead
-            sock.send(f"{event} {handle.handle_id} {self.pid}".encode(), zmq.NOBLOCK)
-        except zmq.Again:
-            self.dropped_messages += 1
-
-    def stats(self) -> ConsumerStats:
-        with self._lock:
-            return ConsumerStats(**{**vars(self._stats), "live": len(self._live)})
-
-    def close(self) -> None:
-        """Flush the messages (up to the linger time) and close the sockets."""
-        with self._lock:
-            for sock in self._sockets.values():
-                sock.close()
-            self._sockets.clear()
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
-
-
-_consumer: ConsumerLedger | None = None
-_consumer_lock = threading.Lock()
-
-
-def consumer_ledger() -> ConsumerLedger:
-    """This process's consumer ledger (a new one after a fork)."""
-    global _consumer
-    with _consumer_lock:
-        if _consumer is None or _consumer.pid != os.getpid():
-            _consumer = ConsumerLedger()
-            # flushed at exit: atexit for the main process, multiprocessing's finalizers for
-            # its children (which leave through os._exit after a fork)
-            atexit.register(_consumer.close)
-            mp_util.Finalize(None, _consumer.close, exitpriority=10)
-        return _consumer

@@ -24,7 +24,7 @@ from vlmserve.config import EngineConfig, with_sized_limits
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.encoder.ledger import consumer_ledger
+from vlmserve.encoder.consumer_ledger import consumer_ledger
 from vlmserve.errors import PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
