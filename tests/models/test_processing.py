@@ -197,10 +197,12 @@ def test_load_image_sources(tmp_path: Path) -> None:
     data = png_bytes(image)
     (tmp_path / "a.png").write_bytes(data)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
+    wrapped = "data:image/png;base64," + base64.encodebytes(data).decode()  # 76-char lines
     for src in [
         image,
         data,
         url,
+        wrapped,
         str(tmp_path / "a.png"),
         tmp_path / "a.png",
         (tmp_path / "a.png").as_uri(),
