@@ -71,5 +71,9 @@ def test_weights_mode_checks_the_vision_heads(vlmserve_cache):
                        r"tower's attention heads \(2\) with mm_encoder_tp_mode='weights'"):
         build_model(hf_config, torch.float32, CPU, _Rank(0, 4), shard_vision=True)
     build_model(hf_config, torch.float32, CPU, _Rank(0, 4))
+    for model in ("tiny-qwen2-vl", "tiny-llava-1.5"):  # num_heads / num_attention_heads
+        with pytest.raises(ValueError, match=r"must divide the vision tower's attention "
+                           r"heads \(2\)"):  # before any rank is spawned
+            LLM(model, device="cpu", tensor_parallel_size=4, mm_encoder_tp_mode="weights")
     with pytest.raises(ValueError, match="mm_encoder_tp_mode must be one of"):
         LLM("tiny-qwen2-vl", mm_encoder_tp_mode="heads")

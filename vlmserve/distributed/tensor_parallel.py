@@ -171,6 +171,16 @@ def check_divisible(text_config, world_size: int) -> None:
                          f"num_key_value_heads ({kv})")
 
 
+def check_vision_divisible(vision_config, world_size: int) -> None:
+    """`mm_encoder_tp_mode="weights"`: the same check for the vision tower's heads, before
+    any process starts (`VisionShardPlan.for_model` checks every split layer as it loads)."""
+    heads = getattr(vision_config, "num_heads", None) or vision_config.num_attention_heads
+    if heads % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the vision tower's "
+                         f"attention heads ({heads}) with {_WEIGHTS_MODE}; use "
+                         f"mm_encoder_tp_mode='data'")
+
+
 def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
     """Replace the language model's projections, embedding and lm_head of `model` (a
     `DecoderVLM`, just built, weights not yet allocated) by modules of this rank's size; new

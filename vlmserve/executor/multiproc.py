@@ -29,7 +29,7 @@ from vlmserve.distributed.parallel_state import (
     init_tensor_parallel,
     torchrun_env,
 )
-from vlmserve.distributed.tensor_parallel import check_divisible
+from vlmserve.distributed.tensor_parallel import check_divisible, check_vision_divisible
 from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
 from vlmserve.worker.model_runner import StepResult
 
@@ -104,6 +104,8 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int) -> None:
         world = config.parallel_config.tensor_parallel_size
         check_divisible(getattr(hf_config, "text_config", None) or hf_config, world)
+        if config.parallel_config.mm_encoder_tp_mode == "weights":
+            check_vision_divisible(hf_config.vision_config, world)
         mc, self.timeout_s = config.model_config, config.parallel_config.tp_timeout
         env = torchrun_env()
         self._procs: list[mp.process.BaseProcess] = []
