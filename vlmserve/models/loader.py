@@ -8,6 +8,7 @@ encoder's too with `shard_vision`: `mm_encoder_tp_mode="weights"`)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
@@ -70,33 +71,59 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
                 yield name, t
 
 
+_META_LOCK = threading.Lock()
+# threads building a model now, with how deep (see `_parameters_on_meta`)
+_META_THREADS: collections.Counter[int] = collections.Counter()
+_ORIGINALS: dict[str, Callable] = {}  # what the patches stand in for while they are installed
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered meanwhile is moved to the meta device as it is created, and
-    `torch.nn.init`'s in-place initialisers do nothing (the checkpoint sets every weight; on
-    meta tensors they would pull in torch's Python decompositions, ~70 MB per process);
-    buffers stay where they are made."""
-    register = nn.Module.register_parameter
-    initialisers = {name: fn for name, fn in vars(nn.init).items()
-                    if name.endswith("_") and not name.startswith("__") and callable(fn)}
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    def skip(tensor, *args, **kwargs):
-        return tensor
-
-    nn.Module.register_parameter = on_meta
-    for name in initialisers:
-        setattr(nn.init, name, skip)
+    """In this thread, every parameter registered meanwhile is moved to the meta device as it
+    is created, and `torch.nn.init`'s in-place initialisers do nothing (the checkpoint sets
+    every weight; on meta tensors they would pull in torch's Python decompositions, ~70 MB per
+    process); buffers stay where they are made. The patches are installed while any thread
+    is inside and act only for those threads: other threads' modules are built as usual."""
+    me = threading.get_ident()
+    with _META_LOCK:
+        if not _META_THREADS:
+            _install_meta_patches()
+        _META_THREADS[me] += 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
-        for name, fn in initialisers.items():
-            setattr(nn.init, name, fn)
+        with _META_LOCK:
+            _META_THREADS[me] -= 1
+            if not _META_THREADS[me]:
+                del _META_THREADS[me]
+            if not _META_THREADS:
+                nn.Module.register_parameter = _ORIGINALS.pop("register_parameter")
+                for name, fn in list(_ORIGINALS.items()):
+                    setattr(nn.init, name, fn)
+                _ORIGINALS.clear()
+
+
+def _install_meta_patches() -> None:
+    register = _ORIGINALS["register_parameter"] = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if (param is not None and param.device.type != "meta"
+                and threading.get_ident() in _META_THREADS):
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    def skipping(fn: Callable) -> Callable:
+        def init(tensor, *args, **kwargs):
+            if threading.get_ident() in _META_THREADS:
+                return tensor
+            return fn(tensor, *args, **kwargs)
+        return init
+
+    nn.Module.register_parameter = on_meta
+    for name, fn in list(vars(nn.init).items()):
+        if name.endswith("_") and not name.startswith("__") and callable(fn):
+            _ORIGINALS[name] = fn
+            setattr(nn.init, name, skipping(fn))
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
