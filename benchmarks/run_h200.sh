@@ -3,6 +3,7 @@
 # device call when they fit its 10-minute limit. Usage (device tool, repo root):
 #   bash benchmarks/run_h200.sh SECTION [SECTION...]
 #   checks  : GPU tests (Triton kernels and fused ops, CUDA graphs, offload streams), CUDA parity
+#   tpcuda  : (2+ GPUs) TP=2 on NCCL vs one GPU for each vision mode, offload on
 #   quick   : fused ops, CUDA graphs and vision kernel tests, and the image processing parity
 #             with HF (torchvision backend there)
 #   speed   : 2B decode vs floor with kernel profile, vision batch, prefill chunk, prefill+vision
@@ -57,6 +58,8 @@ checks)
     -k "not triton_attention or (bf16 and bs16)"
   VLMSERVE_TEST_DEVICE=cuda step cuda_parity 110 python -m pytest -q -p no:cacheprovider \
     -o addopts="" tests/engine/test_parity.py ;;
+tpcuda)  # 2+ GPUs (nvidia-h200-x2): TP=2 on NCCL, each vision mode, offload held once per host
+  step tp_cuda 400 python -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_tp_cuda.py ;;
 quick)
   step gpu_quick 150 python -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_triton_ops.py tests/gpu/test_cuda_graphs.py tests/gpu/test_vision_triton.py \
