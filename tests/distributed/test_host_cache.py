@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from tests.engine.helpers import mixed_prompts
+from tests.distributed.helpers import one_process
 from vlmserve import LLM, SamplingParams
 
 
@@ -19,9 +19,7 @@ def test_tp2_offload_holds_host_rows_once_and_matches_one_process(vlmserve_cache
     # chunks of 23 tokens cut through images: later chunks read their rows back from the host
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=23, max_num_seqs=4,
               mm_embedding_offload=True, mm_cache_gb=0.01)
-    single = LLM("tiny-qwen2-vl", **kw)
-    prompts = mixed_prompts(single)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    single, prompts, expected = one_process("tiny-qwen2-vl", params, **kw)
     tp = LLM("tiny-qwen2-vl", tensor_parallel_size=2, **kw)
     try:
         ex = tp.engine.executor

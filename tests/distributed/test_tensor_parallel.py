@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.engine.helpers import mixed_prompts
+from tests.distributed.helpers import one_process, token_ids
 from vlmserve import LLM, SamplingParams
 
 
@@ -16,9 +16,7 @@ from vlmserve import LLM, SamplingParams
 def test_tp2_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
-    single = LLM(model, **kw)
-    prompts = mixed_prompts(single)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    _, prompts, expected = one_process(model, params, **kw)
     tp = LLM(model, tensor_parallel_size=2, **kw)
     try:
         runner = tp.engine.executor.runner
@@ -43,9 +41,7 @@ def test_tp4_replicates_kv_heads(vlmserve_cache):
     with the start-up warm-up on every rank."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64)
-    single = LLM("tiny-qwen2-vl", **kw)
-    prompts = mixed_prompts(single)[:4]
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    _, prompts, expected = one_process("tiny-qwen2-vl", params, count=4, **kw)
     # every rank runs the start-up warm-up: its steps' collectives must pair up across ranks
     tp = LLM("tiny-qwen2-vl", tensor_parallel_size=4, kernel_warmup=True, **kw)
     try:
@@ -148,12 +144,10 @@ def test_every_rank_takes_rank0s_tokens(vlmserve_cache, monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
     prompts = ["One.", "Two three.", "Four five six."]
-    single = LLM("tiny-qwen2-vl", **kw)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    expected = token_ids(LLM("tiny-qwen2-vl", **kw), prompts, params)
     tp = LLM("tiny-qwen2-vl", tensor_parallel_size=2, **kw)
     try:
-        outs = tp.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert token_ids(tp, prompts, params) == expected
     finally:
         tp.engine.shutdown()
 

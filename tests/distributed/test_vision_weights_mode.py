@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import mixed_prompts
+from tests.distributed.helpers import one_process
 from vlmserve import LLM, SamplingParams
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import build_model, load_hf_config, weight_bytes
@@ -40,9 +40,7 @@ def _encoder_layer_bytes(model: torch.nn.Module) -> int:
 def test_tp2_weights_mode_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
-    single = LLM(model, **kw)
-    prompts = mixed_prompts(single)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    single, prompts, expected = one_process(model, params, **kw)
     whole = _encoder_layer_bytes(single.engine.executor.runner.model)
     tp = LLM(model, tensor_parallel_size=2, mm_encoder_tp_mode="weights", **kw)
     try:
