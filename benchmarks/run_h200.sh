@@ -29,7 +29,7 @@
 #   servesbs: `vlmserve serve` vs vLLM's server (peers kit): concurrency 16/64/192, Poisson 8/16
 #   multiturn: 64 conversations x 4 turns (2 images first), prefix caching: vlmserve serve,
 #             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
-#   servebudget: serveours at step budgets 2048, 4096, 8192 (BUDGETS=...), concurrency 64/192
+#   servebudget: serveours at step budgets 2048-16384 (BUDGETS=...), concurrency 16/64/192
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
 #             check), export + open + copy time per image; the negative control
@@ -169,10 +169,10 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"
   kill $pid; wait $pid ;;
 servebudget)  # serveours at several step budgets (issue 20: TPOT and p99 ITL vs TTFT);
-  # BUDGETS="2048 4096 8192" by default, RUNS as serveours
-  for b in ${BUDGETS:-2048 4096 8192}; do
+  # BUDGETS="2048 4096 8192 16384" by default, RUNS as serveours
+  for b in ${BUDGETS:-2048 4096 8192 16384}; do
     VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens $b --api-server-count 4" \
-      RUNS=${RUNS:-inf@64,inf@192} bash "$0" serveours
+      RUNS=${RUNS:-inf@16,inf@64,inf@192} bash "$0" serveours
     mv "$OUT/ours" "$OUT/ours_budget$b"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_budget$b.log"
   done ;;
 w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old, this tree
