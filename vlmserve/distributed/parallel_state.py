@@ -73,20 +73,18 @@ class TensorParallel:
         return gather_rows(self.all_gather, self.rank, self.world_size, lengths, shares, own)
 
     def scatter_from_first(self, parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Rank 0's host tensors ``parts[r]`` to rank r, point to point on the CPU group;
-        returns this rank's (rank 0: ``parts[0]`` as given). Every rank passes the same
-        shapes and dtypes; elsewhere than on rank 0 ``parts`` need hold no data (meta
-        tensors), and what this rank receives is allocated here."""
+        """Rank 0's host tensors ``parts[r]`` to rank r, point to point on the CPU group, in
+        one order on both sides; returns this rank's (rank 0: ``parts[0]`` as given). Every
+        rank passes the same shapes and dtypes; elsewhere than on rank 0 ``parts`` need hold
+        no data (meta tensors), and what this rank receives is allocated here."""
         if self.rank == 0:
-            sent = [dist.isend(t.contiguous(), dst=r, group=self.cpu_group, tag=i)
-                    for r in range(1, self.world_size) for i, t in enumerate(parts[r])]
-            for work in sent:
-                work.wait()
+            for r in range(1, self.world_size):
+                for t in parts[r]:
+                    dist.send(t.contiguous(), dst=r, group=self.cpu_group)
             return parts[0]
         out = [torch.empty(t.shape, dtype=t.dtype) for t in parts[self.rank]]
-        for work in [dist.irecv(t, src=0, group=self.cpu_group, tag=i)
-                     for i, t in enumerate(out)]:
-            work.wait()
+        for t in out:
+            dist.recv(t, src=0, group=self.cpu_group)
         return out
 
 
