@@ -64,7 +64,7 @@ def test_images_inside_a_hit_are_not_encoded_and_one_cut_by_it_is():
     images = [("one", 2, 4), ("two", 8, 8)]
     finish(sched, request("a", tokens, images))
     # keep only the first three blocks cached: image one whole, image two cut after 4 rows
-    for key in sched._extend_keys(request("x", tokens, images), 5)[3:]:
+    for key in sched.kv.request_keys(request("x", tokens, images), 5)[3:]:
         block = sched.kv._cached.pop(key, None)
         if block is not None:
             del sched.kv._key[block]

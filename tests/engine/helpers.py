@@ -133,3 +133,12 @@ def trace_preprocessing(engine, set_attr=setattr) -> list[tuple[bool, threading.
     set_attr(engine, "step", traced_step)
     set_attr(engine, "process_request", traced_process)
     return where
+
+
+def assert_prompts_hit(llm, prompts: list, encoded: int) -> None:
+    """The prompts, run again, came mostly from the prefix cache: over 80% of their tokens
+    hit, and no image was encoded since `encoded` (every image lay inside a hit)."""
+    s = llm.engine.get_stats()
+    assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
+        len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
+    assert s["num_images_encoded"] == encoded

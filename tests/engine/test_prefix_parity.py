@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from tests.engine.helpers import assert_prompts_hit, chat_prompt, make_image, mixed_prompts
 from tests.engine.test_parity import DEVICE, MAX_TOKENS, check, setup  # noqa: F401
 from vlmserve import LLM, SamplingParams
 
@@ -26,10 +26,7 @@ def test_the_same_prompts_again_hit_and_match(setup, budget):  # noqa: F811
     check(llm, oracle, prompts)
     encoded = llm.engine.get_stats()["num_images_encoded"]
     check(llm, oracle, prompts)
-    s = llm.engine.get_stats()
-    assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
-        len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
-    assert s["num_images_encoded"] == encoded  # every image lay inside a hit
+    assert_prompts_hit(llm, prompts, encoded)
 
 
 def test_two_turn_chat_about_one_image(setup):  # noqa: F811

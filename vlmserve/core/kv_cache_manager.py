@@ -18,6 +18,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlmserve.request import Request
 
 
 def block_keys(token_ids: Sequence[int], images: Sequence, block_size: int,
@@ -148,3 +152,43 @@ class KVCacheManager:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free[block] = None
+
+    # ---- a request's blocks in the prefix cache ------------------------------------------
+
+    def request_keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's block keys, computed up to `num_blocks` full blocks of known
+        tokens."""
+        have = len(req.block_keys)
+        if num_blocks > have:
+            req.block_keys += block_keys(
+                req.all_token_ids, req.mm_features, self.block_size,
+                req.block_keys[-1] if have else b"", have, num_blocks - have)
+        return req.block_keys
+
+    def admit_cached_prefix(self, req: Request) -> int:
+        """A request being admitted with nothing computed takes the longest cached prefix of
+        its tokens (never all of them: the last is computed for its logits); returns the
+        tokens it covers, now counted as computed."""
+        if not self.enable_prefix_caching or req.num_computed_tokens:
+            return 0
+        req.num_registered_blocks = 0
+        known = req.num_prompt_tokens + len(req.output_token_ids)
+        limit = (min(known, req.num_tokens - 1)) // self.block_size
+        blocks = self.cached_prefix(self.request_keys(req, limit)[:limit])
+        if not blocks:
+            return 0
+        self.take_cached_prefix(req.request_id, blocks)
+        req.num_computed_tokens = len(blocks) * self.block_size
+        req.num_registered_blocks = len(blocks)
+        return req.num_computed_tokens
+
+    def register_filled(self, req: Request, end: int) -> None:
+        """Key the request's blocks that a finished step has filled (up to position
+        `end`), so later requests can share them."""
+        full = end // self.block_size
+        first = req.num_registered_blocks
+        if full <= first:
+            return
+        keys = self.request_keys(req, full)
+        self.cache_blocks(req.request_id, keys[first:full], first)
+        req.num_registered_blocks = full

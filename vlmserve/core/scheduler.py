@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vlmserve.core.admission import AdmissionLimits
-from vlmserve.core.kv_cache_manager import KVCacheManager, block_keys
+from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
 from vlmserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from vlmserve.request import Request, RequestStatus
@@ -189,7 +189,7 @@ class Scheduler:
             req = next((r for r in self.waiting if eligible(r)), None)
             if req is None:
                 break
-            hit = self._take_cached_prefix(req)
+            hit = self.kv.admit_cached_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             num_new, enc_ids, enc_cost = 0, [], 0
             if self.enable_chunked_prefill or remaining <= budget:
@@ -219,44 +219,6 @@ class Scheduler:
         return out
 
     # ---- prefix caching --------------------------------------------------------------------
-
-    def _extend_keys(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The request's block keys, computed up to `num_blocks` full blocks of known
-        tokens."""
-        have = len(req.block_keys)
-        if num_blocks > have:
-            req.block_keys += block_keys(
-                req.all_token_ids, req.mm_features, self.kv.block_size,
-                req.block_keys[-1] if have else b"", have, num_blocks - have)
-        return req.block_keys
-
-    def _take_cached_prefix(self, req: Request) -> int:
-        """A request being admitted with nothing computed takes the longest cached prefix of
-        its tokens (never all of them: the last is computed for its logits); returns the
-        tokens it covers, now counted as computed."""
-        if not self.kv.enable_prefix_caching or req.num_computed_tokens:
-            return 0
-        req.num_registered_blocks = 0
-        known = req.num_prompt_tokens + len(req.output_token_ids)
-        limit = (min(known, req.num_tokens - 1)) // self.kv.block_size
-        blocks = self.kv.cached_prefix(self._extend_keys(req, limit)[:limit])
-        if not blocks:
-            return 0
-        self.kv.take_cached_prefix(req.request_id, blocks)
-        req.num_computed_tokens = len(blocks) * self.kv.block_size
-        req.num_registered_blocks = len(blocks)
-        return req.num_computed_tokens
-
-    def _register_blocks(self, req: Request, end: int) -> None:
-        """Key the request's blocks that a finished step has filled (up to position
-        `end`), so later requests can share them."""
-        full = end // self.kv.block_size
-        first = req.num_registered_blocks
-        if full <= first:
-            return
-        keys = self._extend_keys(req, full)
-        self.kv.cache_blocks(req.request_id, keys[first:full], first)
-        req.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -455,7 +417,7 @@ class Scheduler:
                     < req.images_end:
                 self._release_consumed_images(req, end)
             if self.kv.enable_prefix_caching and req.status is RequestStatus.RUNNING:
-                self._register_blocks(req, end)
+                self.kv.register_filled(req, end)
             token = sampled.get(rid)
             if token is None:
                 continue
