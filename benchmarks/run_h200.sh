@@ -29,6 +29,8 @@
 #   servesbs: `vlmserve serve` vs vLLM's server (peers kit): concurrency 16/64/192, Poisson 8/16
 #   multiturn: 64 conversations x 4 turns (2 images first), prefix caching: vlmserve serve,
 #             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
+#   clientcheck: does `bench serve`'s client keep up? It and the openai SDK against a fake
+#             server pacing tokens every 3 ms (benchmarks/client_fidelity.py; peers kit)
 #   servebudget: serveours at step budgets 2048-16384 (BUDGETS=...), concurrency 16/64/192
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
@@ -50,6 +52,16 @@ step() {  # step NAME SECONDS CMD...
   return $rc
 }
 B="python -m vlmserve.benchmarks"
+kit_deps() {  # the peers kit's wheels (.peer/p4) and the benchmark client's (aiohttp:
+  # benchmarks/client_wheels.sh, carried as .cache/clientwheels, or copied to /tmp/clientwheels)
+  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
+    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  local w; for w in .cache/clientwheels /tmp/clientwheels; do
+    [ -d /tmp/deps/aiohttp ] || [ ! -d $w ] || python3 -m pip install -q --no-index --no-deps \
+      --target /tmp/deps $w/*.whl >> "$OUT/pip.log" 2>&1
+  done
+  [ -d /tmp/deps/aiohttp ] || echo "no aiohttp: run benchmarks/client_wheels.sh and carry it"
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for section in "${@:-checks}"; do
 case "$section" in
@@ -152,13 +164,13 @@ warmtests)  # the warm-up and the kernels it touches (attention launch rules mov
     tests/gpu/test_warmup_gpu.py tests/gpu/test_triton_attention.py tests/gpu/test_cuda_graphs.py \
     -k "not triton_attention or (bf16 and bs16) or warmup" ;;
 servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set up first)
+  kit_deps
   VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
   # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4)
-  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
-    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  kit_deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
     ${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} > "$OUT/ours_server.log" 2>&1 &
@@ -168,6 +180,10 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
     --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"
   kill $pid; wait $pid ;;
+clientcheck)  # the benchmark client against a paced fake server, and the openai SDK's
+  kit_deps
+  TAIL=10 PYTHONPATH=$PWD:/tmp/deps step client_fidelity 240 python3 \
+    benchmarks/client_fidelity.py --openai ;;
 servebudget)  # serveours at several step budgets (issue 20: TPOT and p99 ITL vs TTFT);
   # BUDGETS="2048 4096 8192 16384" by default, RUNS as serveours
   for b in ${BUDGETS:-2048 4096 8192 16384}; do
@@ -182,6 +198,7 @@ w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old
     qwen2-vl-2b-random 512 $W)
   BS1=0 step w1_512_new2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
 multiturn)  # the multi-turn client against each server in turn (peers kit set up first)
+  kit_deps
   mt() { PYTHONPATH=$PWD:/tmp/deps step "multiturn_$1" 300 python3 -m vlmserve.benchmarks.multiturn \
            --base-url "http://127.0.0.1:$2" --conversations 64 --turns 4 --images 2 \
            --output-len 64 --out "$OUT/multiturn_$1.json"; }
@@ -204,16 +221,14 @@ w1prefix)  # W1 offline (sbs.py, 512 requests, no shared prefixes): prefix cachi
     enable_prefix_caching=False
   BS1=0 step w1_prefix_on2 150 python3 "$S" vlmserve qwen2-vl-2b-random 512 $W ;;
 epdipc)  # pyzmq from the peers kit (.peer/p4, carried)
-  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
-    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  kit_deps
   export PYTHONPATH=$PWD:/tmp/deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   TAIL=12 step ipc 300 $B.encoder_ipc --model /tmp/q2vl2b --requests 1000 --out "$OUT/ipc.json"
   TAIL=12 step ipc_negative 200 $B.encoder_ipc --model /tmp/q2vl2b --requests 300 \
     --unopened-per-request 1 --out "$OUT/ipc_negative.json" ;;
 epdserve)
-  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
-    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  kit_deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   up() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0
          kill -0 "$2" 2> /dev/null || return 1; sleep 1; done; return 1; }

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
-from PIL import Image
+
+from vlmserve.benchmarks.client import (
+    chat_body,
+    first_model,
+    image_data_url,
+    open_session,
+    stream_chat,
+)
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from old oak "
          "trees near the quiet river that flows past green hills and small stone houses under "
@@ -30,18 +35,11 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch 
          "mountains").split()
 
 
-def image_url(side: int, rng: np.random.Generator) -> str:
-    img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def question(rng: np.random.Generator, words: int) -> str:
     return " ".join(rng.choice(WORDS, words)) + "?"
 
 
-async def converse(client: httpx.AsyncClient, model: str, first: list[dict], turns: int,
+async def converse(session: aiohttp.ClientSession, model: str, first: list[dict], turns: int,
                    words: int, output_len: int, rng: np.random.Generator) -> list[dict]:
     """One conversation, turn after turn: per turn its TTFT, prompt and output tokens."""
     messages = [{"role": "user", "content": first}]
@@ -49,25 +47,13 @@ async def converse(client: httpx.AsyncClient, model: str, first: list[dict], tur
     for turn in range(turns):
         if turn:
             messages.append({"role": "user", "content": question(rng, words)})
-        body = {"model": model, "messages": messages, "max_tokens": output_len,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        start = time.perf_counter()
-        ttft, text, usage = None, [], None
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    text.append(chunk["choices"][0]["delta"]["content"])
-                usage = chunk.get("usage") or usage
-        messages.append({"role": "assistant", "content": "".join(text)})
-        results.append({"turn": turn + 1, "ttft": ttft, "latency": time.perf_counter() - start,
-                        "prompt_tokens": usage["prompt_tokens"],
-                        "completion_tokens": usage["completion_tokens"]})
+        res = await stream_chat(session, chat_body(model, messages, output_len))
+        if res.error is not None:
+            raise RuntimeError(f"turn {turn + 1}: {res.error}")
+        messages.append({"role": "assistant", "content": "".join(res.text)})
+        results.append({"turn": turn + 1, "ttft": res.ttft, "latency": res.e2e,
+                        "prompt_tokens": res.prompt_tokens,
+                        "completion_tokens": res.completion_tokens})
     return results
 
 
@@ -80,17 +66,17 @@ def _stats(xs: list[float]) -> dict[str, float]:
 async def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     sides = [int(s) for s in args.image_sizes.split(",")]
-    firsts = [[{"type": "image_url", "image_url": {"url": image_url(sides[j % len(sides)], rng)}}
+    firsts = [[{"type": "image_url",
+                "image_url": {"url": image_data_url(sides[j % len(sides)], rng)}}
                for j in range(args.images)] + [{"type": "text", "text": question(rng, args.words)}]
               for _ in range(args.conversations + 1)]
-    limits = httpx.Limits(max_connections=args.conversations + 4)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with open_session(args.base_url) as session:
+        model = args.model or await first_model(session)
         # a warm-up conversation (its own images): not counted
-        await converse(client, model, firsts[-1], 1, args.words, args.output_len, rng)
+        await converse(session, model, firsts[-1], 1, args.words, args.output_len, rng)
         start = time.perf_counter()
         convs = await asyncio.gather(*(
-            converse(client, model, firsts[i], args.turns, args.words, args.output_len,
+            converse(session, model, firsts[i], args.turns, args.words, args.output_len,
                      np.random.default_rng(args.seed + 1 + i))
             for i in range(args.conversations)))
         duration = time.perf_counter() - start

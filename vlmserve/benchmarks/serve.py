@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import statistics
 import time
@@ -23,12 +21,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vlmserve.benchmarks import parse_args
-
-
-def _data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+from vlmserve.benchmarks.client import (
+    StreamResult,
+    chat_body,
+    first_model,
+    image_data_url,
+    open_session,
+    stream_chat,
+)
 
 
 def make_messages(args) -> list[list[dict]]:
@@ -39,41 +39,11 @@ def make_messages(args) -> list[list[dict]]:
         parts = []
         for _ in range(args.images_per_request):
             side = int(rng.choice([int(s) for s in args.image_sizes.split(",")]))
-            img = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-            from PIL import Image
-
-            parts.append({"type": "image_url",
-                          "image_url": {"url": _data_url(Image.fromarray(img))}})
+            parts.append({"type": "image_url", "image_url": {"url": image_data_url(side, rng)}})
         text = " ".join(rng.choice(words, args.prompt_words))
         parts.append({"type": "text", "text": text})
         convs.append([{"role": "user", "content": parts}])
     return convs
-
-
-async def _one(client, model, messages, args, bar) -> dict:
-    t0 = time.perf_counter()
-    ttft, stamps, n_out, err = None, [], 0, None
-    try:
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.output_len, temperature=0.0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            # a chunk per output with tokens (content "" while no text is due yet: random
-            # weights sample ids the tiny tokenizer decodes to nothing)
-            if chunk.choices and chunk.choices[0].delta.content is not None:
-                if ttft is None:
-                    ttft = now - t0
-                stamps.append(now)
-            if chunk.usage is not None:
-                n_out = chunk.usage.completion_tokens
-    except Exception as e:  # noqa: BLE001 - counted as a failed request
-        err = str(e)
-    bar.update(1)
-    e2e = time.perf_counter() - t0
-    return {"ttft": ttft, "e2e": e2e, "n_out": n_out, "error": err,
-            "itls": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
 _SERVER_HISTOGRAMS = {"ttft": "vlmserve_time_to_first_token_seconds",
@@ -102,31 +72,30 @@ def _server_histograms(base_url: str) -> dict[str, tuple[float, float]] | None:
 
 
 async def run_once(args, convs, concurrency: int, rate: float = float("inf")) -> dict:
-    from openai import AsyncOpenAI
+    async with open_session(args.base_url) as session:
+        model = args.model or await first_model(session)
+        bodies = [chat_body(model, messages, args.output_len) for messages in convs]
+        sem = asyncio.Semaphore(concurrency)
+        rng = np.random.default_rng(args.seed + 1)
+        bar = tqdm(total=len(convs), desc=f"concurrency {concurrency}")
 
-    client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key="none",
-                         timeout=600)
-    model = args.model or (await client.models.list()).data[0].id
-    sem = asyncio.Semaphore(concurrency)
-    rng = np.random.default_rng(args.seed + 1)
-    bar = tqdm(total=len(convs), desc=f"concurrency {concurrency}")
+        async def limited(body):
+            async with sem:
+                res = await stream_chat(session, body)
+                bar.update(1)
+                return res
 
-    async def limited(messages):
-        async with sem:
-            return await _one(client, model, messages, args, bar)
-
-    before = await asyncio.to_thread(_server_histograms, args.base_url)
-    tasks = []
-    t0 = time.perf_counter()
-    for messages in convs:
-        tasks.append(asyncio.create_task(limited(messages)))
-        if rate != float("inf"):
-            gap = rng.exponential(1 / rate) if args.poisson else 1 / rate
-            await asyncio.sleep(gap)
-    results = await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - t0
-    bar.close()
-    await client.close()
+        before = await asyncio.to_thread(_server_histograms, args.base_url)
+        tasks = []
+        t0 = time.perf_counter()
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
+            if rate != float("inf"):
+                gap = rng.exponential(1 / rate) if args.poisson else 1 / rate
+                await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+        bar.close()
     out = summarize(results, elapsed, concurrency, rate, args)
     after = await asyncio.to_thread(_server_histograms, args.base_url)
     if before and after:  # the engine's own pacing: client-side gaps above it are delivery
@@ -143,19 +112,21 @@ def _stats(xs: list[float], name: str) -> dict:
             f"p99_{name}_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
-def summarize(results: list[dict], elapsed: float, concurrency: int, rate: float,
+def summarize(results: list[StreamResult], elapsed: float, concurrency: int, rate: float,
               args) -> dict:
-    ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
-    ttfts = [r["ttft"] for r in ok]
-    tpots = [(r["e2e"] - r["ttft"]) / (r["n_out"] - 1) for r in ok if r["n_out"] > 1]
-    itls = [x for r in ok for x in r["itls"]]
-    good = [r for r in ok if r["ttft"] * 1e3 <= args.slo_ttft_ms and (
-        r["n_out"] <= 1 or (r["e2e"] - r["ttft"]) / (r["n_out"] - 1) * 1e3 <= args.slo_tpot_ms)]
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    itls = [x for r in ok for x in r.itls]
+    good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and (
+        r.completion_tokens <= 1
+        or (r.e2e - r.ttft) / (r.completion_tokens - 1) * 1e3 <= args.slo_tpot_ms)]
     out = {
         "concurrency": concurrency, "request_rate": rate,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
+        "errors": sorted({r.error for r in results if r.error})[:3],
         "requests_per_s": len(ok) / elapsed,
-        "output_tokens_per_s": sum(r["n_out"] for r in ok) / elapsed,
+        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / elapsed,
         "goodput_requests_per_s": len(good) / elapsed,
         **_stats(ttfts, "ttft"), **_stats(tpots, "tpot"), **_stats(itls, "itl"),
         "ttfts_ms": [1e3 * x for x in ttfts], "tpots_ms": [1e3 * x for x in tpots],

@@ -1,0 +1,102 @@
+"""The online benchmarks' HTTP client: streamed chat completions over aiohttp, each request's
+body serialized before its clock starts and the SSE lines read as bytes.
+
+The client must not be what it measures. Through the `openai` SDK (httpx, a pydantic model
+per chunk) one process fell behind a fake server that sends every open stream a token each
+3 ms: at 192 streams it reported 16 ms per token and 327 ms p99 gaps for a server whose own
+gaps were 7 and 57 ms, and tokens arrived in bursts (median gap 0.09 ms). This client stays
+within a few percent of the server's own pacing there (`docs/benchmarks.md`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+
+def image_data_url(side: int, rng: np.random.Generator) -> str:
+    """A random square RGB image as a PNG data URL (noise: PNG cannot shrink it)."""
+    from PIL import Image
+
+    img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def open_session(base_url: str) -> aiohttp.ClientSession:
+    """One connection pool for a run; the caller bounds concurrency, the pool does not."""
+    return aiohttp.ClientSession(
+        base_url=base_url.rstrip("/"),
+        timeout=aiohttp.ClientTimeout(total=None, connect=30, sock_read=600),
+        connector=aiohttp.TCPConnector(limit=0))
+
+
+async def first_model(session: aiohttp.ClientSession) -> str:
+    async with session.get("/v1/models") as r:
+        r.raise_for_status()
+        return (await r.json())["data"][0]["id"]
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> bytes:
+    """A streamed greedy chat request of exactly `max_tokens` tokens (`ignore_eos`), usage in
+    its last chunk."""
+    return json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+
+
+@dataclass
+class StreamResult:
+    start: float  # perf_counter when the request was sent
+    ttft: float | None = None  # seconds to the first chunk with content
+    stamps: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    text: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    e2e: float = 0.0
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+async def stream_chat(session: aiohttp.ClientSession, body: bytes) -> StreamResult:
+    """POST one serialized chat request and read its stream. A chunk counts as a token
+    chunk when its delta has content, even "" (random weights sample ids that decode to no
+    text yet); failures are recorded in `error`, never raised."""
+    res = StreamResult(start=time.perf_counter())
+    try:
+        async with session.post("/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:300]}"
+            else:
+                async for line in r.content:
+                    now = time.perf_counter()
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = str(chunk["error"])
+                        break
+                    choices = chunk.get("choices")
+                    if choices and choices[0]["delta"].get("content") is not None:
+                        if res.ttft is None:
+                            res.ttft = now - res.start
+                        res.stamps.append(now)
+                        res.text.append(choices[0]["delta"]["content"])
+                    if chunk.get("usage"):
+                        res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        res.completion_tokens = chunk["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - res.start
+    return res
