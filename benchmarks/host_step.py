@@ -37,7 +37,8 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine, "_process_step", "outputs")  # scheduler update, detokenization, outputs
+    timed(engine.scheduler, "update_from_output", "update")  # tokens into the requests
+    timed(engine, "_outputs", "outputs")  # detokenization and outputs (front ends, served)
     timed(StepResult, "get", "read_back")
     timed(runner, "execute_model", "execute")
     timed(runner, "_forward_eager", "forward")
