@@ -74,7 +74,7 @@ def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine)
 
 
 def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
-    from vlmserve.engine import async_llm
+    from vlmserve.engine import core_client
 
     handed: list[int] = []
 
@@ -83,7 +83,7 @@ def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
         plain = loop.call_soon_threadsafe
 
         def counting(fn, *args, **kw):
-            if fn is async_llm.put_all:
+            if fn is core_client.put_all:
                 handed.append(len(args[0]))
             return plain(fn, *args, **kw)
 
@@ -248,7 +248,7 @@ def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
         return s
 
     s = asyncio.run(main())
-    engine._finish_callbacks.remove(finished.append)
+    engine.client._finish_callbacks.remove(finished.append)
     assert s["num_running"] == s["num_waiting"] == s["num_streams"] == 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["encoder_cache_referenced"] == 0
     assert [t.finish_reason for t in finished] == ["abort"]
@@ -264,7 +264,7 @@ def test_timing(engine) -> None:
         return [o async for o in stream], stream.timing
 
     outs, timing = asyncio.run(main())
-    engine._finish_callbacks.remove(finished.append)
+    engine.client._finish_callbacks.remove(finished.append)
     assert finished == [timing] and timing.finish_reason == "length"
     assert len(timing.token_times) == 6
     assert timing.num_prompt_tokens == len(outs[0].prompt_token_ids)
