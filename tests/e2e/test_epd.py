@@ -186,7 +186,8 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
 
 def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
     """`--api-key` guards /v1/encode (401 without it), and a body over `--max-request-bytes`
-    is a 413 before it is read, as on the LLM server."""
+    is a 413 before it is read, as on the LLM server; an LLM server whose pixels it refuses
+    answers its client with a 503, not a 400."""
     enc = ServeProc("--role", "encoder", "--api-key", "sesame", "--max-request-bytes", "200000")
     try:
         body = {"images": [data_url(make_image(56, 56, 5))], "transport": "bytes"}
@@ -210,6 +211,13 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
                                                                                 == "wrong"))),
                     "max_tokens": 2})
                 assert r.status_code == status, r.text
+                if key == "sesame":  # the encoder server's lower body limit refuses this
+                    # server's pixels: a 503 naming it (the user's request was fine)
+                    r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
+                        "model": MODEL, "messages": user("Hi.", data_url(make_image(
+                            400, 400, 7))), "max_tokens": 2})
+                    message = r.json()["error"]["message"]
+                    assert r.status_code == 503 and "HTTP 413" in message, r.text
             finally:
                 llm.kill()
     finally:

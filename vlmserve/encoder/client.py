@@ -27,7 +27,6 @@ from collections.abc import Sequence
 import msgspec
 
 from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, PixelImage
-from vlmserve.errors import InvalidRequestError
 from vlmserve.multimodal.inputs import ImageInput
 
 logger = logging.getLogger(__name__)
@@ -97,8 +96,9 @@ class EncoderClient:
     def encode(self, images: Sequence[ImageInput]) -> list[EncodedImageWire | None]:
         """A handle per image; None for the images not sent (sent recently) or answered as
         known (the engine core holds them already): their pixels go to the core. Raises
-        `EncoderUnavailableError` when no server could encode them, `InvalidRequestError`
-        when a server refused them as bad input."""
+        `EncoderUnavailableError` when no server would encode them (each was unreachable,
+        failed or refused them: the images passed this server's own checks, so a refusal
+        is a deployment mismatch, a 503, not the user's 400)."""
         with self._lock:
             send = [img for img in images if img.mm_hash not in self._recent]
         unique = list({img.mm_hash: img for img in send}.values())
@@ -150,10 +150,8 @@ class EncoderClient:
                 if r.status_code in (401, 403):  # our key, not the user's input
                     errors.append(f"{self.urls[i]}: refused this server's key "
                                   f"(--encoder-api-key): HTTP {r.status_code}")
-                elif 400 <= r.status_code < 500:
-                    raise InvalidRequestError(f"the encoder server refused the images: "
-                                              f"{r.text[:300]}")
-                else:
+                else:  # a refusal too: this front end checked the images (a server of
+                    # another version or model, or with lower limits: not the user's fault)
                     errors.append(f"{self.urls[i]}: HTTP {r.status_code}: {r.text[:200]}")
             with self._lock:
                 self.failovers += 1
