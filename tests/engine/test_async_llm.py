@@ -218,7 +218,7 @@ def test_stop_strings_end_requests_in_the_front_end_and_free_them_in_the_core(
 @pytest.mark.parametrize("how", ["cancel", "break", "aclose"])
 def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
     finished: list[RequestTiming] = []
-    engine.add_finish_callback(finished.append)
+    engine.client.add_finish_callback(finished.append)
     p = prompts(2)[1]
 
     seen = asyncio.Event()
@@ -257,7 +257,7 @@ def test_consumer_leaving_aborts_the_request(engine, how: str) -> None:
 
 def test_timing(engine) -> None:
     finished: list[RequestTiming] = []
-    engine.add_finish_callback(finished.append)
+    engine.client.add_finish_callback(finished.append)
 
     async def main():
         stream = await engine.add_request("time me", greedy(6))
@@ -279,7 +279,7 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
 
     eng = AsyncLLM.from_kwargs(**OPTS)
     dead: list[BaseException] = []
-    eng.add_dead_callback(dead.append)
+    eng.client.add_dead_callback(dead.append)
 
     async def main() -> float:
         stream = await eng.add_request("hello", greedy(400))
@@ -298,7 +298,7 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
         assert asyncio.run(main()) < 1.0
         assert not eng.is_running and len(dead) == 1
         # a front end still starting when the core died registers late: told at once
-        eng.add_dead_callback(dead.append)
+        eng.client.add_dead_callback(dead.append)
         assert len(dead) == 2 and dead[1] is dead[0]
         with pytest.raises(EngineDeadError):  # a utility call fails, it does not wait
             asyncio.run(asyncio.wait_for(eng.get_stats(), 5))

@@ -22,7 +22,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vlmserve.config import EngineConfig
@@ -115,28 +115,6 @@ class AsyncLLM:
     def num_streams(self) -> int:
         """Requests this front end is serving (handed to the core, not finished)."""
         return self.client.num_streams
-
-    @property
-    def num_running(self) -> int:
-        return self.client.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.client.num_waiting
-
-    def add_finish_callback(self, fn: Callable[[RequestTiming], None]) -> None:
-        """`fn(timing)` runs on the I/O thread when a request finishes or is aborted."""
-        self.client.add_finish_callback(fn)
-
-    def add_step_callback(self, fn: Callable[[float], None]) -> None:
-        """`fn(step_seconds)` runs on the I/O thread for each step with this front end's
-        tokens: the host time of the engine core's loop iteration."""
-        self.client.add_step_callback(fn)
-
-    def add_dead_callback(self, fn: Callable[[BaseException], None]) -> None:
-        """`fn(error)` runs on the I/O thread once, when the engine core is found dead (here
-        and now if it already has been: a front end still starting when it died)."""
-        self.client.add_dead_callback(fn)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.input_processor.model_processor.apply_chat_template(messages)

@@ -120,7 +120,7 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
             uvicorn.Config(app, log_level=cfg.log_level,
                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
             engine, app.state.serving, cfg.shutdown_timeout)
-        engine.add_dead_callback(server.core_died)
+        engine.client.add_dead_callback(server.core_died)
         server.run(sockets=[sock])
         return server.exit_code
     finally:

@@ -83,11 +83,11 @@ class ServerMetrics:
                              registry=r, multiprocess_mode="livesum")
         self.e2e = Histogram("vlmserve_e2e_request_latency_seconds",
                              "Arrival to finish.", buckets=_E2E_BUCKETS, registry=r)
-        engine.add_finish_callback(self.observe_finished)
-        engine.add_step_callback(self.step_time.observe)
+        engine.client.add_finish_callback(self.observe_finished)
+        engine.client.add_step_callback(self.step_time.observe)
         if self.multiproc_dir is not None:
             # a scrape renders the other front ends' last written counts: keep ours current
-            engine.add_step_callback(self._count_streams)
+            engine.client.add_step_callback(self._count_streams)
 
     def _count_streams(self, _: object = None) -> None:  # on the engine's I/O thread
         self.streams.set(self.engine.num_streams)
