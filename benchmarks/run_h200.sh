@@ -53,15 +53,15 @@ step() {  # step NAME SECONDS CMD...
   return $rc
 }
 B="python -m vlmserve.benchmarks"
-kit_deps() {  # the peers kit's wheels (.peer/p4) and the benchmark client's (aiohttp:
-  # benchmarks/client_wheels.sh, carried as .cache/clientwheels, or copied to /tmp/clientwheels)
+kit_deps() {  # the peers kit's wheels (.peer/p4) and those it lacks (aiohttp, pybase64:
+  # benchmarks/kit_wheels.sh, carried as .cache/kitwheels, or copied to /tmp/kitwheels)
   [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
     .peer/p4/*.whl > "$OUT/pip.log" 2>&1
-  local w; for w in .cache/clientwheels /tmp/clientwheels; do
+  local w; for w in .cache/kitwheels /tmp/kitwheels; do
     [ -d /tmp/deps/aiohttp ] || [ ! -d $w ] || python3 -m pip install -q --no-index --no-deps \
       --target /tmp/deps $w/*.whl >> "$OUT/pip.log" 2>&1
   done
-  [ -d /tmp/deps/aiohttp ] || echo "no aiohttp: run benchmarks/client_wheels.sh and carry it"
+  [ -d /tmp/deps/aiohttp ] || echo "no aiohttp: run benchmarks/kit_wheels.sh, carry .cache/kitwheels"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for section in "${@:-checks}"; do
