@@ -12,14 +12,12 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 
 from vlmserve.encoder.client import EncoderUnavailableError
 from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
@@ -40,22 +38,17 @@ from vlmserve.entrypoints.openai.openapi import openapi_schema
 from vlmserve.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     UsageInfo,
     random_id,
 )
+from vlmserve.entrypoints.openai.streaming import chat_events, completion_events, event_stream
 from vlmserve.errors import (
     InvalidImageError,
     InvalidRequestError,
@@ -65,47 +58,10 @@ from vlmserve.errors import (
 from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.outputs import RequestOutput
-from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # a UTF-16 surrogate escape: when the body fails to decode, the likely cause is a lone one
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-class _TextChunk:
-    """A stream's token chunks from one template: the event of a sample chunk whose text is
-    `MARK`, split around it. The same bytes as building the pydantic chunk each time, at a
-    fraction of the cost: a stream sends one per token, from the event loop that serves
-    every stream."""
-
-    MARK = "\x00vlmserve-text\x00"
-
-    def __init__(self, sample: str) -> None:
-        self.head, self.tail = sample.split(json.dumps(self.MARK))
-
-    def __call__(self, text: str) -> str:
-        return self.head + json.dumps(text) + self.tail
-
-
-def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
-                delta: DeltaMessage | None, finish: str | None = None,
-                usage: UsageInfo | None = None, logprobs: ChatLogprobs | None = None) -> str:
-    """One `chat.completion.chunk` event."""
-    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish,
-                                                        logprobs=logprobs)]
-    data = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
-                               usage=usage).model_dump()
-    if delta is not None:  # OpenAI leaves unset delta fields out
-        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-    if not include_usage:
-        data.pop("usage")
-    return _sse(data)
-
-
-def _sse(payload: BaseModel | dict | str) -> str:
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump()
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 class OpenAIServing:
@@ -241,7 +197,8 @@ class OpenAIServing:
         stream = await self.engine.add_request(prompt, params, rid, arrival,
                                                self.image_loader, self.cfg.default_max_tokens)
         if req.stream:
-            return _event_stream(self.chat_events(stream, req, params, rid, created), stream)
+            return event_stream(chat_events(stream, req, params, rid, created, self.model_name,
+                                            self.token_texts), stream)
         out = await self.last_output(stream, request)
         c = out.outputs[0]
         logprobs = None if params.logprobs is None else chat_logprobs(
@@ -283,8 +240,8 @@ class OpenAIServing:
         stream = await self.engine.add_request(prompt, params, rid, arrival,
                                                default_max_tokens=self.cfg.default_max_tokens)
         if req.stream:
-            return _event_stream(
-                self.completion_events(stream, req, params, rid, created), stream)
+            return event_stream(completion_events(stream, req, params, rid, created,
+                                                  self.model_name, self.token_texts), stream)
         out = await self.last_output(stream, request)
         c = out.outputs[0]
         logprobs = None if params.logprobs is None else completion_logprobs(
@@ -294,99 +251,6 @@ class OpenAIServing:
             choices=[CompletionChoice(text=c.text, logprobs=logprobs,
                                       finish_reason=c.finish_reason)],
             usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
-
-    # ---- streaming -------------------------------------------------------------------------
-
-    async def chat_events(self, stream: RequestStream, req: ChatCompletionRequest,
-                          params: SamplingParams, rid: str, created: int) -> AsyncIterator[str]:
-        chunk = functools.partial(_chat_chunk, rid, created, self.model_name, req.include_usage)
-        first = True  # the role rides on the first token's chunk
-        token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
-        async for text, out, new_tokens in _text_deltas(stream, params):
-            if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
-                c = out.outputs[0]
-                yield chunk(DeltaMessage(role="assistant" if first else None, content=text),
-                            logprobs=chat_logprobs(self.token_texts, c.token_ids[-new_tokens:],
-                                                   c.logprobs[-new_tokens:], params.logprobs))
-                first = False
-            elif new_tokens:  # a chunk per output with tokens, even if no text is due yet
-                yield (chunk(DeltaMessage(role="assistant", content=text)) if first
-                       else token_chunk(text))
-                first = False
-            if out.finished:
-                c = out.outputs[0]
-                yield chunk(DeltaMessage(), finish=c.finish_reason)
-                if req.include_usage:
-                    yield chunk(None, usage=UsageInfo.of(len(out.prompt_token_ids),
-                                                         len(c.token_ids)))
-        yield _sse("[DONE]")
-
-    async def completion_events(self, stream: RequestStream, req: CompletionRequest,
-                                params: SamplingParams, rid: str,
-                                created: int) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            data = CompletionResponse(id=rid, created=created, model=self.model_name,
-                                      choices=choices, usage=usage).model_dump()
-            if not req.include_usage:
-                data.pop("usage")
-            return _sse(data)
-
-        token_chunk = _TextChunk(chunk([CompletionChoice(text=_TextChunk.MARK)]))
-        offset = 0  # of the next token's text (in the tokens' texts so far)
-        async for text, out, new_tokens in _text_deltas(stream, params):
-            if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
-                c = out.outputs[0]
-                logprobs, offset = completion_logprobs(
-                    self.token_texts, c.token_ids[-new_tokens:], c.logprobs[-new_tokens:],
-                    offset)
-                yield chunk([CompletionChoice(text=text, logprobs=logprobs)])
-            elif new_tokens:
-                yield token_chunk(text)
-            if out.finished:
-                c = out.outputs[0]
-                yield chunk([CompletionChoice(text="", finish_reason=c.finish_reason)])
-                if req.include_usage:
-                    yield chunk([], UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids)))
-        yield _sse("[DONE]")
-
-
-async def _text_deltas(stream: RequestStream, params: SamplingParams
-                       ) -> AsyncIterator[tuple[str, RequestOutput, int]]:
-    """(new text, output, new tokens) per engine output. A stream sends a chunk for every
-    output with new tokens, as vLLM does, even when they add no text yet (an incomplete
-    UTF-8 sequence, text held back for a stop string, tokens that decode to nothing): a
-    client then sees each token arrive, or, when it reads slower than the engine makes
-    them, every token that came meanwhile in one chunk. With stop strings, the last `len(stop) - 1`
-    characters are held back until the request ends, because a stop string found later
-    truncates text that may span outputs."""
-    hold = max((len(s) for s in params.stop), default=1) - 1
-    sent = tokens = 0
-    try:
-        async for out in stream:
-            c = out.outputs[0]
-            upto = len(c.text) if out.finished else max(sent, len(c.text) - hold)
-            yield c.text[sent:upto], out, len(c.token_ids) - tokens
-            sent, tokens = upto, len(c.token_ids)
-    finally:
-        stream.abort()
-
-
-def _event_stream(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
-    """SSE response; a client that disconnects cancels the iteration, which aborts the
-    request at once."""
-
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except (EngineDeadError, RequestFailedError) as e:
-            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
-            yield _sse("[DONE]")
-        finally:
-            stream.abort()
-
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
 
 
 def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
