@@ -194,7 +194,7 @@ class Traffic:
             ("unknown_field", chat_with(foo_bar=1), False),
             ("response_format", chat_with(response_format={"type": "json_object"}), False),
             ("n_2", chat_with(n=2), False),
-            ("logprobs", chat_with(logprobs=True), False),
+            ("top_logprobs_21", chat_with(logprobs=True, top_logprobs=21), False),
             ("bad_type_max_tokens", chat_with(max_tokens="ten"), False),
             ("empty_messages", chat_with(messages=[]), False),
             ("bad_part_type", chat_with(messages=[{"role": "user", "content": [

@@ -423,7 +423,10 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         assert r["output_tokens_per_s"] > 0 and len(r["tpots_ms"]) == 6
         # the server's own view of the same requests, from its metrics endpoint
         assert 0 < r["server_mean_ttft_ms"] <= max(r["ttfts_ms"])
-        assert 0 < r["server_mean_itl_ms"]
+        assert 0 < r["server_mean_itl_ms"] and 0 < r["server_mean_step_ms"]
+        # the bucket of the server's 99th-percentile gap and step bounds their means
+        assert r["server_p99_itl_le_ms"] >= r["server_mean_itl_ms"]
+        assert r["server_p99_step_le_ms"] >= r["server_mean_step_ms"]
     for png in ("latency.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 

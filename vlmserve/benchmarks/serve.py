@@ -47,28 +47,53 @@ def make_messages(args) -> list[list[dict]]:
 
 
 _SERVER_HISTOGRAMS = {"ttft": "vlmserve_time_to_first_token_seconds",
-                      "itl": "vlmserve_inter_token_latency_seconds"}
+                      "itl": "vlmserve_inter_token_latency_seconds",
+                      "step": "vlmserve_engine_step_seconds"}
 
 
-def _server_histograms(base_url: str) -> dict[str, tuple[float, float]] | None:
-    """(sum, count) of the server's own TTFT and inter-token histograms (its engine thread's
-    clock), from its Prometheus endpoint; None when it has none (another server)."""
+def _server_histograms(base_url: str) -> dict[str, dict[str, float]] | None:
+    """The server's own TTFT, inter-token and engine-step histograms (its front ends' clocks)
+    from its Prometheus endpoint: per histogram its sum, count and cumulative bucket counts
+    by upper bound; None when it has none (another server)."""
     import urllib.request
 
     try:
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
             text = r.read().decode()
-    except (OSError, ValueError):
+    except (ImportError, OSError, ValueError):
         return None
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        values[name] = value
-    try:
-        return {k: (float(values[f"{m}_sum"]), float(values[f"{m}_count"]))
-                for k, m in _SERVER_HISTOGRAMS.items()}
-    except (KeyError, ValueError):
-        return None
+    wanted = {m: k for k, m in _SERVER_HISTOGRAMS.items()}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        key = wanted.get(family.name)
+        if key is None:
+            continue
+        h = out.setdefault(key, {})
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = sample.labels["le"]
+                h[le] = h.get(le, 0.0) + sample.value  # summed over front ends
+            elif sample.name.endswith(("_sum", "_count")):
+                field = sample.name.rsplit("_", 1)[1]
+                h[field] = h.get(field, 0.0) + sample.value
+    return out if len(out) == len(_SERVER_HISTOGRAMS) else None
+
+
+def _server_figures(before: dict, after: dict) -> dict[str, float | None]:
+    """What the server's histograms say of one run: the mean of each and the upper bound of
+    the bucket its 99th percentile falls in (`..._p99_le_ms`: "at most this")."""
+    out: dict[str, float | None] = {}
+    for key in _SERVER_HISTOGRAMS:
+        b, a = before[key], after[key]
+        n = a.get("count", 0) - b.get("count", 0)
+        out[f"server_mean_{key}_ms"] = 1e3 * (a["sum"] - b["sum"]) / n if n else None
+        bounds = sorted((float(le), a[le] - b.get(le, 0.0)) for le in a
+                        if le not in ("sum", "count"))
+        out[f"server_p99_{key}_le_ms"] = next(
+            (1e3 * le for le, c in bounds if n and c >= 0.99 * n), None)
+    return out
 
 
 async def run_once(args, convs, concurrency: int, rate: float = float("inf")) -> dict:
@@ -99,9 +124,7 @@ async def run_once(args, convs, concurrency: int, rate: float = float("inf")) ->
     out = summarize(results, elapsed, concurrency, rate, args)
     after = await asyncio.to_thread(_server_histograms, args.base_url)
     if before and after:  # the engine's own pacing: client-side gaps above it are delivery
-        for k in _SERVER_HISTOGRAMS:
-            n = after[k][1] - before[k][1]
-            out[f"server_mean_{k}_ms"] = 1e3 * (after[k][0] - before[k][0]) / n if n else None
+        out.update(_server_figures(before, after))
     return out
 
 
