@@ -408,6 +408,24 @@ def test_metrics_parse_and_move(server: Server) -> None:
         "vlmserve_e2e_request_latency_seconds_sum", 0.0)
 
 
+def test_bench_client_records_refusals_and_reads_streams(server: Server) -> None:
+    """The benchmarks' client: a refused request is an error naming its status (never an
+    exception), a served one its tokens, usage and one arrival time per token chunk."""
+    from vlmserve.benchmarks.client import chat_body, first_model, open_session, stream_chat
+
+    async def main():
+        async with open_session(server.url) as session:
+            model = await first_model(session)
+            ok = await stream_chat(session, chat_body(model, user("Hi."), 5))
+            bad = await stream_chat(session, chat_body("no-such-model", user("Hi."), 5))
+        return ok, bad
+
+    ok, bad = asyncio.run(main())
+    assert ok.error is None and ok.completion_tokens == 5 and ok.prompt_tokens > 0
+    assert len(ok.stamps) == len(ok.text) >= 1 and 0 < ok.ttft <= ok.e2e
+    assert bad.error.startswith("HTTP 404") and "no-such-model" in bad.error and not bad.stamps
+
+
 def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
     from vlmserve.entrypoints.cli import main
 
