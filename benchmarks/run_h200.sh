@@ -31,8 +31,8 @@
 #             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
 #   clientcheck: does `bench serve`'s client keep up? It and the openai SDK against a fake
 #             server pacing tokens every 3 ms (benchmarks/client_fidelity.py; peers kit)
-#   servebudget: serveours at step budgets 2048-16384 (BUDGETS=..., TOKENS:ENCODER_ROWS to
-#             bound the vision rows a step too), concurrency 16/64/192
+#   servebudget: serveours at step budgets 2048-16384 (BUDGETS=..., entries
+#             TOKENS[:ENCODER_ROWS[:PREFILL_WHILE_DECODING]]), concurrency 16/64/192
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
 #             check), export + open + copy time per image; the negative control
@@ -186,14 +186,16 @@ clientcheck)  # the benchmark client against a paced fake server, and the openai
   TAIL=10 PYTHONPATH=$PWD:/tmp/deps step client_fidelity 240 python3 \
     benchmarks/client_fidelity.py --openai ;;
 servebudget)  # serveours at several step budgets (issue 20: TPOT and p99 ITL vs TTFT);
-  # BUDGETS: step tokens, or TOKENS:ENCODER_ROWS to bound the vision tower's rows a step too
-  # ("2048 4096 8192 16384" by default); RUNS as serveours
+  # BUDGETS: entries TOKENS[:ENCODER_ROWS[:PREFILL_WHILE_DECODING]] (empty fields: defaults),
+  # e.g. "8192:2048" bounds the vision rows a step, "8192::2048" the prompt tokens of a step
+  # with decodes ("2048 4096 8192 16384" by default); RUNS as serveours
   for b in ${BUDGETS:-2048 4096 8192 16384}; do
-    enc=""; [ "${b#*:}" = "$b" ] || enc="--max-num-encoder-tokens ${b#*:}"
-    VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens ${b%%:*} $enc --api-server-count 4" \
+    IFS=: read -r tok enc cap <<< "$b"
+    VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens $tok --api-server-count 4
+      ${enc:+--max-num-encoder-tokens $enc} ${cap:+--max-num-prefill-tokens-while-decoding $cap}" \
       RUNS=${RUNS:-inf@16,inf@64,inf@192} bash "$0" serveours
-    mv "$OUT/ours" "$OUT/ours_budget${b/:/_enc}"
-    mv "$OUT/serve_ours.log" "$OUT/serve_ours_budget${b/:/_enc}.log"
+    tag=$(echo "$b" | tr : _)
+    mv "$OUT/ours" "$OUT/ours_budget$tag"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_budget$tag.log"
   done ;;
 w1ab512)  # W1 offline (sbs.py, 512 requests): this tree, the tree in .cache/old, this tree
   S=${SBS:-benchmarks/sbs.py}; W="max_num_seqs=512 max_num_batched_tokens=16384"

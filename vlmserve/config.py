@@ -76,6 +76,10 @@ class SchedulerConfig:
     max_num_encoder_tokens: int | None = _opt(
         None, "Image-embedding rows the vision tower may produce per step (default: step budget)."
     )
+    max_num_prefill_tokens_while_decoding: int | None = _opt(
+        None, "Prompt tokens (prefill chunks) a step may carry while it also carries decodes, "
+        "so running streams wait less behind new prompts; a step without decodes still takes "
+        "the whole step budget (needs chunked prefill; default: the step budget).")
     async_scheduling: bool = _opt(
         True, "Schedule and launch each step before reading back the previous one's tokens, "
         "so the device does not wait for the host between steps (outputs come a step later).")
@@ -141,6 +145,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if s.max_num_prefill_tokens_while_decoding is not None:
+            if s.max_num_prefill_tokens_while_decoding < 1:
+                raise ValueError("max_num_prefill_tokens_while_decoding must be >= 1")
+            if not s.enable_chunked_prefill:
+                raise ValueError("max_num_prefill_tokens_while_decoding needs chunked prefill "
+                                 "(a prompt longer than it could wait for ever)")
         if c.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:

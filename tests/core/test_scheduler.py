@@ -249,3 +249,41 @@ def test_how_far_front_ends_preprocess_ahead():
     so = sched.schedule()  # a and b (32 tokens: a whole, 12 of b) leave the queue
     assert set(so.num_scheduled_tokens) == {"a", "b"}
     assert sched.num_waiting_tokens() == 28 and sched.needs_requests()
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_prefill_tokens_while_decoding_are_capped(lag):
+    """With `max_num_prefill_tokens_while_decoding`, a step that carries decodes carries at
+    most that many prompt tokens (new prompts wait in smaller chunks); a step without decodes
+    still fills the whole budget; every request finishes as without the cap."""
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32,
+                           max_num_prefill_tokens_while_decoding=8)
+    prompts = {"a": 30, "b": 2, "c": 45, "d": 20}
+    reqs = [make_request("a", 30, [(4, 10)], max_tokens=12),
+            make_request("b", 2, max_tokens=12)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = {"capped": 0, "full": 0}
+
+    def check(s, so):
+        if so.total_num_scheduled_tokens == 0:
+            return
+        if len(s.requests) == 2 and s.requests["a"].output_token_ids and "c" not in s.requests:
+            for r in (make_request("c", 45, [(10, 12), (30, 6)], max_tokens=3),
+                      make_request("d", 20, max_tokens=3)):
+                s.add_request(r)
+                reqs.append(r)
+        starts = {rid: so.chunk_ends[rid] - n for rid, n in so.num_scheduled_tokens.items()}
+        prefill = sum(n for rid, n in so.num_scheduled_tokens.items()
+                      if starts[rid] < prompts[rid])
+        if any(starts[rid] >= prompts[rid] for rid in starts):  # a decode rides along
+            assert prefill <= 8, so.num_scheduled_tokens
+            seen["capped"] += prefill > 0
+        elif prefill == 32:
+            seen["full"] += 1
+
+    run(sched, on_step=check, lag=lag)
+    assert seen["capped"] >= 4 and seen["full"] >= 1  # c and d went in capped chunks
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks

@@ -136,6 +136,8 @@ def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None
     (["generate", "--dtype", "fp16", "hi"], "unknown dtype 'fp16'"),
     (["generate", "--max-tokens", "0", "--dtype", "float32", "hi"], "max_tokens must be"),
     (["generate", "--device", "cuda", "hi"], "no CUDA GPU"),
+    (["generate", "--no-enable-chunked-prefill", "--max-num-prefill-tokens-while-decoding",
+      "64", "hi"], "needs chunked prefill"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, capsys, argv,
                                                     words) -> None:

@@ -89,6 +89,14 @@ def test_max_num_seqs_smaller_than_requests(setup):
     check(llm, oracle, mixed_prompts(llm), max_num_seqs=3, max_num_batched_tokens=64)
 
 
+def test_prefill_capped_while_decoding(setup):
+    """New prompts admitted in 13-token chunks beside running decodes (3 slots for 8
+    requests), through images: the same tokens."""
+    _, llm, oracle = setup
+    check(llm, oracle, mixed_prompts(llm), max_num_seqs=3, max_num_batched_tokens=64,
+          max_num_prefill_tokens_while_decoding=13)
+
+
 def test_preemption_keeps_output(setup):
     _, llm, oracle = setup
     engine = check(llm, oracle, mixed_prompts(llm), num_kv_blocks=24, block_size=8,

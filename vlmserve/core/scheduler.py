@@ -62,6 +62,7 @@ class Scheduler:
         block_size: int,
         enable_chunked_prefill: bool = True,
         max_num_encoder_tokens: int | None = None,
+        max_num_prefill_tokens_while_decoding: int | None = None,
         encoder_cache_rows: int | None = None,
         retain_encoder_outputs: bool = False,
         plan_prefetch: bool = True,
@@ -73,6 +74,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        # prompt tokens a step with decodes may carry (None: no limit but the step budget)
+        self.max_num_prefill_tokens_while_decoding = max_num_prefill_tokens_while_decoding
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(
             encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens),
@@ -152,6 +155,10 @@ class Scheduler:
             def eligible(r: Request) -> bool:
                 return True
 
+        # prompt tokens this step may take: fewer while running streams decode in it
+        cap = self.max_num_prefill_tokens_while_decoding
+        prefill_budget = (min(cap, budget) if cap is not None and any(
+            eligible(r) and self._decodes(r) for r in self.running) else budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -163,11 +170,12 @@ class Scheduler:
                     req, len(req.output_token_ids) + req.num_placeholders):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            if start >= req.images_end and start + 1 == req.num_tokens:
-                # decode: one token, past every image: nothing to plan
+            if self._decodes(req):  # one token, past every image: nothing to plan
                 num_new, enc_ids, enc_cost = 1, [], 0
             else:
-                num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
+                num_new, enc_ids, enc_cost = self._plan_chunk(
+                    req, min(budget, prefill_budget), enc_budget)
+                prefill_budget -= num_new
                 if num_new == 0:
                     i += 1
                     continue
@@ -184,6 +192,7 @@ class Scheduler:
             enc_budget -= enc_cost
             i += 1
 
+        budget = min(budget, prefill_budget)  # what new requests may take: prompt tokens
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             req = next((r for r in self.waiting if eligible(r)), None)
@@ -294,6 +303,12 @@ class Scheduler:
             if budget <= 0:
                 break
         return spans
+
+    @staticmethod
+    def _decodes(req: Request) -> bool:
+        """Its next step is a decode: one token, past every image."""
+        start = req.num_computed_tokens
+        return start >= req.images_end and start + 1 == req.num_tokens
 
     def _plan_chunk(
         self, req: Request, budget: int, enc_budget: int

@@ -116,6 +116,7 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
                 sc.max_num_batched_tokens, self.model_processor.max_image_tokens),
+            max_num_prefill_tokens_while_decoding=sc.max_num_prefill_tokens_while_decoding,
             encoder_cache_rows=self.executor.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,
