@@ -287,3 +287,28 @@ def test_prefill_tokens_while_decoding_are_capped(lag):
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_prefetch_plan_follows_the_prefill_cap():
+    """The offload prefetch plan guesses the next step's image rows under the same cap: a
+    chunk beside a decode reads 8 rows of the image, and the plan names those 8."""
+    sched = make_scheduler(max_num_batched_tokens=32, max_num_encoder_tokens=64,
+                           max_num_prefill_tokens_while_decoding=8)
+    sched.add_request(make_request("a", 2, max_tokens=20))
+    sched.add_request(make_request("b", 60, [(2, 50)], max_tokens=2))
+    steps = []
+
+    def record(s, so):
+        reads = []
+        for rid, n in so.num_scheduled_tokens.items():
+            end = so.chunk_ends[rid]
+            for f in s.requests[rid].mm_features:
+                lo, hi = max(end - n, f.offset), min(end, f.offset + f.length)
+                if lo < hi and f.mm_hash not in so.encoder_inputs:
+                    reads.append((f.mm_hash, lo - f.offset, hi - f.offset))
+        steps.append((reads, list(so.prefetch)))
+
+    run(sched, on_step=record)
+    pairs = [(plan, reads) for (_, plan), (reads, _) in zip(steps, steps[1:]) if reads]
+    assert len(pairs) >= 3 and all(plan == reads for plan, reads in pairs), pairs
+    assert pairs[0][1] == [("b-img0", 28, 36)]

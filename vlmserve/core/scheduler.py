@@ -286,15 +286,19 @@ class Scheduler:
         """Image rows the next step will probably read, assuming it continues the running
         requests in order under the same budget (decodes take one token each). A wrong guess
         costs a synchronous copy in the worker, never correctness."""
-        budget = self.max_num_batched_tokens
+        budget = prefill = self.max_num_batched_tokens
+        if self.max_num_prefill_tokens_while_decoding is not None and any(
+                self._decodes(r) for r in self.running):
+            prefill = self.max_num_prefill_tokens_while_decoding
         spans = []
         admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
         for req in itertools.chain(self.running, admitted):
             start = req.num_computed_tokens  # already past this step's chunk
-            n = min(req.num_tokens - start, budget)
+            n = min(req.num_tokens - start, budget, budget if self._decodes(req) else prefill)
             if n <= 0:
                 continue
             budget -= n
+            prefill -= 0 if self._decodes(req) else n
             if start < req.images_end:  # else it has no image rows left to read
                 for img in req.mm_features:
                     lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
