@@ -173,9 +173,11 @@ def main() -> None:
                 rows.append([f"{name} @ {c}", f"{r['requests_per_s']:.1f}",
                              f"{r['mean_ttft_ms']:.0f}", f"{r['mean_tpot_ms']:.2f}",
                              f"{r['median_itl_ms']:.2f}", f"{r['p99_itl_ms']:.1f}",
-                             f"{g['mean_ms']:.2f}", f"{g['p99_ms']:.1f}"])
+                             f"{g['mean_ms']:.2f}", f"{g['p99_ms']:.1f}",
+                             f"{r.get('client_loop_lag_p99_ms', float('nan')):.1f}"])
         print(table(["client @ concurrency", "requests/s", "TTFT mean", "TPOT mean",
-                     "ITL median", "ITL p99", "server gap mean", "server gap p99"], rows))
+                     "ITL median", "ITL p99", "server gap mean", "server gap p99",
+                     "client loop lag p99"], rows))
     finally:
         server.terminate()
         server.wait()

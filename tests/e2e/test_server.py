@@ -445,6 +445,7 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         # the bucket of the server's 99th-percentile gap and step bounds their means
         assert r["server_p99_itl_le_ms"] >= r["server_mean_itl_ms"]
         assert r["server_p99_step_le_ms"] >= r["server_mean_step_ms"]
+        assert 0 <= r["client_loop_lag_p99_ms"] <= r["client_loop_lag_max_ms"]
     for png in ("latency.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 

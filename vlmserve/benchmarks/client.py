@@ -10,6 +10,7 @@ within a few percent of the server's own pacing there (`docs/benchmarks.md`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -100,3 +101,33 @@ async def stream_chat(session: aiohttp.ClientSession, body: bytes) -> StreamResu
         res.error = f"{type(e).__name__}: {e}"
     res.e2e = time.perf_counter() - res.start
     return res
+
+
+class LoopLag:
+    """How late this event loop runs a timer of `interval` seconds while a run goes on: the
+    client's own delay in reading what the server sent (a client that keeps up stays near
+    0; one that does not shows it here, not as the server's latency)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.lags: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            self.lags.append(max(0.0, time.perf_counter() - t - self.interval))
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    def summary(self) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+        return {"client_loop_lag_p99_ms": 1e3 * lags[int(0.99 * (len(lags) - 1))],
+                "client_loop_lag_max_ms": 1e3 * lags[-1]}

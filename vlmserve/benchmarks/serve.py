@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from vlmserve.benchmarks import parse_args
 from vlmserve.benchmarks.client import (
+    LoopLag,
     StreamResult,
     chat_body,
     first_model,
@@ -112,16 +113,18 @@ async def run_once(args, convs, concurrency: int, rate: float = float("inf")) ->
 
         before = await asyncio.to_thread(_server_histograms, args.base_url)
         tasks = []
-        t0 = time.perf_counter()
-        for body in bodies:
-            tasks.append(asyncio.create_task(limited(body)))
-            if rate != float("inf"):
-                gap = rng.exponential(1 / rate) if args.poisson else 1 / rate
-                await asyncio.sleep(gap)
-        results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - t0
+        async with LoopLag() as lag:
+            t0 = time.perf_counter()
+            for body in bodies:
+                tasks.append(asyncio.create_task(limited(body)))
+                if rate != float("inf"):
+                    gap = rng.exponential(1 / rate) if args.poisson else 1 / rate
+                    await asyncio.sleep(gap)
+            results = await asyncio.gather(*tasks)
+            elapsed = time.perf_counter() - t0
         bar.close()
     out = summarize(results, elapsed, concurrency, rate, args)
+    out.update(lag.summary())  # the client's own lag: near 0 when it kept up
     after = await asyncio.to_thread(_server_histograms, args.base_url)
     if before and after:  # the engine's own pacing: client-side gaps above it are delivery
         out.update(_server_figures(before, after))
