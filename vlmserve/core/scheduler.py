@@ -294,11 +294,13 @@ class Scheduler:
         admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
         for req in itertools.chain(self.running, admitted):
             start = req.num_computed_tokens  # already past this step's chunk
-            n = min(req.num_tokens - start, budget, budget if self._decodes(req) else prefill)
+            decode = self._decodes(req)
+            n = min(req.num_tokens - start, budget if decode else min(budget, prefill))
             if n <= 0:
                 continue
             budget -= n
-            prefill -= 0 if self._decodes(req) else n
+            if not decode:
+                prefill -= n
             if start < req.images_end:  # else it has no image rows left to read
                 for img in req.mm_features:
                     lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
