@@ -79,7 +79,7 @@ def test_bench_serve_prints_a_table_to_read() -> None:
     run = dict(request_rate=float("inf"), concurrency=16, completed=9, failed=1,
                requests_per_s=13.1, output_tokens_per_s=1677.2, goodput_requests_per_s=12.0,
                mean_ttft_ms=631.6, p99_ttft_ms=1010.6, mean_tpot_ms=3.21, p99_tpot_ms=5.3,
-               median_itl_ms=2.9, p99_itl_ms=65.6)
+               median_itl_ms=2.9, p99_itl_ms=65.6, client_loop_lag_p99_ms=1.2)
     lines = summary_table([run, {**run, "request_rate": 8.0, "concurrency": 1000}]).splitlines()
     assert len(lines) == 4 and "TTFT mean" in lines[0] and set(lines[1]) <= {"-", " "}
     assert lines[2].split()[:3] == ["inf/s", "@", "16"] and "632" in lines[2]

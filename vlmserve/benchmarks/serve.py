@@ -165,7 +165,8 @@ _COLUMNS = (("requests/s", "requests_per_s", "{:.2f}"), ("output tok/s", "output
             "{:.0f}"), ("goodput/s", "goodput_requests_per_s", "{:.2f}"),
             ("TTFT mean", "mean_ttft_ms", "{:.0f}"), ("TTFT p99", "p99_ttft_ms", "{:.0f}"),
             ("TPOT mean", "mean_tpot_ms", "{:.2f}"), ("TPOT p99", "p99_tpot_ms", "{:.2f}"),
-            ("ITL median", "median_itl_ms", "{:.2f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"))
+            ("ITL median", "median_itl_ms", "{:.2f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"),
+            ("client lag p99", "client_loop_lag_p99_ms", "{:.1f}"))
 
 
 def summary_table(runs: list[dict]) -> str:
