@@ -81,6 +81,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def decodes_next(self) -> bool:
+        """Its next step computes one token, past every image: a decode."""
+        start = self.num_computed_tokens
+        return start >= self.images_end and start + 1 == self.num_tokens
+
+    @property
     def num_image_tokens(self) -> int:
         return sum(f.length for f in self.mm_features)
 

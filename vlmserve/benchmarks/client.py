@@ -3,9 +3,10 @@ body serialized before its clock starts and the SSE lines read as bytes.
 
 The client must not be what it measures. Through the `openai` SDK (httpx, a pydantic model
 per chunk) one process fell behind a fake server that sends every open stream a token each
-3 ms: at 192 streams it reported 16 ms per token and 327 ms p99 gaps for a server whose own
-gaps were 7 and 57 ms, and tokens arrived in bursts (median gap 0.09 ms). This client stays
-within a few percent of the server's own pacing there (`docs/benchmarks.md`).
+3 ms: at 192 streams it reported 16.9 ms per token and 404 ms p99 gaps for a server whose own
+gaps were 7.2 and 101 ms, and tokens arrived in bursts (median gap 0.09 ms). This client
+stays within 3% of the server's own pacing there (`benchmarks/client_fidelity.py`,
+`docs/benchmarks.md`).
 """
 
 from __future__ import annotations

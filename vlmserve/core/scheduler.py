@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
+from vlmserve.core.prefetch_plan import predict_next_rows
 from vlmserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from vlmserve.request import Request, RequestStatus
 
@@ -155,10 +156,7 @@ class Scheduler:
             def eligible(r: Request) -> bool:
                 return True
 
-        # prompt tokens this step may take: fewer while running streams decode in it
-        cap = self.max_num_prefill_tokens_while_decoding
-        prefill_budget = (min(cap, budget) if cap is not None and any(
-            eligible(r) and self._decodes(r) for r in self.running) else budget)
+        prefill_budget = self._prefill_budget(budget, eligible)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -170,7 +168,7 @@ class Scheduler:
                     req, len(req.output_token_ids) + req.num_placeholders):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            if self._decodes(req):  # one token, past every image: nothing to plan
+            if req.decodes_next:  # one token, past every image: nothing to plan
                 num_new, enc_ids, enc_cost = 1, [], 0
             else:
                 num_new, enc_ids, enc_cost = self._plan_chunk(
@@ -224,7 +222,11 @@ class Scheduler:
         out.preempted_request_ids = self._preempted_ids & self._finished_ids
         self._finished_ids, self._preempted_ids = set(), set()
         if self.plan_prefetch:
-            out.prefetch = self._predict_next_rows(out)
+            out.prefetch = predict_next_rows(
+                self.running, self.waiting, self.max_num_seqs - len(self.running),
+                self.max_num_batched_tokens,
+                self._prefill_budget(self.max_num_batched_tokens, lambda r: True),
+                self.encoder_cache)
         return out
 
     # ---- prefix caching --------------------------------------------------------------------
@@ -282,39 +284,13 @@ class Scheduler:
                 self._preempt(req)
         return errored
 
-    def _predict_next_rows(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
-        """Image rows the next step will probably read, assuming it continues the running
-        requests in order under the same budget (decodes take one token each). A wrong guess
-        costs a synchronous copy in the worker, never correctness."""
-        budget = prefill = self.max_num_batched_tokens
-        if self.max_num_prefill_tokens_while_decoding is not None and any(
-                self._decodes(r) for r in self.running):
-            prefill = self.max_num_prefill_tokens_while_decoding
-        spans = []
-        admitted = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
-        for req in itertools.chain(self.running, admitted):
-            start = req.num_computed_tokens  # already past this step's chunk
-            decode = self._decodes(req)
-            n = min(req.num_tokens - start, budget if decode else min(budget, prefill))
-            if n <= 0:
-                continue
-            budget -= n
-            if not decode:
-                prefill -= n
-            if start < req.images_end:  # else it has no image rows left to read
-                for img in req.mm_features:
-                    lo, hi = max(start, img.offset), min(start + n, img.offset + img.length)
-                    if lo < hi and img.mm_hash in self.encoder_cache:
-                        spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
-            if budget <= 0:
-                break
-        return spans
-
-    @staticmethod
-    def _decodes(req: Request) -> bool:
-        """Its next step is a decode: one token, past every image."""
-        start = req.num_computed_tokens
-        return start >= req.images_end and start + 1 == req.num_tokens
+    def _prefill_budget(self, budget: int, eligible) -> int:
+        """Prompt tokens a step of `budget` tokens may take: fewer when a running request
+        it may schedule decodes in it (`max_num_prefill_tokens_while_decoding`)."""
+        cap = self.max_num_prefill_tokens_while_decoding
+        if cap is not None and any(eligible(r) and r.decodes_next for r in self.running):
+            return min(cap, budget)
+        return budget
 
     def _plan_chunk(
         self, req: Request, budget: int, enc_budget: int
