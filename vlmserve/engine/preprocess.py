@@ -14,7 +14,7 @@ import torch
 
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
-from vlmserve.engine.core import load_model_processor, text_config
+from vlmserve.engine.core import freeze_startup_heap, load_model_processor, text_config
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
@@ -90,6 +90,7 @@ def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
     client = encoder_client(encoder_urls, encoder_transport, encoder_consumer, limits)
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
                               image_cache_bytes), limits, eos_token_ids, Encoder(), client)
+    freeze_startup_heap()
 
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,

@@ -39,6 +39,7 @@ from vlmserve.config import EngineConfig
 from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
+from vlmserve.engine.core import freeze_startup_heap
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.server import build_app
@@ -121,6 +122,7 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
             engine, app.state.serving, cfg.shutdown_timeout)
         engine.client.add_dead_callback(server.core_died)
+        freeze_startup_heap()
         server.run(sockets=[sock])
         return server.exit_code
     finally:
@@ -137,6 +139,7 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     encoder = MultimodalEncoder(**encoder_kwargs(cfg, kwargs))
     try:
         app = build_encoder_app(encoder, cfg)
+        freeze_startup_heap()
         logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
                     kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
                     cfg.encoder_lease)
