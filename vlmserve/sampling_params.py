@@ -16,6 +16,7 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # the most log-probabilities a request may ask for per token, besides the sampled one's (as
 # vLLM's default max_logprobs and OpenAI's top_logprobs limit)
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -31,8 +32,12 @@ class SamplingParams:
     (k or k + 1 entries, most likely first, the sampled token last if not among them), in
     `CompletionOutput.logprobs`. They are the raw log-probabilities (log_softmax of the
     model's logits before temperature, top-k and top-p: vLLM's default "raw_logprobs").
-    output_kind: "cumulative" reports the request at every step that gives it tokens (for
-    streaming); "final_only" only when it finishes (what `LLM.generate` asks for).
+    output_kind: "cumulative" reports the whole request so far at every step that gives it
+    tokens; "delta" reports only what each such step added (text, token ids, logprobs; with
+    stop strings the last len(longest stop) - 1 characters wait for the next output, as a
+    stop string found later may still cut them): what the server streams, at a cost per
+    token that does not grow with the output; "final_only" reports only the finished
+    request (what `LLM.generate` and the server's non-streamed requests ask for).
     """
 
     max_tokens: int | None = 16
@@ -86,8 +91,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.logprobs!r}")
-        if self.output_kind not in ("cumulative", "final_only"):
-            bad(f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -335,6 +335,43 @@ def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_
         eng.shutdown()
 
 
+def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
+    """Delta outputs (what the server streams): a reader that fell behind gets those waiting
+    as one (their texts, tokens and logprobs joined in order); an error is never joined."""
+    from vlmserve.engine.streams import RequestStream
+    from vlmserve.outputs import CompletionOutput, RequestOutput
+
+    class Engine:
+        def abort(self, rid: str) -> None:
+            raise AssertionError("not aborted")
+
+    def out(i: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(
+            0, f"t{i} ", [i], "length" if finished else None, [{i: -1.0}])], finished=finished)
+
+    async def main() -> None:
+        stream = RequestStream(Engine(), "r", asyncio.get_running_loop(),
+                               RequestTiming(time.monotonic()), delta=True)
+        stream._put(out(0))
+        assert (await anext(stream)).outputs[0].token_ids == [0]
+        for i in (1, 2, 3):
+            stream._put(out(i))
+        stream._put(EngineDeadError("gone"))
+        c = (await anext(stream)).outputs[0]
+        assert (c.text, c.token_ids, c.logprobs) == ("t1 t2 t3 ", [1, 2, 3],
+                                                     [{1: -1.0}, {2: -1.0}, {3: -1.0}])
+        with pytest.raises(EngineDeadError):
+            await anext(stream)
+        done = RequestStream(Engine(), "d", asyncio.get_running_loop(),
+                             RequestTiming(time.monotonic()), delta=True)
+        done._put(out(4))
+        done._put(out(5, finished=True))
+        final = await anext(done)
+        assert final.finished and final.outputs[0].token_ids == [4, 5] and done.finished
+
+    asyncio.run(main())
+
+
 def test_a_consumer_behind_takes_the_newest_output_and_never_skips_an_error() -> None:
     """Outputs are cumulative: a reader that fell behind gets the newest of those waiting
     (one chunk with all their tokens), but an error after them still arrives, after them."""

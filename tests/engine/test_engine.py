@@ -100,7 +100,7 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
 @pytest.mark.parametrize("kwargs, word", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_k": -5}, "top_k"), ({"stop": [""]}, "stop"),
-    ({"output_kind": "delta"}, "output_kind"),
+    ({"output_kind": "deltas"}, "output_kind"),
 ])
 def test_invalid_sampling_params(kwargs, word):
     with pytest.raises(InvalidSamplingParamsError, match=word):
@@ -175,11 +175,11 @@ def test_unsupported_content_part_rejected(llm):
         llm.chat([{"role": "user", "content": [{"type": "input_audio"}]}], greedy())
 
 
-def test_final_only_requests_report_once_with_the_same_result(llm):
+def test_final_only_and_delta_requests_report_the_same_result(llm):
     engine = llm.engine
     prompts = mixed_prompts(llm)[:4]
     reports: dict[str, list] = {}
-    for kind in ("cumulative", "final_only"):
+    for kind in ("cumulative", "final_only", "delta"):
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, greedy(6, stop=["zz"], output_kind=kind),
                                request_id=f"{kind}{i}")
@@ -190,6 +190,9 @@ def test_final_only_requests_report_once_with_the_same_result(llm):
         cumulative, final = reports[f"cumulative{i}"], reports[f"final_only{i}"]
         assert len(cumulative) == 6 and len(final) == 1 and final[0].finished
         assert final[0].outputs[0] == cumulative[-1].outputs[0]
+        deltas = [o.outputs[0] for o in reports[f"delta{i}"]]  # each token once
+        assert [len(d.token_ids) for d in deltas] == [1] * 6
+        assert "".join(d.text for d in deltas) == cumulative[-1].outputs[0].text
 
 
 def test_abort_frees_everything(llm):

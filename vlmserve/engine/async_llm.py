@@ -163,14 +163,16 @@ class AsyncLLM:
             req, frames = await asyncio.to_thread(self.process, prompt, params, rid,
                                                   image_loader, default_max_tokens)
         self._check_alive()
-        stream = RequestStream(self, rid, loop, timing)
+        stream = RequestStream(self, rid, loop, timing,
+                               delta=req.sampling_params.output_kind == "delta")
         timing.num_prompt_tokens = req.num_prompt_tokens
         self.client.add(stream, req, frames)
         return stream
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request (the last has `finished=True`)."""
+        """Stream the outputs of one request (cumulative unless `params.output_kind` says
+        otherwise; the last has `finished=True`)."""
         stream = await self.add_request(prompt, params, request_id)
         try:
             async for out in stream:

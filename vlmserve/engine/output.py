@@ -20,6 +20,8 @@ class _DetokState:
     prefix_text: str | None = ""  # decode of ids[prefix_offset:read_offset]; None: not yet
     num_tokens: int = 0  # output tokens reflected in `text`
     stop_reason: str | None = None  # set when a stop string ended the request
+    sent_chars: int = 0  # delta outputs: text and tokens already reported
+    sent_tokens: int = 0
 
 
 class OutputProcessor:
@@ -155,20 +157,34 @@ class OutputProcessor:
             out = self.make_output(req)
             self.drop(req.request_id)
             return out
-        if req.sampling_params.output_kind == "cumulative":
+        if req.sampling_params.output_kind != "final_only":
             return self.make_output(req)
         return None
 
     def make_output(self, req: Request) -> RequestOutput:
+        """The request's output now: all of it, or for `output_kind="delta"` what is new
+        since the last one (then counted as reported)."""
         st = self._states[req.request_id]
+        sp = req.sampling_params
         finished = req.status.finished
-        reason = req.status.value if finished else None
-        logprobs = None if req.output_logprobs is None else list(req.output_logprobs)
+        text, token_ids, logprobs = st.text, req.output_token_ids, req.output_logprobs
+        if sp.output_kind == "delta":
+            # held back: the characters a stop string found by a later token could still cut
+            # (one starts at most len(stop) - 1 characters before the text it completes)
+            hold = max((len(s) for s in sp.stop), default=1) - 1
+            upto = len(text) if finished else max(st.sent_chars, len(text) - hold)
+            text = text[st.sent_chars:upto]
+            token_ids = token_ids[st.sent_tokens:]
+            logprobs = None if logprobs is None else logprobs[st.sent_tokens:]
+            st.sent_chars, st.sent_tokens = upto, len(req.output_token_ids)
+        else:
+            token_ids = list(token_ids)
+            logprobs = None if logprobs is None else list(logprobs)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, st.text, list(req.output_token_ids), reason,
+            outputs=[CompletionOutput(0, text, token_ids, req.status.value if finished else None,
                                       logprobs)],
             finished=finished,
         )

@@ -59,11 +59,22 @@ def put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loo
         stream._put(item)
 
 
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two successive delta outputs of a request as one (`b`, extended)."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    cb.text = ca.text + cb.text
+    cb.token_ids = ca.token_ids + cb.token_ids
+    if cb.logprobs is not None:
+        cb.logprobs = ca.logprobs + cb.logprobs
+    return b
+
+
 class RequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s: the newest at each
-    step, or, when the consumer falls behind the engine, the newest of those waiting (one
-    chunk then carries all their tokens: less work per token for a loaded front end and its
-    clients, as vLLM's output collector merges).
+    """Async iterator over one request's `RequestOutput`s (cumulative or, with `delta`,
+    each only what is new): one per step, or, when the consumer falls behind the engine,
+    those waiting as one (the newest cumulative one, or the deltas joined): one chunk then
+    carries all their tokens, less work per token for a loaded front end and its clients,
+    as vLLM's output collector merges.
 
     Leaving the iteration early (`aclose()`, `abort()`, cancellation, or dropping the stream)
     aborts the request in the engine core, which frees its KV blocks and encoder cache
@@ -71,8 +82,9 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop,
-                 timing: RequestTiming) -> None:
+                 timing: RequestTiming, delta: bool = False) -> None:
         self.engine = engine
+        self.delta = delta
         self.request_id = request_id
         self.timing = timing
         self._loop = loop
@@ -98,11 +110,12 @@ class RequestStream:
                 self.abort()
                 raise
         item = self._items.popleft()
-        # a consumer that fell behind takes the newest output: they are cumulative, so it
-        # holds every token of those it skips (an error is never skipped)
+        # a consumer that fell behind takes the outputs waiting as one (an error is never
+        # merged or skipped)
         while (self._items and not isinstance(item, BaseException)
                and not isinstance(self._items[0], BaseException)):
-            item = self._items.popleft()
+            newer = self._items.popleft()
+            item = _merged(item, newer) if self.delta else newer
         if isinstance(item, BaseException):
             self.finished = True
             raise item

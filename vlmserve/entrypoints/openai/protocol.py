@@ -164,7 +164,8 @@ class _SamplingRequest(OpenAIModel):
 
     def sampling_params(self) -> SamplingParams:
         """Raises `InvalidSamplingParamsError` naming a bad value. No max_tokens: None (the
-        server's default, or up to the context length)."""
+        server's default, or up to the context length). A stream takes delta outputs, a
+        non-streamed request only its final one."""
         if self.n not in (None, 1):
             raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -177,7 +178,7 @@ class _SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids or [],
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            logprobs=self.num_logprobs)
+            logprobs=self.num_logprobs, output_kind="delta" if self.stream else "final_only")
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -26,7 +26,7 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorResponse,
     UsageInfo,
 )
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -74,23 +74,20 @@ async def chat_events(stream: RequestStream, req: ChatCompletionRequest, params:
     chunk = functools.partial(_chat_chunk, rid, created, model, req.include_usage)
     first = True  # the role rides on the first token's chunk
     token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
-    async for text, out, new_tokens in _text_deltas(stream, params):
-        if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
-            c = out.outputs[0]
-            yield chunk(DeltaMessage(role="assistant" if first else None, content=text),
-                        logprobs=chat_logprobs(token_texts, c.token_ids[-new_tokens:],
-                                               c.logprobs[-new_tokens:], params.logprobs))
+    async for out, c, num_tokens in _deltas(stream):
+        if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
+            yield chunk(DeltaMessage(role="assistant" if first else None, content=c.text),
+                        logprobs=chat_logprobs(token_texts, c.token_ids, c.logprobs,
+                                               params.logprobs))
             first = False
-        elif new_tokens:  # a chunk per output with tokens, even if no text is due yet
-            yield (chunk(DeltaMessage(role="assistant", content=text)) if first
-                   else token_chunk(text))
+        elif c.token_ids:  # a chunk per output with tokens, even if no text is due yet
+            yield (chunk(DeltaMessage(role="assistant", content=c.text)) if first
+                   else token_chunk(c.text))
             first = False
         if out.finished:
-            c = out.outputs[0]
             yield chunk(DeltaMessage(), finish=c.finish_reason)
             if req.include_usage:
-                yield chunk(None, usage=UsageInfo.of(len(out.prompt_token_ids),
-                                                     len(c.token_ids)))
+                yield chunk(None, usage=UsageInfo.of(len(out.prompt_token_ids), num_tokens))
     yield _sse("[DONE]")
 
 async def completion_events(stream: RequestStream, req: CompletionRequest,
@@ -107,42 +104,36 @@ async def completion_events(stream: RequestStream, req: CompletionRequest,
 
     token_chunk = _TextChunk(chunk([CompletionChoice(text=_TextChunk.MARK)]))
     offset = 0  # of the next token's text (in the tokens' texts so far)
-    async for text, out, new_tokens in _text_deltas(stream, params):
-        if new_tokens and params.logprobs is not None:  # the new tokens' logprobs too
-            c = out.outputs[0]
-            logprobs, offset = completion_logprobs(
-                token_texts, c.token_ids[-new_tokens:], c.logprobs[-new_tokens:],
-                offset)
-            yield chunk([CompletionChoice(text=text, logprobs=logprobs)])
-        elif new_tokens:
-            yield token_chunk(text)
+    async for out, c, num_tokens in _deltas(stream):
+        if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
+            logprobs, offset = completion_logprobs(token_texts, c.token_ids, c.logprobs,
+                                                   offset)
+            yield chunk([CompletionChoice(text=c.text, logprobs=logprobs)])
+        elif c.token_ids:
+            yield token_chunk(c.text)
         if out.finished:
-            c = out.outputs[0]
             yield chunk([CompletionChoice(text="", finish_reason=c.finish_reason)])
             if req.include_usage:
-                yield chunk([], UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids)))
+                yield chunk([], UsageInfo.of(len(out.prompt_token_ids), num_tokens))
     yield _sse("[DONE]")
 
 
 
 
-async def _text_deltas(stream: RequestStream, params: SamplingParams
-                       ) -> AsyncIterator[tuple[str, RequestOutput, int]]:
-    """(new text, output, new tokens) per engine output. A stream sends a chunk for every
-    output with new tokens, as vLLM does, even when they add no text yet (an incomplete
-    UTF-8 sequence, text held back for a stop string, tokens that decode to nothing): a
-    client then sees each token arrive, or, when it reads slower than the engine makes
-    them, every token that came meanwhile in one chunk. With stop strings, the last `len(stop) - 1`
-    characters are held back until the request ends, because a stop string found later
-    truncates text that may span outputs."""
-    hold = max((len(s) for s in params.stop), default=1) - 1
-    sent = tokens = 0
+async def _deltas(stream: RequestStream
+                  ) -> AsyncIterator[tuple[RequestOutput, CompletionOutput, int]]:
+    """(output, its completion, tokens so far) per engine output, each only what is new
+    (`output_kind="delta"`: the output processor holds back text a stop string may still
+    cut). A stream sends a chunk for every output with new tokens, as vLLM does, even when
+    they add no text yet (an incomplete UTF-8 sequence, text held back for a stop string,
+    tokens that decode to nothing): a client then sees each token arrive, or, when it reads
+    slower than the engine makes them, every token that came meanwhile in one chunk."""
+    num_tokens = 0
     try:
         async for out in stream:
             c = out.outputs[0]
-            upto = len(c.text) if out.finished else max(sent, len(c.text) - hold)
-            yield c.text[sent:upto], out, len(c.token_ids) - tokens
-            sent, tokens = upto, len(c.token_ids)
+            num_tokens += len(c.token_ids)
+            yield out, c, num_tokens
     finally:
         stream.abort()
 
