@@ -59,14 +59,16 @@ def put_all(items: list[tuple[RequestStream, Any]]) -> None:  # on the event loo
         stream._put(item)
 
 
-def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two successive delta outputs of a request as one (`b`, extended)."""
-    ca, cb = a.outputs[0], b.outputs[0]
-    cb.text = ca.text + cb.text
-    cb.token_ids = ca.token_ids + cb.token_ids
-    if cb.logprobs is not None:
-        cb.logprobs = ca.logprobs + cb.logprobs
-    return b
+def _joined(run: list[RequestOutput]) -> RequestOutput:
+    """Successive delta outputs of a request as one (the last, extended; in one pass, so a
+    reader that comes back after many steps costs time linear in what it missed)."""
+    parts = [o.outputs[0] for o in run]
+    last = parts[-1]
+    last.text = "".join(c.text for c in parts)
+    last.token_ids = [t for c in parts for t in c.token_ids]
+    if last.logprobs is not None:
+        last.logprobs = [lp for c in parts for lp in c.logprobs]
+    return run[-1]
 
 
 class RequestStream:
@@ -112,10 +114,11 @@ class RequestStream:
         item = self._items.popleft()
         # a consumer that fell behind takes the outputs waiting as one (an error is never
         # merged or skipped)
-        while (self._items and not isinstance(item, BaseException)
-               and not isinstance(self._items[0], BaseException)):
-            newer = self._items.popleft()
-            item = _merged(item, newer) if self.delta else newer
+        if self._items and not isinstance(item, BaseException):
+            run = [item]
+            while self._items and not isinstance(self._items[0], BaseException):
+                run.append(self._items.popleft())
+            item = _joined(run) if self.delta else run[-1]
         if isinstance(item, BaseException):
             self.finished = True
             raise item
