@@ -171,8 +171,9 @@ class OutputProcessor:
         if sp.output_kind == "delta":
             # held back: the characters a stop string found by a later token could still cut
             # (one starts at most len(stop) - 1 characters before the text it completes)
-            hold = max((len(s) for s in sp.stop), default=1) - 1
-            upto = len(text) if finished else max(st.sent_chars, len(text) - hold)
+            upto = len(text)
+            if sp.stop and not finished:
+                upto = max(st.sent_chars, upto - max(map(len, sp.stop)) + 1)
             text = text[st.sent_chars:upto]
             token_ids = token_ids[st.sent_tokens:]
             logprobs = None if logprobs is None else logprobs[st.sent_tokens:]
