@@ -66,11 +66,12 @@ kit_deps() {  # the peers kit's wheels (.peer/p4) and those it lacks (aiohttp, p
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for section in "${@:-checks}"; do
 case "$section" in
-checks)
-  step gpu_tests 180 python -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu \
-    -k "not triton_attention or (bf16 and bs16)"
-  VLMSERVE_TEST_DEVICE=cuda step cuda_parity 110 python -m pytest -q -p no:cacheprovider \
-    -o addopts="" tests/engine/test_parity.py ;;
+checks)  # pyzmq from the peers kit (.peer/p4 carried, or /tmp/deps from an earlier call)
+  kit_deps
+  PYTHONPATH=$PWD:/tmp/deps step gpu_tests 300 python -m pytest -q -p no:cacheprovider \
+    -o addopts="" tests/gpu -k "not triton_attention or (bf16 and bs16)"
+  VLMSERVE_TEST_DEVICE=cuda PYTHONPATH=$PWD:/tmp/deps step cuda_parity 150 python -m pytest -q \
+    -p no:cacheprovider -o addopts="" tests/engine/test_parity.py ;;
 tpcuda)  # 2+ GPUs (nvidia-h200-x2): TP=2 on NCCL, each vision mode, offload held once per host
   step tp_cuda 400 python -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_tp_cuda.py ;;
 quick)

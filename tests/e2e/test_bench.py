@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -85,3 +86,19 @@ def test_bench_serve_prints_a_table_to_read() -> None:
     assert lines[2].split()[:3] == ["inf/s", "@", "16"] and "632" in lines[2]
     assert lines[3].split()[:3] == ["8/s", "@", "1000"]
     assert len({len(ln) for ln in lines}) == 1  # aligned columns
+
+
+def test_bench_serve_runs_draw_requests_of_their_own() -> None:
+    """Each run of `bench serve` sends requests of its own (a replay would find them in the
+    server's prefix and image caches), the same ones for every server benchmarked;
+    `--reuse-requests` replays the first run's."""
+    from vlmserve.benchmarks.serve import add_args, run_messages
+
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args(["--num-requests", "3", "--image-sizes", "28"])
+    first, second, third = (run_messages(args, i) for i in range(3))
+    assert first != second != third != first
+    assert run_messages(args, 1) == second  # deterministic: every server gets these
+    replay = ap.parse_args(["--num-requests", "3", "--image-sizes", "28", "--reuse-requests"])
+    assert run_messages(replay, 2) == run_messages(replay, 0) == first

@@ -32,8 +32,9 @@ def srv(vlmserve_cache: Path):
 
 
 def chat_body(**kw) -> dict:
+    # ignore_eos: every answer has max_tokens tokens (sampled, the tiny model may end early)
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hello there."}],
-            "max_tokens": 4, **kw}
+            "max_tokens": 4, "ignore_eos": True, **kw}
 
 
 def post(srv: ServeProc, body: dict | bytes, path: str = "/v1/chat/completions",

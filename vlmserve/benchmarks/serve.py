@@ -199,7 +199,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-words", type=int, default=30, help="random words of text each")
     ap.add_argument("--output-len", type=int, default=128,
                     help="output tokens each (ignore_eos)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random requests")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random requests (run i > 0 draws with seed + 1 + i)")
+    ap.add_argument("--reuse-requests", action="store_true",
+                    help="every run replays the first run's requests (then a server's prefix "
+                    "and image caches hold them from the second run on); by default each "
+                    "run draws requests of its own")
     ap.add_argument("--warmup-requests", type=int, default=16,
                     help="untimed requests (other images) sent before the timed runs")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
@@ -207,9 +212,17 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out-dir", default=None, help="JSON results and PNG plots here")
 
 
+def run_messages(args, run: int) -> list[list[dict]]:
+    """The requests of run `run` (0-based): the first run's with `--reuse-requests`, else
+    each run's own (seed + 1 + run after the first; seed + 1 is the warm-up's), the same for
+    every server benchmarked with these arguments."""
+    if run == 0 or args.reuse_requests:
+        return make_messages(args)
+    return make_messages(argparse.Namespace(**{**vars(args), "seed": args.seed + 1 + run}))
+
+
 def main(args: argparse.Namespace | None = None) -> list[dict]:
     args = parse_args(args, add_args, __doc__)
-    convs = make_messages(args)
     if args.runs:
         plan = [(float(r), int(c)) for r, c in (x.split("@") for x in args.runs.split(","))]
     else:
@@ -219,7 +232,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
         warm = make_messages(argparse.Namespace(**{**vars(args), "seed": args.seed + 1,
                                                    "num_requests": args.warmup_requests}))
         asyncio.run(run_once(args, warm, max(levels)))
-    runs = [asyncio.run(run_once(args, convs, c, rate)) for rate, c in plan]
+    runs = [asyncio.run(run_once(args, run_messages(args, i), c, rate))
+            for i, (rate, c) in enumerate(plan)]
     print(summary_table(runs))
     for r in runs:  # one machine-readable line per run (scripts grep for them)
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("s_ms")}))
