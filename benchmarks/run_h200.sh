@@ -55,8 +55,11 @@ step() {  # step NAME SECONDS CMD...
 B="python -m vlmserve.benchmarks"
 kit_deps() {  # the peers kit's wheels (.peer/p4) and those it lacks (aiohttp, pybase64:
   # benchmarks/kit_wheels.sh, carried as .cache/kitwheels, or copied to /tmp/kitwheels)
-  [ -d /tmp/deps/zmq ] || python3 -m pip install -q --no-index --no-deps --target /tmp/deps \
-    .peer/p4/*.whl > "$OUT/pip.log" 2>&1
+  # (or the server's wheels alone, benchmarks/server_wheels.sh's .whl, carried)
+  local d; for d in .peer/p4 .whl; do
+    [ -d /tmp/deps/zmq ] || [ ! -d $d ] || python3 -m pip install -q --no-index --no-deps \
+      --target /tmp/deps $d/*.whl > "$OUT/pip.log" 2>&1
+  done
   local w; for w in .cache/kitwheels /tmp/kitwheels; do
     [ -d /tmp/deps/aiohttp ] || [ ! -d $w ] || python3 -m pip install -q --no-index --no-deps \
       --target /tmp/deps $w/*.whl >> "$OUT/pip.log" 2>&1

@@ -10,7 +10,9 @@ for the server, whose front ends do that work.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -86,6 +88,32 @@ def load_model_processor(model: str):
     return path, hf_config, model_cls.input_processor_cls(path, hf_config)
 
 
+class StepTrace:
+    """One JSON line per step read back, for finding where latency goes
+    (``VLMSERVE_STEP_TRACE=path``; off otherwise): perf_counter seconds when the step was
+    launched and when its tokens were read back, its decodes, prompt tokens, and the images
+    (and their rows) its encoder ran."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the core's life
+        self._launched: dict[int, tuple[float, SchedulerOutput]] = {}
+
+    def launched(self, so: SchedulerOutput) -> None:
+        self._launched[id(so)] = (time.perf_counter(), so)
+
+    def read_back(self, so: SchedulerOutput) -> None:
+        t0, _ = self._launched.pop(id(so), (None, None))
+        n = so.num_scheduled_tokens.values()
+        decodes = sum(1 for k in n if k == 1)
+        self._file.write(json.dumps({
+            "launch": t0, "done": time.perf_counter(), "decodes": decodes,
+            "prompt_tokens": sum(n) - decodes, "images": len(so.encoder_inputs),
+            "image_rows": sum(i.length for i in so.encoder_inputs.values())}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class EngineCore:
     """Scheduler and executor. `step()` schedules and launches a step and returns the
     requests that got a token (a step late with async scheduling)."""
@@ -157,6 +185,8 @@ class EngineCore:
         self._failed_in_a_row = 0
         self._last_progress = time.monotonic()  # a step computed tokens, or nothing waited
         self._last_log = time.monotonic()
+        trace = os.environ.get("VLMSERVE_STEP_TRACE")
+        self._trace = StepTrace(trace) if trace else None
         freeze_startup_heap()
 
     @property
@@ -196,6 +226,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (no-op for one process)."""
         self.executor.shutdown()
+        if self._trace is not None:
+            self._trace.close()
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -219,6 +251,8 @@ class EngineCore:
         updated: list[Request] = []
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
+            if self._trace is not None:
+                self._trace.launched(so)
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
             return self._fail_step(so, e)
         self.num_steps += 1
@@ -248,6 +282,8 @@ class EngineCore:
                 pass
             tokens = result.get()
             self._in_flight.popleft()
+            if self._trace is not None:
+                self._trace.read_back(done)
             new = self.scheduler.update_from_output(done, tokens)
             if result.logprobs:  # the requests that asked: their token's logprobs
                 for req in new:

@@ -1,0 +1,63 @@
+"""Summarize an engine-core step trace (``VLMSERVE_STEP_TRACE=path`` on the server): steps
+split into bursts at idle gaps, each step's time taken as the gap between its read-back and
+the previous one (the device's time for it when the loop keeps the device busy), and what
+the long steps carried.
+
+    python benchmarks/step_trace.py trace.jsonl [--long-ms 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def bursts(steps: list[dict], idle_s: float) -> list[list[dict]]:
+    out: list[list[dict]] = [[]]
+    for prev, cur in zip([None, *steps], steps):
+        if prev is not None and cur["launch"] - prev["done"] > idle_s:
+            out.append([])
+        out[-1].append(cur)
+    return [b for b in out if len(b) > 20]
+
+
+def summarize(burst: list[dict], long_ms: float) -> dict:
+    done = np.array([s["done"] for s in burst])
+    dt = np.diff(done) * 1e3  # step i+1's time
+    rest = burst[1:]
+    col = {k: np.array([s[k] for s in rest]) for k in ("decodes", "prompt_tokens", "images",
+                                                        "image_rows")}
+    with_dec = col["decodes"] > 0
+    long = dt > long_ms
+
+    def mean(k, m):
+        return float(col[k][m].mean()) if m.any() else 0.0
+    return {
+        "seconds": float(done[-1] - burst[0]["launch"]), "steps": len(burst),
+        "step_ms_p50_p90_p99_max": np.percentile(dt, [50, 90, 99, 100]).round(1).tolist(),
+        "steps_with_decodes": int(with_dec.sum()),
+        "of_those_over_long_ms": int((long & with_dec).sum()),
+        "long_steps_mean": {k: round(mean(k, long & with_dec), 1) for k in col},
+        "short_steps_mean": {k: round(mean(k, ~long & with_dec), 1) for k in col},
+        "images_per_step_max": int(col["images"].max()),
+        "device_ms_in_steps_with_images": round(float(dt[col["images"] > 0].sum()), 1),
+        "device_ms_in_steps_without": round(float(dt[col["images"] == 0].sum()), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--long-ms", type=float, default=10.0)
+    ap.add_argument("--idle-s", type=float, default=0.5)
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    for i, b in enumerate(bursts(steps, args.idle_s)):
+        print(f"burst {i}:", json.dumps(summarize(b, args.long_ms)))
+
+
+if __name__ == "__main__":
+    main()
