@@ -78,8 +78,9 @@ class SchedulerConfig:
     )
     max_num_prefill_tokens_while_decoding: int | None = _opt(
         None, "Prompt tokens (prefill chunks) a step may carry while it also carries decodes, "
-        "so running streams wait less behind new prompts; a step without decodes still takes "
-        "the whole step budget (needs chunked prefill; default: the step budget).")
+        "so running streams wait less behind new prompts; also the image rows such a step "
+        "encodes beyond its first image (an image is encoded whole); a step without decodes "
+        "still takes the whole step budget (needs chunked prefill; default: the step budget).")
     async_scheduling: bool = _opt(
         True, "Schedule and launch each step before reading back the previous one's tokens, "
         "so the device does not wait for the host between steps (outputs come a step later).")

@@ -289,6 +289,43 @@ def test_prefill_tokens_while_decoding_are_capped(lag):
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+@pytest.mark.parametrize("lag", [False, True])
+def test_image_rows_while_decoding_are_capped(lag):
+    """The prefill cap bounds the image rows a step with decodes encodes, too (an image is
+    encoded whole, whatever part of it the chunk takes), except its first image, which always
+    fits; every request still finishes."""
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_num_encoder_tokens=64,
+                           max_num_prefill_tokens_while_decoding=8, num_kv_blocks=512)
+    sched.add_request(make_request("a", 2, max_tokens=200))
+    rng = random.Random(1)
+    reqs = []
+    for i in range(16):  # images of 2-20 rows, some starting a prompt, some ending it
+        images, pos = [], rng.randint(0, 3)
+        for _ in range(rng.randint(1, 2)):
+            n = rng.randint(2, 20)
+            images.append((pos, n))
+            pos += n + rng.randint(0, 3)
+        reqs.append(make_request(f"r{i}", pos + rng.randint(0, 2), images, max_tokens=2))
+    seen = {"several": 0, "one_over_cap": 0, "added": False}
+
+    def check(s, so):
+        if not seen["added"] and s.requests["a"].output_token_ids:
+            seen["added"] = True
+            for r in reqs:
+                s.add_request(r)
+        if "a" not in so.num_scheduled_tokens:  # a decodes in every step until it ends
+            return
+        rows = [img.length for img in so.encoder_inputs.values()]
+        assert len(rows) <= 1 or sum(rows) <= 8, (so.num_scheduled_tokens, rows)
+        seen["several"] += len(rows) > 1
+        seen["one_over_cap"] += len(rows) == 1 and rows[0] > 8
+
+    run(sched, on_step=check, lag=lag)
+    assert seen["several"] and seen["one_over_cap"], seen
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
 def test_prefetch_plan_follows_the_prefill_cap():
     """The offload prefetch plan guesses the next step's image rows under the same cap: a
     chunk beside a decode reads 8 rows of the image, and the plan names those 8."""

@@ -157,6 +157,13 @@ class Scheduler:
                 return True
 
         prefill_budget = self._prefill_budget(budget, eligible)
+        # image rows a step with decodes may encode: the prefill cap too, but its first image
+        # always fits (an image is encoded whole, and must not wait for the decodes to end)
+        enc_soft = enc_budget if prefill_budget >= budget else min(enc_budget, prefill_budget)
+
+        def plan(req: Request, tokens: int) -> tuple[int, list[int], int]:
+            first = enc_budget if enc_budget == self.max_num_encoder_tokens else 0
+            return self._plan_chunk(req, tokens, max(enc_soft, 0), first)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -171,8 +178,7 @@ class Scheduler:
             if req.decodes_next:  # one token, past every image: nothing to plan
                 num_new, enc_ids, enc_cost = 1, [], 0
             else:
-                num_new, enc_ids, enc_cost = self._plan_chunk(
-                    req, min(budget, prefill_budget), enc_budget)
+                num_new, enc_ids, enc_cost = plan(req, min(budget, prefill_budget))
                 prefill_budget -= num_new
                 if num_new == 0:
                     i += 1
@@ -188,6 +194,7 @@ class Scheduler:
             self._commit_chunk(req, num_new, enc_ids, out)
             budget -= num_new
             enc_budget -= enc_cost
+            enc_soft -= enc_cost
             i += 1
 
         budget = min(budget, prefill_budget)  # what new requests may take: prompt tokens
@@ -200,7 +207,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             num_new, enc_ids, enc_cost = 0, [], 0
             if self.enable_chunked_prefill or remaining <= budget:
-                num_new, enc_ids, enc_cost = self._plan_chunk(req, budget, enc_budget)
+                num_new, enc_ids, enc_cost = plan(req, budget)
             if num_new == 0 or not self.kv.allocate_slots(
                     req.request_id, req.num_computed_tokens + num_new):
                 if hit:  # not admitted after all: give the prefix back
@@ -216,6 +223,7 @@ class Scheduler:
             self._commit_chunk(req, num_new, enc_ids, out)
             budget -= num_new
             enc_budget -= enc_cost
+            enc_soft -= enc_cost
 
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_request_ids = self._finished_ids
@@ -293,10 +301,11 @@ class Scheduler:
         return budget
 
     def _plan_chunk(
-        self, req: Request, budget: int, enc_budget: int
+        self, req: Request, budget: int, enc_budget: int, enc_first: int = 0
     ) -> tuple[int, list[int], int]:
         """How many tokens of `req` to compute now, which images to encode for them, and the
-        encoder rows that costs. A chunk stops before an image it cannot encode this step."""
+        encoder rows that costs (at most `enc_budget`, or `enc_first` for the chunk's first
+        image). A chunk stops before an image it cannot encode this step."""
         start = req.num_computed_tokens
         num_new = min(req.num_tokens - start, budget)
         enc_ids: list[int] = []
@@ -313,7 +322,7 @@ class Scheduler:
                 continue
             if img.mm_hash in pending:
                 continue
-            if (enc_cost + img.length > enc_budget
+            if (enc_cost + img.length > (enc_budget if enc_ids else max(enc_budget, enc_first))
                     or not self.encoder_cache.can_allocate(enc_cost + img.length, reused)):
                 num_new = img.offset - start
                 break
