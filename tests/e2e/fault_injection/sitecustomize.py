@@ -25,10 +25,10 @@ if os.environ.get("VLMSERVE_STALL_SEED"):
     _stall = int(os.environ["VLMSERVE_STALL_SEED"])
     _plan = Scheduler._plan_chunk
 
-    def _plan_chunk(self, req, budget, enc_budget):
+    def _plan_chunk(self, req, *args):
         if req.sampling_params.seed == _stall:
             return 0, [], 0
-        return _plan(self, req, budget, enc_budget)
+        return _plan(self, req, *args)
 
     Scheduler._plan_chunk = _plan_chunk
 
