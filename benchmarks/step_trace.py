@@ -42,8 +42,8 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         "long_steps_mean": {k: round(mean(k, long & with_dec), 1) for k in col},
         "short_steps_mean": {k: round(mean(k, ~long & with_dec), 1) for k in col},
         "images_per_step_max": int(col["images"].max()),
-        "device_ms_in_steps_with_images": round(float(dt[col["images"] > 0].sum()), 1),
-        "device_ms_in_steps_without": round(float(dt[col["images"] == 0].sum()), 1),
+        "ms_in_steps_with_images": round(float(dt[col["images"] > 0].sum()), 1),
+        "ms_in_steps_without": round(float(dt[col["images"] == 0].sum()), 1),
     }
 
 
