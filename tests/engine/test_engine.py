@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import pytest
 
@@ -359,3 +360,23 @@ def test_periodic_stats_line_reports_token_rates(llm, caplog, monkeypatch):
                          for ln in lines)
     assert any(not ln.startswith("prompt 0 ") for ln in lines)  # the prefill was counted
     assert any("generation 0 " not in ln for ln in lines)
+
+
+def test_step_trace_records_every_step(vlmserve_cache, tmp_path, monkeypatch):
+    """`VLMSERVE_STEP_TRACE` writes one line per step read back: its prompt tokens, decodes
+    and images add up to what the requests computed."""
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("VLMSERVE_STEP_TRACE", str(path))
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", max_num_batched_tokens=32)
+    prompts = mixed_prompts(llm)
+    outs = llm.generate(prompts, greedy(5), use_tqdm=False)
+    llm.engine.shutdown()
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(steps) == llm.engine.core.num_steps
+    # every token a step computed is a prompt token or a decode (prefix-cached ones are not
+    # computed); each request had its 4 decodes
+    assert (sum(s["prompt_tokens"] + s["decodes"] for s in steps)
+            == llm.engine.core.num_computed_tokens)
+    assert sum(s["decodes"] for s in steps) >= 4 * len(outs)
+    assert sum(s["images"] for s in steps) == llm.engine.core.get_stats()["num_images_encoded"]
+    assert all(s["launch"] <= s["done"] for s in steps)
