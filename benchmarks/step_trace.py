@@ -1,7 +1,7 @@
 """Summarize an engine-core step trace (``VLMSERVE_STEP_TRACE=path`` on the server): steps
 split into bursts at idle gaps, each step's time taken as the gap between its read-back and
-the previous one (the device's time for it when the loop keeps the device busy), and what
-the long steps carried.
+the previous one (the device's time for it when the loop keeps the device busy), what the
+long steps carried, and (newer traces) the host's launch time and the device's time.
 
     python benchmarks/step_trace.py trace.jsonl [--long-ms 10]
 """
@@ -27,8 +27,8 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
     done = np.array([s["done"] for s in burst])
     dt = np.diff(done) * 1e3  # step i+1's time
     rest = burst[1:]
-    col = {k: np.array([s[k] for s in rest]) for k in ("decodes", "prompt_tokens", "images",
-                                                        "image_rows")}
+    keys = ["decodes", "prompt_tokens", "images", "image_rows", "launch_ms", "device_ms"]
+    col = {k: np.array([s.get(k) or 0.0 for s in rest], dtype=float) for k in keys}
     with_dec = col["decodes"] > 0
     long = dt > long_ms
 
@@ -44,6 +44,10 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         "images_per_step_max": int(col["images"].max()),
         "ms_in_steps_with_images": round(float(dt[col["images"] > 0].sum()), 1),
         "ms_in_steps_without": round(float(dt[col["images"] == 0].sum()), 1),
+        # the host's time launching steps, and the device's from each step's first event to
+        # its last (CUDA; host stalls inside a launch included)
+        "launch_ms_sum": round(float(col["launch_ms"].sum()), 1),
+        "device_ms_sum": round(float(col["device_ms"].sum()), 1),
     }
 
 

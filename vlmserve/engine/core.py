@@ -90,24 +90,30 @@ def load_model_processor(model: str):
 
 class StepTrace:
     """One JSON line per step read back, for finding where latency goes
-    (``VLMSERVE_STEP_TRACE=path``; off otherwise): perf_counter seconds when the step was
-    launched and when its tokens were read back, its decodes, prompt tokens, and the images
-    (and their rows) its encoder ran."""
+    (``VLMSERVE_STEP_TRACE=path``; off otherwise): perf_counter seconds when the host had
+    launched the step and when its tokens were read back, the host's milliseconds launching
+    it, on CUDA the device's milliseconds from its first to its last event (gaps where the
+    device waited for the host's launches included), its decodes, prompt tokens, and the
+    images (and their rows) its encoder ran."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the core's life
-        self._launched: dict[int, tuple[float, SchedulerOutput]] = {}
+        self._launched: dict[int, tuple[float, float]] = {}
 
-    def launched(self, so: SchedulerOutput) -> None:
-        self._launched[id(so)] = (time.perf_counter(), so)
+    def launched(self, so: SchedulerOutput, began: float) -> None:
+        now = time.perf_counter()
+        self._launched[id(so)] = (now, 1e3 * (now - began))
 
-    def read_back(self, so: SchedulerOutput) -> None:
-        t0, _ = self._launched.pop(id(so), (None, None))
+    def read_back(self, so: SchedulerOutput, result: StepResult) -> None:
+        launch, launch_ms = self._launched.pop(id(so), (None, None))
+        start, end = getattr(result, "start", None), getattr(result, "event", None)
         n = so.num_scheduled_tokens.values()
         decodes = sum(1 for k in n if k == 1)
         self._file.write(json.dumps({
-            "launch": t0, "done": time.perf_counter(), "decodes": decodes,
-            "prompt_tokens": sum(n) - decodes, "images": len(so.encoder_inputs),
+            "launch": launch, "done": time.perf_counter(), "launch_ms": launch_ms,
+            "device_ms": start.elapsed_time(end) if start is not None and end is not None
+            else None, "decodes": decodes, "prompt_tokens": sum(n) - decodes,
+            "images": len(so.encoder_inputs),
             "image_rows": sum(i.length for i in so.encoder_inputs.values())}) + "\n")
 
     def close(self) -> None:
@@ -249,10 +255,11 @@ class EngineCore:
             self._last_progress = time.monotonic()
             self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
         updated: list[Request] = []
+        began = time.perf_counter()
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
             if self._trace is not None:
-                self._trace.launched(so)
+                self._trace.launched(so, began)
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
             return self._fail_step(so, e)
         self.num_steps += 1
@@ -283,7 +290,7 @@ class EngineCore:
             tokens = result.get()
             self._in_flight.popleft()
             if self._trace is not None:
-                self._trace.read_back(done)
+                self._trace.read_back(done, result)
             new = self.scheduler.update_from_output(done, tokens)
             if result.logprobs:  # the requests that asked: their token's logprobs
                 for req in new:

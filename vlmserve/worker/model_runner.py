@@ -54,6 +54,7 @@ class StepResult:
         self._tokens: dict[str, int] | None = None if self._states else {}
         self.logprobs: dict[str, dict[int, float]] = {}
         self.event: torch.cuda.Event | None = None
+        self.start: torch.cuda.Event | None = None  # the step's first event (its timeline's)
 
     def ready(self) -> bool:
         """Whether the device has finished the step (`get` would not wait)."""
@@ -221,6 +222,7 @@ class ModelRunner:
             self.store.end_step()
         if start is not None:  # one event ends the step, for the timeline and the read-back
             result.event = self.timeline.add(start)
+            result.start = start
         return result
 
     def _run_lm(self, so: SchedulerOutput) -> StepResult:
