@@ -106,13 +106,12 @@ class StepTrace:
 
     def read_back(self, so: SchedulerOutput, result: StepResult) -> None:
         launch, launch_ms = self._launched.pop(id(so), (None, None))
-        start, end = getattr(result, "start", None), getattr(result, "event", None)
+        device_ms = None if result.start is None else result.start.elapsed_time(result.event)
         n = so.num_scheduled_tokens.values()
         decodes = sum(1 for k in n if k == 1)
         self._file.write(json.dumps({
             "launch": launch, "done": time.perf_counter(), "launch_ms": launch_ms,
-            "device_ms": start.elapsed_time(end) if start is not None and end is not None
-            else None, "decodes": decodes, "prompt_tokens": sum(n) - decodes,
+            "device_ms": device_ms, "decodes": decodes, "prompt_tokens": sum(n) - decodes,
             "images": len(so.encoder_inputs),
             "image_rows": sum(i.length for i in so.encoder_inputs.values())}) + "\n")
 
@@ -255,7 +254,7 @@ class EngineCore:
             self._last_progress = time.monotonic()
             self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
         updated: list[Request] = []
-        began = time.perf_counter()
+        began = time.perf_counter() if self._trace is not None else 0.0
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
             if self._trace is not None:
