@@ -174,13 +174,19 @@ servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
-  # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4)
+  # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4);
+  # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it)
   kit_deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
     ${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} > "$OUT/ours_server.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do curl -sf localhost:8001/health > /dev/null && break; sleep 1; done
+  if [ -n "${SPY:-}" ]; then  # SPY=SECONDS: py-spy (wheel in .cache/pyspy) samples every process
+    python3 -m pip install -q --no-index --target /tmp/pyspy .cache/pyspy/*.whl > /dev/null 2>&1
+    /tmp/pyspy/bin/py-spy record --pid $pid --subprocesses --nonblocking --rate 250 \
+      --duration "$SPY" --format raw -o "$OUT/spy.txt" > "$OUT/spy.log" 2>&1 &
+  fi
   PYTHONPATH=$PWD:/tmp/deps step serve_ours 400 python3 -m vlmserve.benchmarks.serve \
     --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"

@@ -380,4 +380,8 @@ def test_step_trace_records_every_step(vlmserve_cache, tmp_path, monkeypatch):
     assert sum(s["decodes"] for s in steps) >= 4 * len(outs)
     assert sum(s["images"] for s in steps) == llm.engine.core.get_stats()["num_images_encoded"]
     assert all(s["launch"] <= s["done"] and s["launch_ms"] >= 0 for s in steps)
-    assert all(s["device_ms"] is None for s in steps)  # timed on CUDA only
+    assert all(s["device_ms"] is None and s["vision_ms"] is None  # timed on CUDA only
+               and s["alloc_retries"] is None for s in steps)
+    # the tower's launch is timed in the steps that encode, and only there
+    assert all((s["vision_launch_ms"] is not None) == (s["images"] > 0) for s in steps)
+    assert all(s["vision_launch_ms"] <= s["launch_ms"] for s in steps if s["images"])

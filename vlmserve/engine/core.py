@@ -93,8 +93,10 @@ class StepTrace:
     (``VLMSERVE_STEP_TRACE=path``; off otherwise): perf_counter seconds when the host had
     launched the step and when its tokens were read back, the host's milliseconds launching
     it, on CUDA the device's milliseconds from its first to its last event (gaps where the
-    device waited for the host's launches included), its decodes, prompt tokens, and the
-    images (and their rows) its encoder ran."""
+    device waited for the host's launches included) and of those the vision tower's (from the
+    first event to the tower's end) with the host's milliseconds launching the tower, the
+    caching allocator's retries so far, its decodes, prompt tokens, and the images (and their
+    rows) its encoder ran."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the core's life
@@ -107,13 +109,25 @@ class StepTrace:
     def read_back(self, so: SchedulerOutput, result: StepResult) -> None:
         launch, launch_ms = self._launched.pop(id(so), (None, None))
         device_ms = None if result.start is None else result.start.elapsed_time(result.event)
+        vision_ms = (None if result.encoded is None
+                     else result.start.elapsed_time(result.encoded))
         n = so.num_scheduled_tokens.values()
         decodes = sum(1 for k in n if k == 1)
         self._file.write(json.dumps({
             "launch": launch, "done": time.perf_counter(), "launch_ms": launch_ms,
-            "device_ms": device_ms, "decodes": decodes, "prompt_tokens": sum(n) - decodes,
+            "device_ms": device_ms, "vision_launch_ms": result.encode_launch_ms,
+            "vision_ms": vision_ms, "alloc_retries": self._alloc_retries(),
+            "decodes": decodes, "prompt_tokens": sum(n) - decodes,
             "images": len(so.encoder_inputs),
             "image_rows": sum(i.length for i in so.encoder_inputs.values())}) + "\n")
+
+    @staticmethod
+    def _alloc_retries() -> int | None:
+        """The caching allocator's count of allocations that failed and were retried after
+        freeing its cache (each one synchronizes the device), so far; None off CUDA."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     def close(self) -> None:
         self._file.close()

@@ -14,6 +14,7 @@ from `sampled` on the device.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ class StepResult:
         self.logprobs: dict[str, dict[int, float]] = {}
         self.event: torch.cuda.Event | None = None
         self.start: torch.cuda.Event | None = None  # the step's first event (its timeline's)
+        # an event after the step's vision tower (CUDA, steps that encode), and the host's
+        # milliseconds launching the tower: what the step trace splits a step by
+        self.encoded: torch.cuda.Event | None = None
+        self.encode_launch_ms: float | None = None
 
     def ready(self) -> bool:
         """Whether the device has finished the step (`get` would not wait)."""
@@ -215,11 +220,16 @@ class ModelRunner:
         self._update_states(so)
         self.store.begin_step()
         try:
+            began = time.perf_counter()
             self.encoder.run(so.encoder_inputs)
+            encoded = (self.timeline.mark() if start is not None and so.encoder_inputs
+                       else None)
+            launch_ms = 1e3 * (time.perf_counter() - began) if so.encoder_inputs else None
             self.store.prefetch(so.prefetch)  # overlaps with this step's compute
             result = self._run_lm(so)
         finally:
             self.store.end_step()
+        result.encoded, result.encode_launch_ms = encoded, launch_ms
         if start is not None:  # one event ends the step, for the timeline and the read-back
             result.event = self.timeline.add(start)
             result.start = start
