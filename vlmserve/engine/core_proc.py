@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from vlmserve.config import EngineConfig
@@ -43,6 +44,7 @@ from vlmserve.engine.messages import (
     Utility,
     UtilityResult,
 )
+from vlmserve.executor.uniproc import resolve_device
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 from vlmserve.request import Request, RequestStatus
 
@@ -57,6 +59,17 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the idle parent check below still ends us
         pass
+
+
+def limit_host_threads(threads: int = 1) -> None:
+    """Give torch `threads` intra-op threads in a process that is one of many on the host (a
+    preprocessing worker, a front end, a GPU engine core), unless the user set
+    OMP_NUM_THREADS: each process would otherwise start one thread per core, and a dozen such
+    processes' thread pools, spinning at their barriers, slowed the engine core's pixel
+    staging (one memcpy) to tens of milliseconds a step on the H200 host (as vLLM does for
+    its workers)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads)
 
 
 class EngineCoreProc:
@@ -209,6 +222,8 @@ def run_engine_core(config: EngineConfig, address: str, parent_pid: int,
                     log_level: str = "info") -> None:
     """The engine-core process's entry point (a `multiprocessing` spawn target)."""
     die_with_parent()
+    if resolve_device(config.model_config.device).type == "cuda":
+        limit_host_threads()  # the model runs on the device; the host only feeds it
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us

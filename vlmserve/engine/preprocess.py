@@ -15,7 +15,7 @@ import torch
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import freeze_startup_heap, load_model_processor, text_config
-from vlmserve.engine.core_proc import die_with_parent
+from vlmserve.engine.core_proc import die_with_parent, limit_host_threads
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
@@ -86,6 +86,7 @@ def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
                  image_cache_bytes: int = 0) -> None:
     global _worker
     die_with_parent()
+    limit_host_threads()  # the pool's processes are its parallelism
     _, hf_config, model_processor = load_model_processor(model)
     client = encoder_client(encoder_urls, encoder_transport, encoder_consumer, limits)
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,

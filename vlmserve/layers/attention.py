@@ -106,10 +106,10 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size):
         mask[b, 0, :q, :s] = torch.arange(s)[None, :] <= qpos
         mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
     return AttentionGroup(
-        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
-        pad_index=torch.tensor(pad_index, dtype=torch.int64, device=device),
+        token_index=torch.tensor(token_index, dtype=torch.int64).to(device, non_blocking=True),
+        pad_index=torch.tensor(pad_index, dtype=torch.int64).to(device, non_blocking=True),
         block_tables=table[members, :nblocks],
-        mask=mask.to(device),
+        mask=mask.to(device, non_blocking=True),
         batch=len(members),
         max_q=max_q,
     )

@@ -90,13 +90,16 @@ def _bucket(group: list[int], starts: list[int], lengths: list[int],
     real = pos[None, :] < seg_len[:, None]  # [g, L]
     gather = torch.where(real, seg_start[:, None] + pos[None, :], 0)  # [g, L]
     uniform = bool(real.all())
+
+    def dev(t: torch.Tensor) -> torch.Tensor:  # built on the host: no wait for the stream
+        return t.to(device, non_blocking=True)
     return _Bucket(
         len(group),
         max_len,
-        gather=gather.to(device),
-        key_mask=None if uniform else real[:, None, None, :].to(device),
-        valid=None if uniform else real.flatten().nonzero().squeeze(1).to(device),
-        tokens=gather[real].to(device),
+        gather=dev(gather),
+        key_mask=None if uniform else dev(real[:, None, None, :]),
+        valid=None if uniform else dev(real.flatten().nonzero().squeeze(1)),
+        tokens=dev(gather[real]),
     )
 
 

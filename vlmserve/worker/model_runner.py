@@ -316,7 +316,8 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if from_sampled:
             flat, rows = torch.tensor(from_sampled, dtype=torch.int64).t()
-            ids[flat.to(self.device)] = self.sampled[rows.to(self.device)]
+            ids[flat.to(self.device, non_blocking=True)] = self.sampled[
+                rows.to(self.device, non_blocking=True)]
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         rows = self.store.gather(spans)  # [len(dest_rows), hidden]
         if rows is not None:

@@ -40,7 +40,7 @@ from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
 from vlmserve.engine.core import freeze_startup_heap
-from vlmserve.engine.core_proc import die_with_parent
+from vlmserve.engine.core_proc import die_with_parent, limit_host_threads
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.server import build_app
 
@@ -155,6 +155,8 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
 def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
                    core: CoreHandle) -> None:
     die_with_parent()
+    if cfg.preprocess_workers > 0:  # its heavy host work runs in its pool
+        limit_host_threads()
     _setup_logging(cfg)
     sys.exit(serve_frontend(config, cfg, sock, core))
 

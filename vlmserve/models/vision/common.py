@@ -95,7 +95,7 @@ class AttnSegments:
         """From host ``seqlens [num_seqs]``."""
         cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)  # [num_seqs + 1]
         plan = build_varlen_plan(cu, device=device)
-        return cls(cu.to(device), plan.max_seqlen, plan)
+        return cls(cu.to(device, non_blocking=True), plan.max_seqlen, plan)
 
 
 class VisionAttention(nn.Module):

@@ -113,8 +113,10 @@ class Qwen2_5_VisionTransformer(VisionTowerBase):
         patch_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
         full_seg = AttnSegments.build(frame_seqlens(grids), device)  # windows never cross frames
         window_seg = AttnSegments.build(window_seqlens, device)
-        rotary = self.rotary(pos[patch_order].to(device))  # 2 x [N, head_dim], windowed order
-        patch_order, unit_order = patch_order.to(device), unit_order.to(device)
+        # built on the host: copied without waiting for the stream
+        pos, patch_order, unit_order = (t.to(device, non_blocking=True)
+                                        for t in (pos[patch_order], patch_order, unit_order))
+        rotary = self.rotary(pos)  # 2 x [N, head_dim], windowed order
 
         x = pixel_values.to(device=device, dtype=self.dtype).index_select(
             0, patch_order

@@ -59,7 +59,7 @@ class Qwen2VisionTransformer(VisionTowerBase):
         """
         device = self.device
         grids = grid_list(grid_thw)
-        pos = merge_order_positions(grids, self.spatial_merge_size).to(device)  # [N, 2]
+        pos = merge_order_positions(grids, self.spatial_merge_size).to(device, non_blocking=True)
         if pos.shape[0] != pixel_values.shape[0]:
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} rows, grid_thw implies {pos.shape[0]}"

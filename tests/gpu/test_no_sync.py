@@ -1,0 +1,47 @@
+"""GPU only: launching a step never waits for the device. A blocking host-to-device copy (or a
+read of a device value) inside a launch makes the host wait for everything queued before it
+(the previous step, this step's vision tower), and the device then idles while the host
+launches the rest: on the H200 such waits made a served image step's host launch as long as
+its device time. Torch's sync debug mode turns every such wait into an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.helpers import chat_prompt, make_image, mixed_prompts
+from vlmserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_step_launch_never_waits_for_the_device(vlmserve_cache, model, offload):
+    llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
+              max_num_batched_tokens=64, mm_embedding_offload=offload)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(mixed_prompts(llm), params, use_tqdm=False)  # every shape met once, unchecked
+    runner = llm.engine.executor.runner
+    launch = runner.execute_model
+    checked = {"steps": 0, "images": 0, "mixed": 0}
+
+    def strict(so):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = launch(so)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        n = so.num_scheduled_tokens.values()
+        checked["steps"] += 1
+        checked["images"] += len(so.encoder_inputs)
+        checked["mixed"] += bool(so.encoder_inputs) and any(k == 1 for k in n)
+        return result
+
+    runner.execute_model = strict
+    # new images (fresh hashes: encoded again), long enough prompts to chunk beside decodes
+    prompts = [chat_prompt(llm, f"Look again at picture {i} and describe every detail of it.",
+                           [make_image(56 + 28 * (i % 3), 84, 500 + i)]) for i in range(12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert checked["images"] == 12 and checked["mixed"] > 0, checked
