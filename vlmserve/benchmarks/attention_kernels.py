@@ -143,6 +143,9 @@ def attention_cases() -> list[Callable[[], Case]]:
         "2B mixed 2048@6k + 63 dec", [2048] + [1] * 63, [8192] + mixed_ctx, *qwen2vl_2b))
     cases.append(lambda: varlen_case("vision 16 x 4096 (896px)", [4096] * 16, 16, 80))
     cases.append(lambda: varlen_case("windows 1024 x 64", [64] * 1024, 16, 80))
+    # a served step's mix (W1's three sizes, 13 images in the order the encoder takes them)
+    cases.append(lambda: varlen_case("vision mix 4x896+4x672+5x448",
+                                     [4096] * 4 + [2304] * 4 + [1024] * 5, 16, 80))
     return cases
 
 
