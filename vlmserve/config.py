@@ -26,8 +26,9 @@ class ModelConfig:
     seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(
-        "torch", "Vision tower attention: torch (SDPA per equal-length group) or triton "
-        "(one launch for all images and windows; CUDA).")
+        "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "
+        "varlen FlashAttention, one call for all images and windows; CUDA, fp16/bf16), triton "
+        "(ours, one launch; CUDA) or auto (flash where it runs, else torch).")
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "

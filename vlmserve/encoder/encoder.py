@@ -180,7 +180,8 @@ class MultimodalEncoder:
             if hasattr(module, "ops"):
                 module.ops = ops
         self.vision.set_attention_backend(
-            get_vision_attention_backend(mc.vision_attention_backend, self.device))
+            get_vision_attention_backend(mc.vision_attention_backend, self.device,
+                                         self.dtype))
         self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config)
         text = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.input_processor = InputProcessor(self.model_processor, text.vocab_size)

@@ -80,7 +80,7 @@ class UniprocExecutor:
         self.fused_ops = FusedOps.for_device(mc.fused_ops, self.device)
         model.set_fused_ops(self.fused_ops)
         self.vision_attention_fn = get_vision_attention_backend(mc.vision_attention_backend,
-                                                                self.device)
+                                                                self.device, self.dtype)
         model.set_vision_attention_backend(self.vision_attention_fn)
         backend = get_paged_attention_backend(mc.attention_backend, self.device)
         graphs = (self.device.type == "cuda" and not mc.enforce_eager
