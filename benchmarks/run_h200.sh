@@ -36,6 +36,8 @@
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
 #             check), export + open + copy time per image; the negative control
+#   vattn   : vision attention backends (torch, flash): host vs device time, GPU tests,
+#             serveours per backend with the step trace
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
 #             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
@@ -114,7 +116,7 @@ w1)
 w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
-    --max-num-seqs 256 --out "$OUT/w1_ours.json" ;;
+    --max-num-seqs 256 ${W1_EXTRA:-} --out "$OUT/w1_ours.json" ;;
 w1ab)
   W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
       --output-len 128 --max-num-seqs 256 --repeats 3"
@@ -173,6 +175,21 @@ servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set
   VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
+vattn)  # the vision attention backends: host launch vs device time on served mixes, the GPU
+  # tests of no device waits in a launch and of the flash backend, then serveours at 16/64/192
+  # with the step trace per backend (VBACKENDS, default "torch flash"); .whl and .cache carried
+  kit_deps
+  step vision_attn 120 python benchmarks/vision_attn.py --out "$OUT/vision_attn.json"
+  TAIL=12 PYTHONPATH=$PWD:/tmp/deps step gpu_tests 200 python -m pytest -x -q \
+    -p no:cacheprovider -o addopts="" tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py
+  for vb in ${VBACKENDS:-torch flash}; do
+    VLMSERVE_STEP_TRACE=$OUT/trace_$vb.jsonl RUNS=${RUNS:-inf@16,inf@64,inf@192} \
+      VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens 8192 --api-server-count 4
+      --vision-attention-backend $vb" bash "$0" serveours
+    mv "$OUT/ours" "$OUT/ours_$vb"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_$vb.log"
+    mv "$OUT/ours_server.log" "$OUT/ours_server_$vb.log"
+    python benchmarks/step_trace.py "$OUT/trace_$vb.jsonl" > "$OUT/trace_$vb.txt"
+  done ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
   # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4);
   # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it)
