@@ -335,6 +335,20 @@ def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_
         eng.shutdown()
 
 
+def test_preprocessing_workers_use_one_torch_thread(vlmserve_cache: Path, monkeypatch) -> None:
+    """A pool's processes are its parallelism: each runs torch on one intra-op thread (a
+    dozen processes with a thread per core each slowed the GPU engine core), unless the
+    user set OMP_NUM_THREADS."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1)
+    try:
+        assert eng._pool.submit(torch.get_num_threads).result(timeout=60) == 1
+    finally:
+        eng.shutdown()
+
+
 def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
     """Delta outputs (what the server streams): a reader that fell behind gets those waiting
     as one (their texts, tokens and logprobs joined in order); an error is never joined."""

@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import zmq
 
 from vlmserve.config import EngineConfig
@@ -44,7 +43,7 @@ from vlmserve.engine.messages import (
     Utility,
     UtilityResult,
 )
-from vlmserve.executor.uniproc import resolve_device
+from vlmserve.executor.uniproc import limit_host_threads, resolve_device
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 from vlmserve.request import Request, RequestStatus
 
@@ -59,17 +58,6 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the idle parent check below still ends us
         pass
-
-
-def limit_host_threads(threads: int = 1) -> None:
-    """Give torch `threads` intra-op threads in a process that is one of many on the host (a
-    preprocessing worker, a front end, a GPU engine core), unless the user set
-    OMP_NUM_THREADS: each process would otherwise start one thread per core, and a dozen such
-    processes' thread pools, spinning at their barriers, slowed the engine core's pixel
-    staging (one memcpy) to tens of milliseconds a step on the H200 host (as vLLM does for
-    its workers)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads)
 
 
 class EngineCoreProc:

@@ -15,10 +15,11 @@ import torch
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import freeze_startup_heap, load_model_processor, text_config
-from vlmserve.engine.core_proc import die_with_parent, limit_host_threads
+from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
+from vlmserve.executor.uniproc import limit_host_threads
 from vlmserve.sampling_params import SamplingParams
 
 

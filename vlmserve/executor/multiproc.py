@@ -30,7 +30,7 @@ from vlmserve.distributed.parallel_state import (
     torchrun_env,
 )
 from vlmserve.distributed.tensor_parallel import check_divisible, check_vision_divisible
-from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
+from vlmserve.executor.uniproc import UniprocExecutor, limit_host_threads, resolve_device
 from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,18 @@ def serve_rank(tp: TensorParallel) -> None:
 
 def _spawned_rank(rank: int, world: int, init_method: str, device: str,
                   timeout_s: float) -> None:
-    serve_rank(init_tensor_parallel(rank, world, init_method, resolve_device(device, rank),
-                                    timeout_s))
+    dev = resolve_device(device, rank)
+    if dev.type == "cuda":
+        limit_host_threads()
+    serve_rank(init_tensor_parallel(rank, world, init_method, dev, timeout_s))
 
 
 def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
     """`vlmserve serve` on a torchrun rank other than 0: no server, the worker loop until
     rank 0 shuts down (0) or is gone (1)."""
     device = resolve_device(config.model_config.device, env.local_rank)
+    if device.type == "cuda":
+        limit_host_threads()
     tp = init_tensor_parallel(env.rank, env.world_size, "env://", device,
                               config.parallel_config.tp_timeout, env.local_rank)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -25,6 +26,17 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+
+
+def limit_host_threads(threads: int = 1) -> None:
+    """Give torch `threads` intra-op threads in a process that is one of many on the host (a
+    preprocessing worker, a front end, a GPU engine core), unless the user set
+    OMP_NUM_THREADS: each process would otherwise start one thread per core, and a dozen such
+    processes' thread pools, spinning at their barriers, slowed the engine core's pixel
+    staging (one memcpy) to tens of milliseconds a step on the H200 host (as vLLM does for
+    its workers)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads)
 
 
 def resolve_device(name: str, rank: int | None = None) -> torch.device:
