@@ -229,3 +229,22 @@ def test_encoder_runner_batches_by_size_and_stores_each_image() -> None:
         _assert_close(store.gather([(img.mm_hash, 0, img.length)]), alone)
     runner.run({img.mm_hash: img for img in images})  # all stored: nothing to encode
     assert runner.num_batches == 1
+
+
+def test_vision_attention_backend_choice() -> None:
+    """`auto` is flash only where it runs (CUDA, fp16 / bf16), else the SDPA groups; a backend
+    that cannot run here fails at start-up with a message naming it."""
+    from vlmserve.layers.vision_attention import get_vision_attention_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert get_vision_attention_backend("auto", cpu, torch.bfloat16) is None
+    assert get_vision_attention_backend("auto", cuda, torch.float32) is None
+    assert get_vision_attention_backend("torch", cuda, torch.bfloat16) is None
+    flash = get_vision_attention_backend("auto", cuda, torch.bfloat16)
+    assert flash is get_vision_attention_backend("flash", cuda, torch.float16)
+    with pytest.raises(ValueError, match="flash vision attention backend needs a CUDA"):
+        get_vision_attention_backend("flash", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs float16 or bfloat16, not torch.float32"):
+        get_vision_attention_backend("flash", cuda, torch.float32)
+    with pytest.raises(ValueError, match="unknown vision attention backend 'sdpa'"):
+        get_vision_attention_backend("sdpa", cpu)
