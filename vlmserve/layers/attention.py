@@ -10,8 +10,10 @@ and passed to every layer; backends share it. The torch reference backend groups
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,9 +59,16 @@ class AttentionMetadata:
 
 
 def block_table_tensor(block_ids: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """[B, width] int64, rows padded with 0."""
-    width = width or max(len(b) for b in block_ids)
-    return torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int64)
+    """[B, width] int64, rows padded with 0. Built from one flat array (a nested list through
+    `torch.tensor` took 5 ms for 181 requests beside an 8k-token prompt: every step with a
+    prompt chunk pays it on the host)."""
+    lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+    width = width or int(lens.max())
+    flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int64,
+                       count=int(lens.sum()))
+    table = np.zeros((len(block_ids), width), dtype=np.int64)
+    table[np.arange(width) < lens[:, None]] = flat  # row-major: each row's ids in order
+    return torch.from_numpy(table)
 
 
 def build_attention_metadata(
