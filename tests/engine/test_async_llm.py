@@ -335,18 +335,35 @@ def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_
         eng.shutdown()
 
 
-def test_preprocessing_workers_use_one_torch_thread(vlmserve_cache: Path, monkeypatch) -> None:
-    """A pool's processes are its parallelism: each runs torch on one intra-op thread (a
-    dozen processes with a thread per core each slowed the GPU engine core), unless the
-    user set OMP_NUM_THREADS."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_preprocessing_workers_run_torch_on_their_share_of_threads(
+        vlmserve_cache: Path, monkeypatch, threads: int) -> None:
+    """A pool's processes are its parallelism: each runs torch on its share of the host's
+    threads (a dozen processes with a thread per core each slowed the GPU engine core),
+    unless the user set OMP_NUM_THREADS."""
     import torch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1)
+    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1,
+                   preprocess_threads=threads)
     try:
-        assert eng._pool.submit(torch.get_num_threads).result(timeout=60) == 1
+        assert eng._pool.submit(torch.get_num_threads).result(timeout=60) == threads
     finally:
         eng.shutdown()
+
+
+def test_preprocess_threads_share_the_cores(monkeypatch) -> None:
+    """One core for the engine core and one per front end; the rest shared by every front
+    end's preprocessing processes; at least one each."""
+    import os
+
+    from vlmserve.entrypoints.args import ServerConfig
+    from vlmserve.entrypoints.openai.launch import preprocess_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
+    assert preprocess_threads(ServerConfig(api_server_count=4, preprocess_workers=2)) == 1
+    assert preprocess_threads(ServerConfig(api_server_count=1, preprocess_workers=2)) == 7
+    assert preprocess_threads(ServerConfig(api_server_count=8, preprocess_workers=4)) == 1
 
 
 def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:

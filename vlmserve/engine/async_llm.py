@@ -60,8 +60,11 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
                  log_level: str = "info", preprocess_workers: int = 0,
                  encoder_urls: Sequence[str] = (), encoder_transport: str = "auto",
-                 image_cache_bytes: int = 0) -> None:
+                 image_cache_bytes: int = 0, preprocess_threads: int = 1) -> None:
+        """`preprocess_threads`: torch intra-op threads of each preprocessing process (its
+        share of the host's cores: the pool's processes are its parallelism)."""
         self.config = config
+        self._preprocess_threads = preprocess_threads
         # processed images kept by source in each preprocessing process (or this one)
         self.image_cache_bytes = image_cache_bytes
         # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
@@ -224,7 +227,7 @@ class AsyncLLM:
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
                            wait, self.encoder_urls, self.encoder_transport,
                            self.encoder_consumer,
-                           self.image_cache_bytes)
+                           self.image_cache_bytes, self._preprocess_threads)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -84,10 +84,10 @@ def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
 def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...], encoder_urls: tuple[str, ...] = (),
                  encoder_transport: str = "auto", encoder_consumer: str | None = None,
-                 image_cache_bytes: int = 0) -> None:
+                 image_cache_bytes: int = 0, threads: int = 1) -> None:
     global _worker
     die_with_parent()
-    limit_host_threads()  # the pool's processes are its parallelism
+    limit_host_threads(threads)  # the pool's processes are its parallelism
     _, hf_config, model_processor = load_model_processor(model)
     client = encoder_client(encoder_urls, encoder_transport, encoder_consumer, limits)
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
@@ -113,13 +113,15 @@ def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimit
                 eos_token_ids: tuple[int, ...], wait: bool = True,
                 encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto",
                 encoder_consumer: str | None = None,
-                image_cache_bytes: int = 0) -> concurrent.futures.ProcessPoolExecutor:
-    """Start `workers` preprocessing processes; with `wait`, wait until each has loaded the
-    model's processor (so the first requests do not pay for it)."""
+                image_cache_bytes: int = 0, threads: int = 1
+                ) -> concurrent.futures.ProcessPoolExecutor:
+    """Start `workers` preprocessing processes, each running torch on `threads` intra-op
+    threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
+    first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
         initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport,
-                  encoder_consumer, image_cache_bytes))
+                  encoder_consumer, image_cache_bytes, threads))
     if not wait:
         return pool
     pids: set[int] = set()

@@ -113,6 +113,7 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
     starts the engine core itself."""
     engine = AsyncLLM(config, core=core, log_level=cfg.log_level,
                       preprocess_workers=cfg.preprocess_workers,
+                      preprocess_threads=preprocess_threads(cfg),
                       encoder_urls=[u for u in (cfg.encoder_url or "").split(",") if u],
                       encoder_transport=cfg.encoder_transport,
                       image_cache_bytes=cfg.processed_image_cache_mb << 20)
@@ -151,6 +152,17 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
         return 0
     finally:
         encoder.shutdown()
+
+
+def preprocess_threads(cfg: ServerConfig) -> int:
+    """Each preprocessing process's share of the host's cores (torch threads, for resizing),
+    after one for the engine core and one for each front end: with 4 front ends of 2 workers
+    on 16 cores, 1 (a thread per core in every process oversubscribed the host 8 times and
+    slowed the engine core); with 1 front end of 2 workers, 7."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    workers = max(cfg.api_server_count * cfg.preprocess_workers, 1)
+    return max(1, (cores - 1 - cfg.api_server_count) // workers)
 
 
 def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
