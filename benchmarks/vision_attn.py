@@ -25,6 +25,8 @@ MIXES = {
     "3 images 896+672+448": [4096, 2304, 1024],
     "16 images 896": [4096] * 16,
     "1 image 448": [1024],
+    # Qwen2.5-VL's window layers on the 13-image mix: 64-patch windows (112 px squares)
+    "windows of the 13 images (1920 x 64)": [64] * (4 * 256 + 4 * 144 + 5 * 64),
 }
 
 
