@@ -385,3 +385,31 @@ def test_step_trace_records_every_step(vlmserve_cache, tmp_path, monkeypatch):
     # the tower's launch is timed in the steps that encode, and only there
     assert all((s["vision_launch_ms"] is not None) == (s["images"] > 0) for s in steps)
     assert all(s["vision_launch_ms"] <= s["launch_ms"] for s in steps if s["images"])
+
+
+def test_offline_llm_needs_no_serving_packages(vlmserve_cache) -> None:
+    """`LLM` runs without the server's packages (pyzmq, msgspec, FastAPI, uvicorn,
+    prometheus-client, aiohttp, pybase64): a bare GPU image with torch and transformers runs
+    the offline benchmarks as they are."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('zmq', 'msgspec', 'fastapi', 'uvicorn', 'prometheus_client', 'aiohttp',"
+        " 'pybase64'):\n"
+        "    sys.modules[m] = None  # an import of it fails\n"
+        "from vlmserve import LLM, SamplingParams\n"
+        "from tests.engine.helpers import chat_prompt, make_image\n"
+        "llm = LLM('tiny-qwen2-vl', dtype='float32', device='cpu')\n"
+        "p = chat_prompt(llm, 'Hi', [make_image(56, 56, 1)])\n"
+        "out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0.0,"
+        " ignore_eos=True), use_tqdm=False)\n"
+        "print(len(out[0].outputs[0].token_ids))\n")
+    env = {**os.environ, "VLMSERVE_CACHE": str(vlmserve_cache)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "3"

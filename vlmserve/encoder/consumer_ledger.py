@@ -11,10 +11,12 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import util as mp_util
-
-import zmq
+from typing import TYPE_CHECKING
 
 from vlmserve.encoder.handles import EmbeddingHandle, HandleOpenedTwiceError
+
+if TYPE_CHECKING:
+    import zmq
 
 _REMEMBER_IDS = 1 << 16  # ids kept after they are freed, to tell a late open from a stray one
 
@@ -86,6 +88,8 @@ class ConsumerLedger:
         address = handle.release_address
         if address is None:
             return
+        import zmq  # here: an engine that never opens a handle runs without pyzmq (offline)
+
         sock = self._sockets.get(address)
         if sock is None:
             if self._ctx is None:
