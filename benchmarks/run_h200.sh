@@ -36,8 +36,9 @@
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
 #             check), export + open + copy time per image; the negative control
-#   vattn   : vision attention backends (torch, flash): host vs device time, GPU tests,
-#             serveours per backend with the step trace
+#   synctests: GPU tests of no device waits inside a launch and of the vision attention backends
+#   vattn   : vision attention backends (torch, flash): host vs device time, serveours per
+#             backend with the step trace
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
 #             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
@@ -175,13 +176,14 @@ servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set
   VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
-vattn)  # the vision attention backends: host launch vs device time on served mixes, the GPU
-  # tests of no device waits in a launch and of the flash backend, then serveours at 16/64/192
-  # with the step trace per backend (VBACKENDS, default "torch flash"); .whl and .cache carried
+synctests)  # GPU tests: no device waits inside a step's launch; the vision attention backends
+  TAIL=12 step sync_tests 400 python -m pytest -x -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py ;;
+vattn)  # the vision attention backends: host launch vs device time on served mixes, then
+  # serveours at 16/64/192 with the step trace per backend (VBACKENDS, default "torch
+  # flash"); .whl and .cache carried
   kit_deps
   step vision_attn 120 python benchmarks/vision_attn.py --out "$OUT/vision_attn.json"
-  TAIL=12 PYTHONPATH=$PWD:/tmp/deps step gpu_tests 200 python -m pytest -x -q \
-    -p no:cacheprovider -o addopts="" tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py
   for vb in ${VBACKENDS:-torch flash}; do
     VLMSERVE_STEP_TRACE=$OUT/trace_$vb.jsonl RUNS=${RUNS:-inf@16,inf@64,inf@192} \
       VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens 8192 --api-server-count 4
