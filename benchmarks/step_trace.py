@@ -53,6 +53,11 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         # of those, the vision tower's (host launch; device from the step's start to its end)
         "vision_launch_ms_sum": round(float(col["vision_launch_ms"].sum()), 1),
         "vision_ms_sum": round(float(col["vision_ms"].sum()), 1),
+        # steps with images whose host launch took at least 90% of their device time: the
+        # device waited for the host (or the host blocked on a full launch queue)
+        "image_steps_host_bound": int(((col["images"] > 0) & (col["device_ms"] > 0)
+                                       & (col["launch_ms"] >= 0.9 * col["device_ms"])).sum()),
+        "image_steps": int((col["images"] > 0).sum()),
         # allocations the caching allocator retried after emptying its cache, in this burst
         "alloc_retries": (burst[-1].get("alloc_retries") or 0)
         - (burst[0].get("alloc_retries") or 0),
