@@ -1,0 +1,34 @@
+"""`benchmarks/step_trace.py` on a trace the H200 wrote (a served run at concurrency 64 and
+192, docs/results/2026-12-05c_serve_profile): bursts, step times, the host / device split."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("step_trace", ROOT / "benchmarks/step_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_of_a_served_trace() -> None:
+    mod = _module()
+    path = ROOT / "docs/results/2026-12-05c_serve_profile/t.jsonl"
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bursts = mod.bursts(steps, 0.5)
+    assert [len(b) for b in bursts] == [131, 409, 149]  # warm-up, concurrency 64, 192
+    c64 = mod.summarize(bursts[1], 10.0)
+    assert c64["steps"] == 409 and c64["image_steps"] == 24
+    # every image step's host launch was at least 90% of its device time
+    assert c64["image_steps_host_bound"] == 24
+    assert 5.0 < c64["seconds"] < 5.6 and c64["alloc_retries"] == 0
+    long = c64["long_steps_mean"]
+    assert long["vision_ms"] < long["device_ms"] and long["vision_launch_ms"] < long["launch_ms"]
+    # the summed device time of the steps covers the burst: the device was never idle long
+    assert 0.9 * 1e3 * c64["seconds"] < c64["device_ms_sum"] < 1.05 * 1e3 * c64["seconds"]
