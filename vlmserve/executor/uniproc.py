@@ -31,10 +31,10 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 def limit_host_threads(threads: int = 1) -> None:
     """Give torch `threads` intra-op threads in a process that is one of many on the host (a
     preprocessing worker, a front end, a GPU engine core), unless the user set
-    OMP_NUM_THREADS: each process would otherwise start one thread per core, and a dozen such
-    processes' thread pools, spinning at their barriers, slowed the engine core's pixel
-    staging (one memcpy) to tens of milliseconds a step on the H200 host (as vLLM does for
-    its workers)."""
+    OMP_NUM_THREADS: each process would otherwise start one thread per core. On the H200
+    host a dozen such processes shared 16 cores, and the engine core's pixel staging (one
+    memcpy) took an estimated tens of milliseconds a step; contention is the likely cause,
+    not isolated. vLLM also sets OMP_NUM_THREADS=1 by default."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
 

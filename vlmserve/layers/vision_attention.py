@@ -203,9 +203,9 @@ def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens: torch.Tensor, max_seqlen: int,
                            scale: float | None = None) -> torch.Tensor:
     """Every segment in one call of torch's own varlen FlashAttention kernel (CUDA; fp16 or
-    bf16; ``cu_seqlens`` int32 on the device, ``max_seqlen`` bounding every segment): a
-    fixed host cost per layer, where cuDNN through SDPA costs about 0.2 ms of host time per
-    call and the grouping makes several calls per layer."""
+    bf16; ``cu_seqlens`` int32 on the device, ``max_seqlen`` bounding every segment): one
+    call per layer and no per-shape plans, where the grouping makes several cuDNN calls per
+    layer, each with a graph built per new (batch, length) shape."""
     return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
         scale=scale)[0]

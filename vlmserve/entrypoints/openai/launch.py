@@ -157,8 +157,8 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
 def preprocess_threads(cfg: ServerConfig) -> int:
     """Each preprocessing process's share of the host's cores (torch threads, for resizing),
     after one for the engine core and one for each front end: with 4 front ends of 2 workers
-    on 16 cores, 1 (a thread per core in every process oversubscribed the host 8 times and
-    slowed the engine core); with 1 front end of 2 workers, 7."""
+    on 16 cores, 1 (a thread per core in every process would oversubscribe the host 8
+    times); with 1 front end of 2 workers, 7."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
     workers = max(cfg.api_server_count * cfg.preprocess_workers, 1)
