@@ -40,7 +40,10 @@
 #   vattn   : vision attention backends (torch, flash): host vs device time, serveours per
 #             backend with the step trace
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
-#             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried)
+#             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried);
+#             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
+#             one CUDA MPS daemon (kernels of the two processes run side by side instead of
+#             time-slicing the GPU); skipped with a message where MPS cannot start
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
 #             batch-1 decode; LN_SIDE=ours|vllm|both (vLLM from the peers kit, with
 #             benchmarks/vllm_compat on its path; sbs.py's SBS_PROMPT=llava_next)
@@ -271,23 +274,35 @@ epdserve)
   bench() { PYTHONPATH=$PWD:/tmp/deps step "serve_$1" 300 python3 -m vlmserve.benchmarks.serve \
     --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64}" --out-dir "$OUT/$1"; }
+  mps_start() {  # a CUDA MPS daemon of our own; 1 where a CUDA client cannot attach to it
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d \
+      && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" && return 0
+    echo "MPS unavailable"; cat /tmp/mps/log/control.log 2> /dev/null | tail -5; mps_stop; return 1
+  }
+  mps_stop() { echo quit | nvidia-cuda-mps-control 2> /dev/null; sleep 1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
   for mode in ${EPD_MODES:-epd single}; do
     extra=""
-    if [ "$mode" = epd ]; then
+    if [ "$mode" = epdmps ]; then mps_start || continue; fi
+    if [ "$mode" != single ]; then
       PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --role encoder --port 8003 \
-        > "$OUT/encoder_server.log" 2>&1 &
-      enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server.log"
+        > "$OUT/encoder_server_$mode.log" 2>&1 &
+      enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server_$mode.log"
       extra="--encoder-url http://127.0.0.1:8003"
     fi
     PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 $A $extra \
       > "$OUT/llm_$mode.log" 2>&1 &
     pid=$!; up 8001 $pid && bench "$mode" || tail -5 "$OUT/llm_$mode.log"
     curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
-    if [ "$mode" = epd ]; then
-      curl -s localhost:8003/stats > "$OUT/encoder_stats.json"; cat "$OUT/encoder_stats.json"
-      echo; kill $enc; wait $enc
+    if [ "$mode" != single ]; then
+      curl -s localhost:8003/stats > "$OUT/encoder_stats_$mode.json"
+      cat "$OUT/encoder_stats_$mode.json"; echo; kill $enc; wait $enc
     fi
+    [ "$mode" != epdmps ] || echo get_server_list | nvidia-cuda-mps-control  # attached?
     kill $pid; wait $pid
+    [ "$mode" != epdmps ] || mps_stop
   done ;;
 llavanext)
   if [ ! -d /tmp/llnext ]; then  # the hub's names, which vLLM reads (vlmserve reads both)
