@@ -40,7 +40,8 @@
 #   vattn   : vision attention backends (torch, flash): host vs device time, serveours per
 #             backend with the step trace
 #   epdserve: encoder server + LLM server (--encoder-url) on the one GPU vs the LLM server
-#             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried);
+#             alone: bench serve at concurrency 16 and 64 (wheels from the peers kit, carried),
+#             the LLM server's step trace per mode (trace_MODE.jsonl, summarized in .txt);
 #             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
 #             time-slicing the GPU); skipped with a message where MPS cannot start
@@ -292,10 +293,11 @@ epdserve)
       enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server_$mode.log"
       extra="--encoder-url http://127.0.0.1:8003"
     fi
-    PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 $A $extra \
-      > "$OUT/llm_$mode.log" 2>&1 &
+    VLMSERVE_STEP_TRACE=$OUT/trace_$mode.jsonl PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve \
+      serve /tmp/q2vl2b --port 8001 $A $extra > "$OUT/llm_$mode.log" 2>&1 &
     pid=$!; up 8001 $pid && bench "$mode" || tail -5 "$OUT/llm_$mode.log"
     curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
+    python3 benchmarks/step_trace.py "$OUT/trace_$mode.jsonl" > "$OUT/trace_$mode.txt"
     if [ "$mode" != single ]; then
       curl -s localhost:8003/stats > "$OUT/encoder_stats_$mode.json"
       cat "$OUT/encoder_stats_$mode.json"; echo; kill $enc; wait $enc

@@ -43,6 +43,10 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         "of_those_over_long_ms": int((long & with_dec).sum()),
         "long_steps_mean": {k: round(mean(k, long & with_dec), 1) for k in col},
         "short_steps_mean": {k: round(mean(k, ~long & with_dec), 1) for k in col},
+        # steps of decodes alone (CUDA graphs) and steps with a prompt chunk (eager): how
+        # many, and their mean host launch and device milliseconds
+        "decode_only_steps": _kind(col, with_dec & (col["prompt_tokens"] == 0)),
+        "prompt_steps": _kind(col, col["prompt_tokens"] > 0),
         "images_per_step_max": int(col["images"].max()),
         "ms_in_steps_with_images": round(float(dt[col["images"] > 0].sum()), 1),
         "ms_in_steps_without": round(float(dt[col["images"] == 0].sum()), 1),
@@ -62,6 +66,11 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         "alloc_retries": (burst[-1].get("alloc_retries") or 0)
         - (burst[0].get("alloc_retries") or 0),
     }
+
+
+def _kind(col: dict, m: np.ndarray) -> dict:
+    return {"n": int(m.sum()), **{k: round(float(col[k][m].mean()), 2) if m.any() else 0.0
+                                  for k in ("launch_ms", "device_ms", "decodes")}}
 
 
 def main() -> None:

@@ -32,3 +32,7 @@ def test_summary_of_a_served_trace() -> None:
     assert long["vision_ms"] < long["device_ms"] and long["vision_launch_ms"] < long["launch_ms"]
     # the summed device time of the steps covers the burst: the device was never idle long
     assert 0.9 * 1e3 * c64["seconds"] < c64["device_ms_sum"] < 1.05 * 1e3 * c64["seconds"]
+    # by kind: decodes alone (CUDA graphs) and steps with a prompt chunk (eager)
+    dec, pre = c64["decode_only_steps"], c64["prompt_steps"]
+    assert dec["n"] + pre["n"] <= c64["steps"] - 1 and pre["n"] >= c64["image_steps"]
+    assert dec["device_ms"] < 5.0 < pre["device_ms"] and dec["decodes"] > 0
