@@ -36,6 +36,9 @@
 #   w1prefix: W1 offline (512 requests) with prefix caching on, off, on
 #   epdipc  : encoder and consumer processes on the GPU: memory over 1,000 requests (the leak
 #             check), export + open + copy time per image; the negative control
+#   sampler : one step's sampling at batch 192 (greedy, default, nucleus, top-k, seeded): host
+#             and device ms, torch ops; this tree, then .cache/old (carried; the row-by-row
+#             sampler: `git archive a62bc8b vlmserve | tar -x -C .cache/old`) if present
 #   synctests: GPU tests of no device waits inside a launch and of the vision attention backends
 #   vattn   : vision attention backends (torch, flash): host vs device time, serveours per
 #             backend with the step trace
@@ -180,6 +183,10 @@ servesbs)  # vlmserve serve vs vLLM's server, one after the other (peers kit set
   VLMSERVE_ARGS=${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} \
     bash /tmp/serve_sbs.sh /tmp/q2vl2b --num-requests 192 --output-len 128 --warmup-requests 16 \
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" ;;
+sampler)
+  step sampler_new 120 python3 benchmarks/sampler_time.py --device cuda
+  [ ! -d .cache/old/vlmserve ] || PYTHONPATH=$PWD/.cache/old step sampler_old 300 \
+    python3 benchmarks/sampler_time.py --device cuda ;;
 synctests)  # GPU tests: no device waits inside a step's launch; the vision attention backends
   TAIL=12 step sync_tests 400 python -m pytest -x -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py ;;

@@ -42,6 +42,10 @@ def test_step_launch_never_waits_for_the_device(vlmserve_cache, model, offload):
     # new images (fresh hashes: encoded again), long enough prompts to chunk beside decodes
     prompts = [chat_prompt(llm, f"Look again at picture {i} and describe every detail of it.",
                            [make_image(56 + 28 * (i % 3), 84, 500 + i)]) for i in range(12)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    # greedy, and sampled rows of every kind beside them (temperature, top-k, top-p, seeds)
+    sampled = [SamplingParams(max_tokens=8, temperature=0.8, top_k=[-1, 20][i % 2],
+                              top_p=[1.0, 0.9][i // 2 % 2], seed=[None, i][i // 4 % 2],
+                              ignore_eos=True) for i in range(8)]
+    outs = llm.generate(prompts, [params] * 4 + sampled, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert checked["images"] == 12 and checked["mixed"] > 0, checked

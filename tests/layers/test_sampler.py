@@ -1,10 +1,18 @@
-"""The sampler's log-probabilities: raw log_softmax rows of only the requests that asked."""
+"""The sampler: batched top-k / top-p filters equal to the row-by-row ones, frequencies that
+follow the filtered distribution, seeded rows independent of their batch; log-probabilities:
+raw log_softmax rows of only the requests that asked."""
 
 from __future__ import annotations
 
 import torch
 
-from vlmserve.layers.sampler import compute_logprobs, logprob_dict, logprob_rows, sample
+from vlmserve.layers.sampler import (
+    compute_logprobs,
+    filter_top_k_top_p,
+    logprob_dict,
+    logprob_rows,
+    sample,
+)
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -39,3 +47,76 @@ def test_a_sampled_token_outside_the_top_k_comes_last() -> None:
     assert logprob_dict([2, 1, 2], [-0.2, -0.1, -0.2], 2) == {1: -0.1, 2: -0.2}
     # a request asking fewer than the step's most: its own k
     assert logprob_dict([1, 1, 2, 3], [-0.1, -0.1, -0.2, -0.3], 1) == {1: -0.1}
+
+
+def _filter_one_row(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """The filters one row at a time (the sampler's loop before it was batched)."""
+    if 0 < k < row.numel():
+        row = row.masked_fill(row < torch.topk(row, k).values[-1], float("-inf"))
+    if p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= p
+        drop[0] = False
+        row = row.clone()
+        row[order[drop]] = float("-inf")
+    return row
+
+
+def test_batched_filters_equal_the_row_by_row_ones() -> None:
+    torch.manual_seed(0)
+    vocab = 97
+    x = torch.randn(12, vocab) * 2
+    x[3, :10] = 9.0  # ties at the k-th value are kept
+    ks = [0, 1, 5, 10, 0, 96, 3, 0, 50, 0, 7, 2]
+    ps = [1.0, 1.0, 0.5, 1.0, 0.3, 1.0, 0.99, 1e-9, 0.7, 1.0, 1.0, 0.6]
+    got = filter_top_k_top_p(x, ks, ps)
+    for j in range(len(ks)):
+        assert torch.equal(got[j], _filter_one_row(x[j], ks[j], ps[j])), j
+    assert torch.isinf(got[0]).sum() == 0 and torch.isinf(got[9]).sum() == 0  # no filter
+    assert (got[1] > float("-inf")).sum() == 1 and (got[7] > float("-inf")).sum() == 1
+    assert (got[3] > float("-inf")).sum() >= 10  # the 10 tied values all stay
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
+    torch.manual_seed(1)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    n = 40_000
+    for temperature, k, p in [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.3, -1, 0.8), (2.0, 3, 0.9)]:
+        params = [SamplingParams(temperature=temperature, top_k=k, top_p=p)] * n
+        tokens = sample(logits.expand(n, -1).clone(), params, [None] * n)
+        freq = torch.bincount(tokens, minlength=6).float() / n
+        want = _filter_one_row(logits / temperature, k, p).softmax(-1)
+        assert (freq[want == 0] == 0).all(), (temperature, k, p)
+        # 40,000 draws: a standard error of at most 0.0025 per token
+        assert (freq - want).abs().max() < 0.012, (temperature, k, p, freq, want)
+
+
+def test_a_seeded_row_samples_the_same_whatever_its_batch() -> None:
+    torch.manual_seed(2)
+    vocab = 64
+    steps = [torch.randn(5, vocab) for _ in range(6)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
+
+    def run(rows: list[SamplingParams], at: int, gens: list) -> list[int]:
+        out = []
+        for logits in steps:
+            x = logits[:len(rows)].clone()
+            x[at] = logits[0]  # the seeded request's logits, in row `at`
+            out.append(sample(x, rows, gens)[at].item())
+        return out
+    alone = run([seeded], 0, [torch.Generator().manual_seed(9)])
+    mixed = run([SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=3),
+                 seeded, SamplingParams(temperature=0.8, seed=1)], 2,
+                [None, None, torch.Generator().manual_seed(9), torch.Generator().manual_seed(1)])
+    assert alone == mixed and len(set(alone)) > 1
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_ones() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(6, 40)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, top_k=1 if i == 3 else -1)
+              for i in range(6)]
+    tokens = sample(logits, params, [None] * 6)
+    for i in (0, 2, 3, 4):  # greedy, and top_k=1
+        assert tokens[i].item() == logits[i].argmax().item()

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators; every
+sampled row of a step in the same few kernels."""
 
 from __future__ import annotations
 
@@ -8,32 +9,68 @@ from vlmserve.sampling_params import SamplingParams
 
 
 def sample(
-    logits: torch.Tensor,  # [N, vocab] float32
+    logits: torch.Tensor,  # [N, vocab]
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """One token per row: int64 [N] on the logits' device, without a host sync. Greedy rows
-    take the argmax; the others sample from the filtered, temperature-scaled distribution
-    with their own generator (None: the global RNG)."""
+    take the argmax. The other rows are sampled together, in a number of kernels that does
+    not grow with the batch: logits divided by each row's temperature, its top-k and top-p
+    filters (`filter_top_k_top_p`), then one draw from each row's distribution by the
+    exponential race (the argmax of p_i / E_i with E_i ~ Exp(1) independent is token i with
+    probability p_i). A row with a generator draws its E from it alone (so a seeded request
+    samples the same tokens whatever it is batched with); the others from the global RNG."""
     out = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    for i in sampled_rows:
-        p = params[i]
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the mass before it already reaches top_p (the top one stays)
-            drop = (probs.cumsum(-1) - probs) >= p.top_p
-            drop[0] = False  # even when top_p rounds to 0 in float32
-            row = row.clone()
-            row[order[drop]] = float("-inf")
-        probs = row.softmax(-1)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
-    return out
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    device, vocab = logits.device, logits.shape[1]
+
+    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    every = len(rows) == len(params)
+    index = None if every else dev(rows, torch.int64)
+    x = logits if every else logits.index_select(0, index)
+    x = x.float() / dev([params[i].temperature for i in rows], torch.float32)[:, None]
+    ks = [params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in rows]
+    ps = [params[i].top_p for i in rows]
+    if any(ks) or any(p < 1.0 for p in ps):
+        x = filter_top_k_top_p(x, ks, ps)
+    probs = x.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
+    if len(seeded) < len(rows):
+        race.exponential_()
+    for j, gen in seeded:
+        race[j].exponential_(generator=gen)
+    # a draw of exactly 0 would divide a filtered-out token's 0 into NaN
+    tokens = probs.div_(race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    if every:
+        return tokens
+    return out.index_copy_(0, index, tokens)
+
+
+def filter_top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """``x`` [M, vocab] (temperature-scaled logits) with, in each row j, the tokens outside
+    its top ``ks[j]`` (0: no top-k) set to -inf (ties with the k-th kept), then those outside
+    its top-p nucleus: sorted by probability, a token is dropped when the mass before it
+    already reaches ``ps[j]`` (1.0: no top-p); the most likely token always stays."""
+    device = x.device
+    if any(ks):
+        k = torch.tensor([max(n, 1) - 1 for n in ks], dtype=torch.int64)[:, None]  # k-th
+        kth = x.topk(max(ks), dim=-1).values.gather(1, k.to(device, non_blocking=True))
+        off = torch.tensor([n == 0 for n in ks])[:, None].to(device, non_blocking=True)
+        x = x.masked_fill((x < kth) & ~off, float("-inf"))
+    if any(p < 1.0 for p in ps):
+        # 2: never reached, however the float sum rounds (rows without top-p)
+        top_p = torch.tensor([p if p < 1.0 else 2.0 for p in ps], dtype=torch.float32)
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_p = sorted_x.softmax(dim=-1)
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None].to(device,
+                                                                           non_blocking=True)
+        drop[:, 0] = False  # even when top_p rounds to 0 in float32
+        x = x.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    return x
 
 
 def logprob_rows(params: list[SamplingParams]) -> list[int]:
