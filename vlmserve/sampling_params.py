@@ -17,6 +17,9 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # vLLM's default max_logprobs and OpenAI's top_logprobs limit)
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# OpenAI's ranges for presence and frequency penalties and logit biases; vLLM's for the
+# repetition penalty
+MAX_PENALTY, MAX_BIAS, MAX_REPETITION_PENALTY = 2.0, 100.0, 2.0
 
 
 @dataclass
@@ -32,6 +35,13 @@ class SamplingParams:
     (k or k + 1 entries, most likely first, the sampled token last if not among them), in
     `CompletionOutput.logprobs`. They are the raw log-probabilities (log_softmax of the
     model's logits before temperature, top-k and top-p: vLLM's default "raw_logprobs").
+    presence_penalty and frequency_penalty (OpenAI's, in [-2, 2]) subtract from a token's logit
+    the penalty once if it was generated before, and the penalty times how often;
+    repetition_penalty (vLLM's and transformers', in (0, 2]; 1 is off) divides the positive
+    logits and multiplies the negative ones of tokens in the prompt or generated before. All
+    three act on the model's logits, before the temperature; then, after it, min_p (in [0, 1])
+    drops tokens less likely than min_p times the most likely one, before top-k and top-p.
+    logit_bias {token id: bias in [-100, 100]} is added to the logits with the penalties.
     output_kind: "cumulative" reports the whole request so far at every step that gives it
     tokens; "delta" reports only what each such step added (text, token ids, logprobs; with
     stop strings the last len(longest stop) - 1 characters wait for the next output, as a
@@ -52,6 +62,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     output_kind: str = "cumulative"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,9 +106,30 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        if (not is_real(self.repetition_penalty)
+                or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty!r}")
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.logit_bias, dict) or any(
+                not is_int(t) or t < 0 or not is_real(b) or not -MAX_BIAS <= b <= MAX_BIAS
+                for t, b in self.logit_bias.items()):
+            bad(f"logit_bias must map token ids (integers >= 0) to biases in "
+                f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         if self.output_kind not in OUTPUT_KINDS:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty depends on the tokens so far (the sampler keeps their counts)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

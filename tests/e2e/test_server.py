@@ -137,6 +137,24 @@ def test_chat_with_image_matches_llm_chat(server: Server, llm: LLM) -> None:
     assert again.choices[0].message.content == expected.outputs[0].text
 
 
+def test_penalties_and_logit_bias_match_llm(server: Server, llm: LLM) -> None:
+    """OpenAI's presence / frequency penalties and logit_bias (keys are strings in JSON),
+    vLLM's repetition_penalty and min_p: the same tokens as `LLM.chat` with those params."""
+    messages = user("What is in this picture?", data_url(make_image(84, 56, 1)))
+    plain = llm.chat(messages, greedy(16), use_tqdm=False)[0].outputs[0]
+    params = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.4,
+                  min_p=0.1, logit_bias={plain.token_ids[0]: -100.0, 5: 2.0})
+    expected = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0,
+                                                 ignore_eos=True, **params),
+                        use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids != plain.token_ids
+    assert expected.token_ids[0] != plain.token_ids[0]  # its bias of -100
+    resp = chat(server, messages, 16, presence_penalty=1.5, frequency_penalty=0.5,
+                logit_bias={str(t): b for t, b in params["logit_bias"].items()},
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.4, "min_p": 0.1})
+    assert resp.choices[0].message.content == expected.text
+
+
 def test_streaming_equals_non_streamed(server: Server) -> None:
     messages = user("Describe it.", data_url(make_image(56, 112, 2)))
     full = chat(server, messages, 20).choices[0].message.content

@@ -35,11 +35,11 @@ def poisoned_sampler(monkeypatch):
     real = model_runner.sample
     calls = {"failed": 0}
 
-    def sample(logits, params, generators):
+    def sample(logits, params, *rest):
         if any(p.seed == POISON_SEED for p in params):
             calls["failed"] += 1
             raise RuntimeError("injected sampler fault")
-        return real(logits, params, generators)
+        return real(logits, params, *rest)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     return calls

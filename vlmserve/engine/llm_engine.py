@@ -51,7 +51,7 @@ class LLMEngine:
         Reads only configuration, so it may run on other threads, overlapping the steps.
         Bad input raises an `InvalidRequestError` naming the problem."""
         params = params or SamplingParams()
-        params.validate()
+        self.input_processor.check_sampling(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, self.input_processor.process(prompt), params,
                       self.eos_token_ids)

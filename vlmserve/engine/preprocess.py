@@ -33,7 +33,7 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
     or as many as the context leaves room for. With `encoder_client`, the images are encoded
     by encoder servers: an image sent there travels as an embedding handle, without pixels."""
-    params.validate()
+    input_processor.check_sampling(params)
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
     reason = limits.check(n, [img.length for img in processed.images])

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.errors import InvalidImageError, InvalidRequestError, InvalidSamplingParamsError
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]
 # a source (PIL image, bytes, URL, path) -> RGB; a loader with a `load_all(sources)` method
@@ -191,6 +192,14 @@ class InputProcessor:
             raise InvalidRequestError("prompt must be a string")
         return self._checked(self.model_processor.process(
             text, list(token_ids) if token_ids is not None else None, images))
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """`params.validate()`, and its logit biases name tokens of the vocabulary."""
+        params.validate()
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(f"logit_bias token id {bad[0]} is outside the "
+                                             f"vocabulary [0, {self.vocab_size})")
 
     def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         if not processed.prompt_token_ids:

@@ -8,30 +8,98 @@ import torch
 from vlmserve.sampling_params import SamplingParams
 
 
+def _dev(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without waiting for the stream."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class TokenHistory:
+    """What the penalties of one request read: how often each token was generated (``counts``
+    [vocab] int32, on the device, one added per sampled token by `count`) and, with a
+    repetition penalty, which tokens its prompt holds (``in_prompt`` [vocab] bool)."""
+
+    def __init__(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+                 vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        out = token_ids[num_prompt_tokens:]
+        if out:  # a request resumed after a preemption
+            self.counts.index_add_(0, _dev(out, torch.int64, device),
+                                   torch.ones(len(out), dtype=torch.int32, device=device))
+        self.in_prompt = None
+        if params.repetition_penalty != 1.0:
+            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(
+                0, _dev(token_ids[:num_prompt_tokens], torch.int64, device), True)
+
+    def count(self, token: torch.Tensor) -> None:
+        """``token`` [1] int64, sampled for this request."""
+        self.counts.index_add_(0, token, torch.ones(1, dtype=torch.int32, device=token.device))
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    history: list[TokenHistory | None]) -> torch.Tensor:
+    """``logits`` [N, vocab] with each row's logit biases and repetition, frequency and
+    presence penalties applied (a new tensor; ``logits`` itself unchanged, as the raw
+    log-probabilities read it), or ``logits`` when no row has any."""
+    rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias]
+    if not rows:
+        return logits
+    device = logits.device
+    index = _dev(rows, torch.int64, device)
+    x = logits.index_select(0, index).float()
+    pen = [j for j, i in enumerate(rows) if params[i].penalized]
+    if pen:
+        counts = torch.stack([history[rows[j]].counts for j in pen])  # [P, vocab]
+        some = None if len(pen) == len(rows) else _dev(pen, torch.int64, device)
+        sub = x if some is None else x.index_select(0, some)
+        rep = [params[rows[j]].repetition_penalty for j in pen]
+        if any(r != 1.0 for r in rep):
+            none = torch.zeros_like(counts[0], dtype=torch.bool)
+            seen = (counts > 0) | torch.stack([
+                h.in_prompt if (h := history[rows[j]]).in_prompt is not None else none
+                for j in pen])
+            r = _dev(rep, torch.float32, device)[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        freq = _dev([params[rows[j]].frequency_penalty for j in pen], torch.float32, device)
+        pres = _dev([params[rows[j]].presence_penalty for j in pen], torch.float32, device)
+        sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0)
+        x = sub if some is None else x.index_copy_(0, some, sub)
+    bias = [(j, t, b) for j, i in enumerate(rows) for t, b in params[i].logit_bias.items()]
+    if bias:
+        j, t, b = zip(*bias)
+        x.index_put_((_dev(list(j), torch.int64, device), _dev(list(t), torch.int64, device)),
+                     _dev(list(b), torch.float32, device), accumulate=True)
+    return logits.float().index_copy(0, index, x)
+
+
 def sample(
     logits: torch.Tensor,  # [N, vocab]
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    history: list[TokenHistory | None] | None = None,
 ) -> torch.Tensor:
-    """One token per row: int64 [N] on the logits' device, without a host sync. Greedy rows
+    """One token per row: int64 [N] on the logits' device, without a host sync. Logit biases
+    and penalties first (`apply_penalties`; ``history``: each penalized row's). Greedy rows
     take the argmax. The other rows are sampled together, in a number of kernels that does
-    not grow with the batch: logits divided by each row's temperature, its top-k and top-p
-    filters (`filter_top_k_top_p`), then one draw from each row's distribution by the
+    not grow with the batch: logits divided by each row's temperature, its min-p, top-k and
+    top-p filters (`filter_top_k_top_p`), then one draw from each row's distribution by the
     exponential race (the argmax of p_i / E_i with E_i ~ Exp(1) independent is token i with
     probability p_i). A row with a generator draws its E from it alone (so a seeded request
     samples the same tokens whatever it is batched with); the others from the global RNG."""
+    logits = apply_penalties(logits, params, history or [None] * len(params))
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
     device, vocab = logits.device, logits.shape[1]
-
-    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
     every = len(rows) == len(params)
-    index = None if every else dev(rows, torch.int64)
+    index = None if every else _dev(rows, torch.int64, device)
     x = logits if every else logits.index_select(0, index)
-    x = x.float() / dev([params[i].temperature for i in rows], torch.float32)[:, None]
+    x = x.float() / _dev([params[i].temperature for i in rows], torch.float32, device)[:, None]
+    min_p = [params[i].min_p for i in rows]
+    if any(min_p):
+        probs = x.softmax(dim=-1)
+        floor = _dev(min_p, torch.float32, device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))  # the most likely token stays
     ks = [params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in rows]
     ps = [params[i].top_p for i in rows]
     if any(ks) or any(p < 1.0 for p in ps):

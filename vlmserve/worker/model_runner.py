@@ -23,7 +23,13 @@ import torch
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
-from vlmserve.layers.sampler import compute_logprobs, logprob_dict, logprob_rows, sample
+from vlmserve.layers.sampler import (
+    TokenHistory,
+    compute_logprobs,
+    logprob_dict,
+    logprob_rows,
+    sample,
+)
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.mm_embedding_store import HostShare, MMEmbeddingStore
@@ -38,6 +44,7 @@ class CachedRequestState(NewRequestData):
     generator: torch.Generator | None = None
     in_flight: int = 0
     sample_row: int = -1
+    history: TokenHistory | None = None  # penalized requests': token counts on the device
 
 
 class StepResult:
@@ -252,9 +259,17 @@ class ModelRunner:
                 return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         params = [st.sampling_params for st in to_sample]
-        tokens = sample(logits, params, [st.generator for st in to_sample])
+        for st in to_sample:  # first sampled: nothing in flight, token_ids complete
+            if st.history is None and st.sampling_params.penalized:
+                st.history = TokenHistory(st.sampling_params, st.token_ids,
+                                          st.num_prompt_tokens, logits.shape[1], self.device)
+        tokens = sample(logits, params, [st.generator for st in to_sample],
+                        [st.history for st in to_sample])
         if self.tp is not None:
             self.tp.broadcast_tensor(tokens)
+        for i, st in enumerate(to_sample):
+            if st.history is not None:
+                st.history.count(tokens[i:i + 1])
         n = len(to_sample)
         self.sampled[:n].copy_(tokens)
         host = self._host_tokens[self._num_results % 2][:n]

@@ -10,10 +10,10 @@ if os.environ.get("VLMSERVE_POISON_SEED"):
     _poison = int(os.environ["VLMSERVE_POISON_SEED"])
     _real = _runner.sample
 
-    def _sample(logits, params, generators):
+    def _sample(logits, params, *rest):
         if any(p.seed == _poison for p in params):
             raise RuntimeError("injected sampler fault")
-        return _real(logits, params, generators)
+        return _real(logits, params, *rest)
 
     _runner.sample = _sample
 
@@ -42,9 +42,9 @@ if os.environ.get("VLMSERVE_PERTURB_RANK"):
     _rank = int(os.environ["VLMSERVE_PERTURB_RANK"])
     _real_sample = _runner.sample
 
-    def _perturbed(logits, params, generators):
+    def _perturbed(logits, params, *rest):
         if _dist.is_initialized() and _dist.get_rank() == _rank:
             logits = logits.flip(-1)
-        return _real_sample(logits, params, generators)
+        return _real_sample(logits, params, *rest)
 
     _runner.sample = _perturbed

@@ -15,11 +15,11 @@ _PART_TYPES = ("text", "image_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
 # request that sets one to anything else gets a 400 naming it, not silence.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "audio": (None,),
+    "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
@@ -131,7 +131,12 @@ class _SamplingRequest(OpenAIModel):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     # extensions (vLLM's names)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
@@ -169,6 +174,12 @@ class _SamplingRequest(OpenAIModel):
         if self.n not in (None, 1):
             raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidSamplingParamsError(
+                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            bias[int(key)] = value
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -178,7 +189,12 @@ class _SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids or [],
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            logprobs=self.num_logprobs, output_kind="delta" if self.stream else "final_only")
+            logprobs=self.num_logprobs, output_kind="delta" if self.stream else "final_only",
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            min_p=self.min_p or 0.0, logit_bias=bias)
 
 
 class ChatCompletionRequest(_SamplingRequest):
