@@ -24,6 +24,11 @@ class ModelConfig:
         None, "Longest prompt + output in tokens (default: the model's)."
     )
     seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
+    generation_config: str = _opt(
+        "auto", "Default sampling parameters of requests that leave them unset: auto (the "
+        "model's generation_config.json: its temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_new_tokens, as vLLM does), vllm (none of it: "
+        "SamplingParams' own defaults), or a folder holding a generation_config.json.")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "

@@ -1,9 +1,13 @@
-"""Per-request sampling parameters, validated at admission."""
+"""Per-request sampling parameters, validated at admission; the model's defaults for them
+(`generation_defaults`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from vlmserve.errors import InvalidSamplingParamsError
 
@@ -133,3 +137,35 @@ class SamplingParams:
         """Some penalty depends on the tokens so far (the sampler keeps their counts)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+# what a generation_config.json may set for a request that leaves it unset (vLLM reads the
+# same ones), with transformers' own default of each: a file that holds that default has not
+# chosen it (transformers writes its defaults out)
+_GENERATION_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
+                      "repetition_penalty": 1.0, "max_new_tokens": None}
+
+
+def generation_defaults(source: str, model_dir: str | Path) -> dict[str, Any]:
+    """The default sampling parameters of ``source``: "auto" (``model_dir``'s
+    generation_config.json), "vllm" (none), or a folder with a generation_config.json.
+    Keys are `SamplingParams` fields (max_new_tokens becomes max_tokens); a value outside
+    what `SamplingParams` takes raises a ValueError naming the file."""
+    if source == "vllm":
+        return {}
+    path = Path(model_dir if source == "auto" else source) / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"generation_config: no generation_config.json in {source}")
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    out = {("max_tokens" if k == "max_new_tokens" else k): data[k]
+           for k, default in _GENERATION_FIELDS.items()
+           if data.get(k) is not None and data[k] != default}
+    try:
+        SamplingParams(**out)
+    except InvalidSamplingParamsError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
+

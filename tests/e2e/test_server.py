@@ -518,6 +518,33 @@ def test_default_max_tokens(server: Server) -> None:
         assert r.json()["usage"]["completion_tokens"] == 5
 
 
+def test_generation_config_defaults_fill_unset_fields(server: Server, llm: LLM,
+                                                     monkeypatch) -> None:
+    """The model's generation config (here set on the running engine) is the default of every
+    field a request leaves unset, max_tokens included; fields it sets win."""
+    from fastapi.testclient import TestClient
+
+    from vlmserve.entrypoints.args import ServerConfig
+
+    monkeypatch.setattr(server.engine, "sampling_defaults",
+                        {"temperature": 0.5, "top_k": 1, "repetition_penalty": 1.6,
+                         "max_tokens": 6})
+    messages = user("hi hi hi hi")
+    want = llm.chat(messages, SamplingParams(temperature=0.5, top_k=1, repetition_penalty=1.6,
+                                             max_tokens=6, ignore_eos=True),
+                    use_tqdm=False)[0].outputs[0]
+    plain = llm.chat(messages, greedy(6), use_tqdm=False)[0].outputs[0]
+    assert want.token_ids != plain.token_ids  # the penalty changes the path
+    with TestClient(build_app(server.engine, ServerConfig())) as client:
+        body = {"model": MODEL, "messages": messages, "ignore_eos": True}
+        r = client.post("/v1/chat/completions", json=body).json()
+        assert r["usage"]["completion_tokens"] == 6
+        assert r["choices"][0]["message"]["content"] == want.text
+        r = client.post("/v1/chat/completions", json=body | {"repetition_penalty": 1.0,
+                                                             "max_tokens": 6}).json()
+        assert r["choices"][0]["message"]["content"] == plain.text  # top_k 1: greedy
+
+
 def test_prefix_cache_metrics_and_reset(server: Server) -> None:
     messages = user("The same question, twice.", data_url(make_image(84, 56, 31)))
     chat(server, messages, 4)

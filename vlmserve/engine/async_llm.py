@@ -28,7 +28,7 @@ from typing import Any
 from vlmserve.config import EngineConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, consumer_id
-from vlmserve.engine.core import load_model_processor, text_config
+from vlmserve.engine.core import load_model_processor, sampling_defaults, text_config
 from vlmserve.engine.core_client import CoreClient
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
 from vlmserve.engine.messages import Encoder
@@ -76,7 +76,8 @@ class AsyncLLM:
             self._proc, core = start_engine_core(config, log_level)
         self.core = core
         try:
-            _, hf_config, model_processor = load_model_processor(config.model_config.model)
+            path, hf_config, model_processor = load_model_processor(config.model_config.model)
+            self.sampling_defaults = sampling_defaults(config, path)
             text = text_config(hf_config)
             self.input_processor = InputProcessor(model_processor, text.vocab_size,
                                                   text.hidden_size, image_cache_bytes)
@@ -143,7 +144,7 @@ class AsyncLLM:
         of the prompt into an image (a server's limits); a max_tokens given must fit after
         the prompt, None becomes `default_max_tokens` where that fits (see `preprocess`)."""
         self._check_alive()
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         timing = RequestTiming(arrival_time if arrival_time is not None else time.monotonic())

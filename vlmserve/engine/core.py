@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import generation_defaults
 from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,17 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     limits: AdmissionLimits
+
+
+def sampling_defaults(config: EngineConfig, model_path: str | Path) -> dict[str, Any]:
+    """The default sampling parameters of requests that leave them unset
+    (``--generation-config``: by default the model's generation_config.json), logged when
+    there are any."""
+    defaults = generation_defaults(config.model_config.generation_config, model_path)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config "
+                    "(--generation-config vllm for none): %s", defaults)
+    return defaults
 
 
 def load_model_processor(model: str):

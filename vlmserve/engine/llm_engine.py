@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmserve.config import EngineConfig
-from vlmserve.engine.core import EngineCore, text_config
+from vlmserve.engine.core import EngineCore, sampling_defaults, text_config
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.errors import PromptTooLongError
@@ -33,6 +33,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(model_processor, text.vocab_size,
                                               text.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.config, self.model_path)
         self._ids = itertools.count()
 
     @classmethod
@@ -50,7 +51,7 @@ class LLMEngine:
         """Validate and preprocess (tokenize, decode and process images, hash, positions).
         Reads only configuration, so it may run on other threads, overlapping the steps.
         Bad input raises an `InvalidRequestError` naming the problem."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)
         self.input_processor.check_sampling(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, self.input_processor.process(prompt), params,

@@ -167,10 +167,16 @@ class _SamplingRequest(OpenAIModel):
         logprobs at all)."""
         return None
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises `InvalidSamplingParamsError` naming a bad value. No max_tokens: None (the
-        server's default, or up to the context length). A stream takes delta outputs, a
-        non-streamed request only its final one."""
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises `InvalidSamplingParamsError` naming a bad value. A field left unset takes
+        its value from ``defaults`` (the model's generation config), else OpenAI's default;
+        no max_tokens: None (the server's default, or up to the context length). A stream
+        takes delta outputs, a non-streamed request only its final one."""
+        defaults = defaults or {}
+
+        def given(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
         if self.n not in (None, 1):
             raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -182,9 +188,8 @@ class _SamplingRequest(OpenAIModel):
             bias[int(key)] = value
         return SamplingParams(
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", -1),
             seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
             stop_token_ids=self.stop_token_ids or [],
             skip_special_tokens=self.skip_special_tokens is not False,
@@ -192,9 +197,8 @@ class _SamplingRequest(OpenAIModel):
             logprobs=self.num_logprobs, output_kind="delta" if self.stream else "final_only",
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
-            min_p=self.min_p or 0.0, logit_bias=bias)
+            repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
+            logit_bias=bias)
 
 
 class ChatCompletionRequest(_SamplingRequest):

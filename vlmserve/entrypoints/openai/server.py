@@ -69,6 +69,9 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_name: str) -> None:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
+        # --default-max-tokens, else the model's generation config's max_new_tokens
+        self.default_max_tokens = (cfg.default_max_tokens if cfg.default_max_tokens is not None
+                                   else engine.sampling_defaults.get("max_tokens"))
         self.draining = False  # shutting down: new requests are refused
         self.api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
         # handle kinds a client may send in multi_modal_embeddings
@@ -191,11 +194,11 @@ class OpenAIServing:
         self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival,
-                                               self.image_loader, self.cfg.default_max_tokens)
+                                               self.image_loader, self.default_max_tokens)
         if req.stream:
             return event_stream(chat_events(stream, req, params, rid, created, self.model_name,
                                             self.token_texts), stream)
@@ -230,7 +233,7 @@ class OpenAIServing:
         self.check_accepting()
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(self.engine.sampling_defaults)
         if isinstance(req.prompt, str):
             self.check_prompt_chars(len(req.prompt))
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
@@ -238,7 +241,7 @@ class OpenAIServing:
             prompt = self.encoded_prompt(req)
         rid, created = random_id("cmpl"), int(time.time())
         stream = await self.engine.add_request(prompt, params, rid, arrival,
-                                               default_max_tokens=self.cfg.default_max_tokens)
+                                               default_max_tokens=self.default_max_tokens)
         if req.stream:
             return event_stream(completion_events(stream, req, params, rid, created,
                                                   self.model_name, self.token_texts), stream)
