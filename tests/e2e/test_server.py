@@ -155,6 +155,48 @@ def test_penalties_and_logit_bias_match_llm(server: Server, llm: LLM) -> None:
     assert resp.choices[0].message.content == expected.text
 
 
+def test_n_choices(server: Server, llm: LLM) -> None:
+    """`n`: that many choices of one prompt (its image preprocessed once), each a request of
+    its own; with a seed, choice i samples as a request seeded seed + i (vLLM's rule);
+    streamed, each choice's chunks carry its index; usage counts the prompt once."""
+    messages = user("What is in this picture?", data_url(make_image(84, 56, 1)))
+    sampled = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    want = [llm.chat(messages, SamplingParams(seed=40 + i, **sampled),
+                     use_tqdm=False)[0].outputs[0] for i in range(3)]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # the seeds sample differently
+    def chat_n(**kw):
+        return server.client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, n=3, seed=40, temperature=1.0,
+            extra_body={"ignore_eos": True}, **kw)
+    resp = chat_n()
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == [w.text for w in want]
+    assert resp.usage.completion_tokens == 24
+    assert resp.usage.prompt_tokens == len(llm.chat(messages, greedy(1), use_tqdm=False)[0]
+                                           .prompt_token_ids)
+    chunks = list(chat_n(stream=True, stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert texts == [w.text for w in want] and finished == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    comp = server.client.completions.create(model="tiny", prompt="Once upon a time", n=2,
+                                            max_tokens=5, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    greedy_text = llm.generate("Once upon a time", greedy(5), use_tqdm=False)[0].outputs[0]
+    assert [c.text for c in comp.choices] == [greedy_text.text] * 2
+    assert [c.index for c in comp.choices] == [0, 1]
+    streamed = list(server.client.completions.create(
+        model="tiny", prompt="Once upon a time", n=2, max_tokens=5, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in streamed
+                       if c.choices and c.choices[0].index == i) == greedy_text.text
+
+
 def test_streaming_equals_non_streamed(server: Server) -> None:
     messages = user("Describe it.", data_url(make_image(56, 112, 2)))
     full = chat(server, messages, 20).choices[0].message.content
@@ -345,6 +387,21 @@ def test_client_disconnect_frees_blocks_and_cache_references(server: Server) -> 
     s = _idle(server)
     assert s["num_running"] == 0 and s["num_free_kv_blocks"] == s["num_kv_blocks"]
     assert server.metrics()[key] == before.get(key, 0) + 2
+    # n choices: every one of them aborted, streamed or not
+    stream = server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_MODEL_LEN - 100, n=3, stream=True,
+        extra_body={"ignore_eos": True})
+    [next(stream) for _ in range(6)]
+    assert server.stats()["num_running"] == 3
+    stream.close()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=0.5, json={
+            "messages": messages, "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True,
+            "n": 3})
+    s = _idle(server)
+    assert s["num_running"] == s["num_streams"] == 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["encoder_cache_referenced"] == 0
+    assert server.metrics()[key] == before.get(key, 0) + 8
 
 
 BAD_IMAGE = "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode()
@@ -363,7 +420,8 @@ def _bad_cases(server: Server) -> list[tuple[dict, int, str]]:
          400, "input_audio"),
         ({**ok, "messages": user("word " * 2000)}, 400, "maximum context length"),
         ({**ok, "messages": user("x"), "temperature": -1}, 400, "temperature"),
-        ({**ok, "messages": user("x"), "n": 2}, 400, "n must be 1"),
+        ({**ok, "messages": user("x"), "n": 129}, 400, "n must be in [1, 128]"),
+        ({**ok, "messages": user("x"), "n": 0}, 400, "n must be in"),
         ({**ok, "messages": user("x"), "max_tokens": 0}, 400, "max_tokens"),
         ({**ok, "messages": user("x"), "top_p": "high"}, 400, "top_p"),
         ({**ok, "messages": user("x", str(outside))}, 400, "outside the allowed directory"),

@@ -135,6 +135,11 @@ def test_two_front_ends_serve_64_concurrent_streams_like_llm_chat(serve) -> None
         if len(pids) == 2:
             break
     assert len(pids) == 2, "both front ends accept connections"
+    # n choices through a preprocessing process: one image preprocessed, three requests
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "messages": convs[2], "max_tokens": 16, "temperature": 0, "n": 3,
+        "ignore_eos": True}).json()
+    assert [c["message"]["content"] for c in r["choices"]] == [expected[2]] * 3
     s = srv.stats()
     assert s["num_running"] == s["num_waiting"] == 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import concurrent.futures.process
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -31,7 +32,7 @@ from vlmserve.encoder.client import EncoderClient, consumer_id
 from vlmserve.engine.core import load_model_processor, sampling_defaults, text_config
 from vlmserve.engine.core_client import CoreClient
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
-from vlmserve.engine.messages import Encoder
+from vlmserve.engine.messages import Encoder, effective_params, relabeled
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.preprocess import (
     encoder_client,
@@ -123,17 +124,6 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.input_processor.model_processor.apply_chat_template(messages)
 
-    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
-                image_loader: ImageLoader = load_image, default_max_tokens: int | None = None
-                ) -> tuple[Request, list]:
-        """Preprocess and check one request and encode its message (any thread). Bad input
-        raises an `InvalidRequestError` naming the problem."""
-        text, token_ids, frames = preprocess(
-            self.input_processor, self.limits, self.eos_token_ids, self._encoder, prompt,
-            params, request_id, image_loader, default_max_tokens, self._encoder_client)
-        return Request(request_id, ProcessedPrompt(text, token_ids), params,
-                       self.eos_token_ids), frames
-
     async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                           request_id: str | None = None, arrival_time: float | None = None,
                           image_loader: ImageLoader = load_image,
@@ -143,35 +133,70 @@ class AsyncLLM:
         `InvalidRequestError` here, before any output. `image_loader` turns each image source
         of the prompt into an image (a server's limits); a max_tokens given must fit after
         the prompt, None becomes `default_max_tokens` where that fits (see `preprocess`)."""
+        return (await self.add_requests(prompt, params, request_id, 1, arrival_time,
+                                        image_loader, default_max_tokens))[0]
+
+    async def add_requests(self, prompt: PromptInput, params: SamplingParams | None = None,
+                           request_id: str | None = None, n: int = 1,
+                           arrival_time: float | None = None,
+                           image_loader: ImageLoader = load_image,
+                           default_max_tokens: int | None = None) -> list[RequestStream]:
+        """`add_request` for ``n`` completions of one prompt (the OpenAI API's ``n``), each a
+        request of its own (ids ``request_id`` with "-1", "-2", ... for all but the first;
+        with a seed, the i-th samples with seed + i, as vLLM's) from one preprocessing: their
+        messages share the prompt's pixels."""
         self._check_alive()
         params = params or SamplingParams(**self.sampling_defaults)
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        timing = RequestTiming(arrival_time if arrival_time is not None else time.monotonic())
-        if self._pool is not None:
-            pool = self._pool
-            try:
-                text, token_ids, frames = await asyncio.wrap_future(pool.submit(
-                    preprocess_in_worker, prompt, params, rid, image_loader,
-                    default_max_tokens))
-            except concurrent.futures.process.BrokenProcessPool:
-                # a preprocessing process died (this request's input, or a kill): the
-                # request fails, the next ones get a new pool
-                if self._pool is pool:
-                    logger.error("a preprocessing process died; starting new ones")
-                    self._pool = self._new_pool(wait=False)  # not on the event loop
-                    pool.shutdown(wait=False, cancel_futures=True)
-                raise RuntimeError("the request's preprocessing process died") from None
-            req = Request(rid, ProcessedPrompt(text, token_ids), params, self.eos_token_ids)
-        else:
-            req, frames = await asyncio.to_thread(self.process, prompt, params, rid,
-                                                  image_loader, default_max_tokens)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        text, token_ids, frames = await self._preprocess(prompt, params, rid, image_loader,
+                                                         default_max_tokens)
+        todo = [(rid, params, frames)]
+        for i in range(1, n):
+            child_id = f"{rid}-{i}"
+            child = (params if params.seed is None
+                     else dataclasses.replace(params, seed=params.seed + i))
+            sent = effective_params(frames)
+            child_frames = relabeled(frames, child_id, sent if params.seed is None
+                                     else dataclasses.replace(sent, seed=child.seed))
+            if child_frames is None:  # embedding handles: each child is encoded on its own
+                *_, child_frames = await self._preprocess(prompt, child, child_id,
+                                                          image_loader, default_max_tokens)
+            todo.append((child_id, child, child_frames))
         self._check_alive()
-        stream = RequestStream(self, rid, loop, timing,
-                               delta=req.sampling_params.output_kind == "delta")
-        timing.num_prompt_tokens = req.num_prompt_tokens
-        self.client.add(stream, req, frames)
-        return stream
+        streams = []
+        for child_id, child, child_frames in todo:
+            req = Request(child_id, ProcessedPrompt(text, token_ids), child, self.eos_token_ids)
+            stream = RequestStream(self, child_id, loop, RequestTiming(arrival),
+                                   delta=child.output_kind == "delta")
+            stream.timing.num_prompt_tokens = req.num_prompt_tokens
+            self.client.add(stream, req, child_frames)
+            streams.append(stream)
+        return streams
+
+    async def _preprocess(self, prompt: PromptInput, params: SamplingParams, rid: str,
+                          image_loader: ImageLoader, default_max_tokens: int | None
+                          ) -> tuple[str | None, list[int], list]:
+        """(prompt text, prompt token ids, `AddRequest` frames) from a preprocessing process,
+        or a worker thread without them."""
+        if self._pool is None:
+            return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
+                                           self.eos_token_ids, self._encoder, prompt, params,
+                                           rid, image_loader, default_max_tokens,
+                                           self._encoder_client)
+        pool = self._pool
+        try:
+            return await asyncio.wrap_future(pool.submit(
+                preprocess_in_worker, prompt, params, rid, image_loader, default_max_tokens))
+        except concurrent.futures.process.BrokenProcessPool:
+            # a preprocessing process died (this request's input, or a kill): the request
+            # fails, the next ones get a new pool
+            if self._pool is pool:
+                logger.error("a preprocessing process died; starting new ones")
+                self._pool = self._new_pool(wait=False)  # not on the event loop
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise RuntimeError("the request's preprocessing process died") from None
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -166,3 +166,24 @@ class Decoder:
             return torch.from_numpy(np.frombuffer(buf, dtype=np.int16).reshape(shape)).view(
                 torch.bfloat16)
         return torch.from_numpy(np.frombuffer(buf, dtype=dtype).reshape(shape))
+
+
+_raw_add = msgspec.msgpack.Decoder(AddRequest, ext_hook=lambda code, data: msgspec.msgpack.Ext(
+    code, bytes(data)))  # tensors left as they are on the wire (references to frames)
+_raw_encoder = msgspec.msgpack.Encoder()
+
+
+def relabeled(frames: list[Any], request_id: str, params: SamplingParams) -> list[Any] | None:
+    """The frames of an `AddRequest` as another request (its id and sampling parameters),
+    sharing its tensor frames; None if it holds embedding handles (each opens once)."""
+    msg = _raw_add.decode(frames[0])
+    if any(img.handle is not None for img in msg.images):
+        return None
+    return [_raw_encoder.encode(msgspec.structs.replace(
+        msg, request_id=request_id, sampling_params=params)), *frames[1:]]
+
+
+def effective_params(frames: list[Any]) -> SamplingParams:
+    """The sampling parameters an `AddRequest`'s frames carry (after the front end's checks
+    and defaults)."""
+    return _raw_add.decode(frames[0]).sampling_params

@@ -23,6 +23,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
+# the most choices a request may ask for (OpenAI's limit)
+MAX_N = 128
 # the most log-probabilities per token /v1/completions gives (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5
 # accepted and without effect on the output (bookkeeping fields of OpenAI's API)
@@ -177,8 +179,8 @@ class _SamplingRequest(OpenAIModel):
         def given(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
-        if self.n not in (None, 1):
-            raise InvalidSamplingParamsError(f"n must be 1 (one choice per request), got {self.n}")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidSamplingParamsError(f"n must be in [1, {MAX_N}], got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for key, value in (self.logit_bias or {}).items():

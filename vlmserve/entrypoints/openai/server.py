@@ -160,28 +160,33 @@ class OpenAIServing:
                 task.cancel()
         return [tasks[i].result() if i in tasks else s for i, s in enumerate(sources)]
 
-    async def last_output(self, stream: RequestStream, request: Request) -> RequestOutput:
-        """Run a non-streamed request to the end; abort it if the client goes away."""
+    async def last_outputs(self, streams: list[RequestStream], request: Request
+                           ) -> list[RequestOutput]:
+        """Run a non-streamed request's choices to the end; abort them all if the client goes
+        away or one fails."""
 
         async def client_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        async def collect() -> RequestOutput:
+        async def collect(stream: RequestStream) -> RequestOutput:
             final = None
             async for out in stream:
                 final = out
             assert final is not None
             return final
 
-        watcher, collector = asyncio.create_task(client_gone()), asyncio.create_task(collect())
+        watcher = asyncio.create_task(client_gone())
+        collector = asyncio.gather(*(collect(s) for s in streams))
         try:
             await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not collector.done():
                 collector.cancel()
-                stream.abort()
+            if not collector.done() or collector.cancelled() or collector.exception():
+                for stream in streams:
+                    stream.abort()
         if not collector.done() or collector.cancelled():
             raise ApiError(499, "client disconnected")
         return collector.result()
@@ -197,20 +202,22 @@ class OpenAIServing:
         params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self.chat_prompt(req)
         rid, created = random_id("chatcmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid, arrival,
-                                               self.image_loader, self.default_max_tokens)
+        streams = await self.engine.add_requests(prompt, params, rid, req.n or 1, arrival,
+                                                 self.image_loader, self.default_max_tokens)
         if req.stream:
-            return event_stream(chat_events(stream, req, params, rid, created, self.model_name,
-                                            self.token_texts), stream)
-        out = await self.last_output(stream, request)
-        c = out.outputs[0]
-        logprobs = None if params.logprobs is None else chat_logprobs(
-            self.token_texts, c.token_ids, c.logprobs, params.logprobs)
+            return event_stream(chat_events(streams, req, params, rid, created,
+                                            self.model_name, self.token_texts), streams)
+        outs = await self.last_outputs(streams, request)
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            logprobs = None if params.logprobs is None else chat_logprobs(
+                self.token_texts, c.token_ids, c.logprobs, params.logprobs)
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                      logprobs=logprobs, finish_reason=c.finish_reason))
         return JSONResponse(ChatCompletionResponse(
-            id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                finish_reason=c.finish_reason)],
-            usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
+            id=rid, created=created, model=self.model_name, choices=choices,
+            usage=_usage(outs)).model_dump())
 
     def encoded_prompt(self, req: CompletionRequest) -> dict[str, Any]:
         """A completion whose images an encoder server encoded (`multi_modal_embeddings`):
@@ -238,22 +245,32 @@ class OpenAIServing:
             self.check_prompt_chars(len(req.prompt))
         prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         if req.multi_modal_embeddings is not None:
+            if (req.n or 1) > 1:  # each choice would open the same handles
+                raise ApiError(400, "n > 1 is not supported with multi_modal_embeddings", "n")
             prompt = self.encoded_prompt(req)
         rid, created = random_id("cmpl"), int(time.time())
-        stream = await self.engine.add_request(prompt, params, rid, arrival,
-                                               default_max_tokens=self.default_max_tokens)
+        streams = await self.engine.add_requests(prompt, params, rid, req.n or 1, arrival,
+                                                 default_max_tokens=self.default_max_tokens)
         if req.stream:
-            return event_stream(completion_events(stream, req, params, rid, created,
-                                                  self.model_name, self.token_texts), stream)
-        out = await self.last_output(stream, request)
-        c = out.outputs[0]
-        logprobs = None if params.logprobs is None else completion_logprobs(
-            self.token_texts, c.token_ids, c.logprobs)[0]
+            return event_stream(completion_events(streams, req, params, rid, created,
+                                                  self.model_name, self.token_texts), streams)
+        outs = await self.last_outputs(streams, request)
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            logprobs = None if params.logprobs is None else completion_logprobs(
+                self.token_texts, c.token_ids, c.logprobs)[0]
+            choices.append(CompletionChoice(index=i, text=c.text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason))
         return JSONResponse(CompletionResponse(
-            id=rid, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=c.text, logprobs=logprobs,
-                                      finish_reason=c.finish_reason)],
-            usage=UsageInfo.of(len(out.prompt_token_ids), len(c.token_ids))).model_dump())
+            id=rid, created=created, model=self.model_name, choices=choices,
+            usage=_usage(outs)).model_dump())
+
+
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    """A request's usage: its prompt once, the output tokens of all its choices."""
+    return UsageInfo.of(len(outs[0].prompt_token_ids),
+                        sum(len(out.outputs[0].token_ids) for out in outs))
 
 
 def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:

@@ -4,6 +4,7 @@ error event plus `[DONE]` when the engine fails mid-stream."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -47,9 +48,11 @@ class _TextChunk:
 
 def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
                 delta: DeltaMessage | None, finish: str | None = None,
-                usage: UsageInfo | None = None, logprobs: ChatLogprobs | None = None) -> str:
-    """One `chat.completion.chunk` event."""
-    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish,
+                usage: UsageInfo | None = None, logprobs: ChatLogprobs | None = None,
+                index: int = 0) -> str:
+    """One `chat.completion.chunk` event (of choice ``index``)."""
+    choices = [] if delta is None else [ChatChunkChoice(index=index, delta=delta,
+                                                        finish_reason=finish,
                                                         logprobs=logprobs)]
     data = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
                                usage=usage).model_dump()
@@ -66,31 +69,40 @@ def _sse(payload: BaseModel | dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def chat_events(stream: RequestStream, req: ChatCompletionRequest, params: SamplingParams,
-                      rid: str, created: int, model: str, token_texts: TokenTexts
-                      ) -> AsyncIterator[str]:
-    """A chat completion's SSE events: a chunk per output with tokens (the role on the
-    first), the finish reason, usage if asked, `[DONE]`."""
+async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
+                      params: SamplingParams, rid: str, created: int, model: str,
+                      token_texts: TokenTexts) -> AsyncIterator[str]:
+    """A chat completion's SSE events: per choice (a stream each, ``n`` of them, their
+    chunks as they come), a chunk per output with tokens (the role on the first) and the
+    finish reason; then usage if asked (all choices' tokens), `[DONE]`."""
     chunk = functools.partial(_chat_chunk, rid, created, model, req.include_usage)
-    first = True  # the role rides on the first token's chunk
-    token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK)))
-    async for out, c, num_tokens in _deltas(stream):
-        if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
-            yield chunk(DeltaMessage(role="assistant" if first else None, content=c.text),
-                        logprobs=chat_logprobs(token_texts, c.token_ids, c.logprobs,
-                                               params.logprobs))
-            first = False
-        elif c.token_ids:  # a chunk per output with tokens, even if no text is due yet
-            yield (chunk(DeltaMessage(role="assistant", content=c.text)) if first
-                   else token_chunk(c.text))
-            first = False
-        if out.finished:
-            yield chunk(DeltaMessage(), finish=c.finish_reason)
-            if req.include_usage:
-                yield chunk(None, usage=UsageInfo.of(len(out.prompt_token_ids), num_tokens))
+    counts: list[tuple[int, int]] = []  # (prompt tokens, output tokens) of each choice done
+
+    async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        first = True  # the role rides on the first token's chunk
+        token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK), index=index))
+        async for out, c, num_tokens in _deltas(stream):
+            if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
+                yield chunk(DeltaMessage(role="assistant" if first else None, content=c.text),
+                            logprobs=chat_logprobs(token_texts, c.token_ids, c.logprobs,
+                                                   params.logprobs), index=index)
+                first = False
+            elif c.token_ids:  # a chunk per output with tokens, even if no text is due yet
+                yield (chunk(DeltaMessage(role="assistant", content=c.text), index=index)
+                       if first else token_chunk(c.text))
+                first = False
+            if out.finished:
+                yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
+                counts.append((len(out.prompt_token_ids), num_tokens))
+
+    async for event in _merged([choice(i, s) for i, s in enumerate(streams)]):
+        yield event
+    if req.include_usage and counts:
+        yield chunk(None, usage=UsageInfo.of(counts[0][0], sum(n for _, n in counts)))
     yield _sse("[DONE]")
 
-async def completion_events(stream: RequestStream, req: CompletionRequest,
+
+async def completion_events(streams: list[RequestStream], req: CompletionRequest,
                             params: SamplingParams, rid: str, created: int, model: str,
                             token_texts: TokenTexts) -> AsyncIterator[str]:
     """A completion's SSE events, as `chat_events` (legacy logprobs lists)."""
@@ -102,22 +114,55 @@ async def completion_events(stream: RequestStream, req: CompletionRequest,
             data.pop("usage")
         return _sse(data)
 
-    token_chunk = _TextChunk(chunk([CompletionChoice(text=_TextChunk.MARK)]))
-    offset = 0  # of the next token's text (in the tokens' texts so far)
-    async for out, c, num_tokens in _deltas(stream):
-        if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
-            logprobs, offset = completion_logprobs(token_texts, c.token_ids, c.logprobs,
-                                                   offset)
-            yield chunk([CompletionChoice(text=c.text, logprobs=logprobs)])
-        elif c.token_ids:
-            yield token_chunk(c.text)
-        if out.finished:
-            yield chunk([CompletionChoice(text="", finish_reason=c.finish_reason)])
-            if req.include_usage:
-                yield chunk([], UsageInfo.of(len(out.prompt_token_ids), num_tokens))
+    counts: list[tuple[int, int]] = []
+
+    async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        token_chunk = _TextChunk(chunk([CompletionChoice(index=index, text=_TextChunk.MARK)]))
+        offset = 0  # of the next token's text (in the tokens' texts so far)
+        async for out, c, num_tokens in _deltas(stream):
+            if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
+                logprobs, offset = completion_logprobs(token_texts, c.token_ids, c.logprobs,
+                                                       offset)
+                yield chunk([CompletionChoice(index=index, text=c.text, logprobs=logprobs)])
+            elif c.token_ids:
+                yield token_chunk(c.text)
+            if out.finished:
+                yield chunk([CompletionChoice(index=index, text="",
+                                              finish_reason=c.finish_reason)])
+                counts.append((len(out.prompt_token_ids), num_tokens))
+
+    async for event in _merged([choice(i, s) for i, s in enumerate(streams)]):
+        yield event
+    if req.include_usage and counts:
+        yield chunk([], UsageInfo.of(counts[0][0], sum(n for _, n in counts)))
     yield _sse("[DONE]")
 
 
+async def _merged(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The events of every source as they come, each source's in its order (the choices
+    of a request with ``n`` > 1); an error in any ends them all."""
+    if len(sources) == 1:
+        async for event in sources[0]:
+            yield event
+        return
+    pending = {asyncio.ensure_future(anext(src)): src for src in sources}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                src = pending.pop(fut)
+                try:
+                    event = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield event
+                pending[asyncio.ensure_future(anext(src))] = src
+    finally:
+        for fut in pending:
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for src in sources:
+            await src.aclose()
 
 
 async def _deltas(stream: RequestStream
@@ -138,9 +183,10 @@ async def _deltas(stream: RequestStream
         stream.abort()
 
 
-def event_stream(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+def event_stream(events: AsyncIterator[str], streams: list[RequestStream]
+                 ) -> StreamingResponse:
     """SSE response; a client that disconnects cancels the iteration, which aborts the
-    request at once."""
+    requests at once."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -150,7 +196,8 @@ def event_stream(events: AsyncIterator[str], stream: RequestStream) -> Streaming
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
             yield _sse("[DONE]")
         finally:
-            stream.abort()
+            for stream in streams:
+                stream.abort()
 
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
