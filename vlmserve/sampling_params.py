@@ -46,6 +46,8 @@ class SamplingParams:
     three act on the model's logits, before the temperature; then, after it, min_p (in [0, 1])
     drops tokens less likely than min_p times the most likely one, before top-k and top-p.
     logit_bias {token id: bias in [-100, 100]} is added to the logits with the penalties.
+    min_tokens (vLLM's): until that many tokens are out, EOS and stop_token_ids cannot be
+    sampled and stop strings do not end the request.
     output_kind: "cumulative" reports the whole request so far at every step that gives it
     tokens; "delta" reports only what each such step added (text, token ids, logprobs; with
     stop strings the last len(longest stop) - 1 characters wait for the next output, as a
@@ -71,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +128,9 @@ class SamplingParams:
                 for t, b in self.logit_bias.items()):
             bad(f"logit_bias must map token ids (integers >= 0) to biases in "
                 f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+                self.max_tokens if self.max_tokens is not None else self.min_tokens):
+            bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.output_kind not in OUTPUT_KINDS:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 

@@ -261,7 +261,7 @@ NUMBER = st.one_of(st.sampled_from(RAW_NUMBERS + EDGE_VALUES), st.integers(), st
                    st.integers(-2**70, 2**70), st.floats(-1e-300, 1e-300))
 NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens",
                   "n", "presence_penalty", "frequency_penalty", "top_logprobs", "best_of",
-                  "repetition_penalty", "min_p")
+                  "repetition_penalty", "min_p", "min_tokens")
 
 
 def test_fuzz_sampling_numbers(server: ServeProc, record_property) -> None:

@@ -149,6 +149,12 @@ def test_penalties_and_logit_bias_match_llm(server: Server, llm: LLM) -> None:
                         use_tqdm=False)[0].outputs[0]
     assert expected.token_ids != plain.token_ids
     assert expected.token_ids[0] != plain.token_ids[0]  # its bias of -100
+    # min_tokens (vLLM's): the stop token at the front is held back for 4 tokens
+    stop = {"stop_token_ids": plain.token_ids[:1]}
+    assert chat(server, messages, 16, extra_body=stop).usage.completion_tokens == 1
+    held = chat(server, messages, 16, extra_body={"min_tokens": 4, **stop})
+    assert held.usage.completion_tokens >= 4 and held.choices[0].finish_reason in (
+        "stop", "length")
     resp = chat(server, messages, 16, presence_penalty=1.5, frequency_penalty=0.5,
                 logit_bias={str(t): b for t, b in params["logit_bias"].items()},
                 extra_body={"ignore_eos": True, "repetition_penalty": 1.4, "min_p": 0.1})

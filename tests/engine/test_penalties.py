@@ -146,3 +146,37 @@ def test_bad_penalties_are_refused_naming_the_field(setup) -> None:
     vocab = llm.engine.input_processor.vocab_size
     with pytest.raises(InvalidSamplingParamsError, match="vocabulary"):
         llm.generate("Hi", SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+
+
+def test_min_tokens_holds_back_stop_tokens_like_transformers_min_new_tokens(setup) -> None:
+    """min_tokens: no stop token (nor EOS) before that many tokens, as transformers'
+    min_new_tokens; stop strings do not end the request before then either."""
+    from transformers import GenerationConfig
+
+    llm, oracle = setup
+    prompt = chat_prompt(llm, "Describe the picture.", [make_image(84, 56, 11)])
+    processed = llm.engine.input_processor.process(prompt)
+    path = oracle.generate(processed, MAX_TOKENS)
+    stop = path[1]  # the second greedy token, as a stop token
+    base = dict(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop])
+    early = llm.generate(prompt, SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    assert early.token_ids == path[:2] and early.finish_reason == "stop"
+    got = llm.generate(prompt, SamplingParams(**base, min_tokens=5), use_tqdm=False)[0].outputs[0]
+    ids, kwargs = oracle._inputs(processed)
+    cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, min_new_tokens=5, do_sample=False,
+                           eos_token_id=[stop], pad_token_id=0)
+    want = oracle.model.generate(input_ids=ids, attention_mask=ids.new_ones(ids.shape),
+                                 generation_config=cfg, **kwargs)[0, ids.shape[1]:].tolist()
+    assert got.token_ids == want and len(got.token_ids) > 5 and stop not in got.token_ids[:5]
+    # a stop string: the text of the first token, found again only from min_tokens on
+    text = llm.get_tokenizer().decode(path[:1])
+    cut = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                              ignore_eos=True, stop=[text]),
+                       use_tqdm=False)[0].outputs[0]
+    held = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                               ignore_eos=True, stop=[text], min_tokens=3),
+                        use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) == 1
+    assert len(held.token_ids) >= 3
+    with pytest.raises(InvalidSamplingParamsError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -361,6 +361,7 @@ class Scheduler:
                 prompt_positions=req.prompt_positions,
                 position_offset=req.position_offset,
                 sampling_params=req.sampling_params,
+                eos_token_ids=req.eos_token_ids,
                 block_ids=list(block_ids),
                 num_computed_tokens=start,
             ))
@@ -450,9 +451,9 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
+        if len(req.output_token_ids) > sp.min_tokens and (
+                token in sp.stop_token_ids
+                or (not sp.ignore_eos and token in req.eos_token_ids)):
             return RequestStatus.FINISHED_STOPPED
         if self._length_done(req, len(req.output_token_ids)):
             return RequestStatus.FINISHED_LENGTH

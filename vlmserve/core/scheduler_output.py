@@ -25,6 +25,7 @@ class NewRequestData:
     prompt_positions: torch.Tensor | None
     position_offset: int
     sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]  # what min_tokens holds back (with stop_token_ids)
     block_ids: list[int]
     num_computed_tokens: int
 

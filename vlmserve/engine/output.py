@@ -102,9 +102,8 @@ class OutputProcessor:
                 st.text += full[len(prefix):]
                 st.prefix_offset, st.read_offset = st.read_offset, st.num_tokens
                 st.prefix_text = None
-        if sp.stop and self._apply_stop(st, sp, before):
-            return True
-        return False
+        # stop strings count from min_tokens on (in the text that came since, as vLLM's)
+        return bool(sp.stop) and len(ids) >= sp.min_tokens and self._apply_stop(st, sp, before)
 
     def _apply_stop(self, st: _DetokState, sp, before: int) -> bool:
         longest = max(len(s) for s in sp.stop)

@@ -36,11 +36,14 @@ class TokenHistory:
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    history: list[TokenHistory | None]) -> torch.Tensor:
+                    history: list[TokenHistory | None],
+                    banned: list[list[int]] | None = None) -> torch.Tensor:
     """``logits`` [N, vocab] with each row's logit biases and repetition, frequency and
-    presence penalties applied (a new tensor; ``logits`` itself unchanged, as the raw
+    presence penalties applied, and its ``banned`` tokens (EOS and stop tokens before
+    min_tokens) at -inf (a new tensor; ``logits`` itself unchanged, as the raw
     log-probabilities read it), or ``logits`` when no row has any."""
-    rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias]
+    banned = banned or [[]] * len(params)
+    rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias or banned[i]]
     if not rows:
         return logits
     device = logits.device
@@ -64,6 +67,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0)
         x = sub if some is None else x.index_copy_(0, some, sub)
     bias = [(j, t, b) for j, i in enumerate(rows) for t, b in params[i].logit_bias.items()]
+    bias += [(j, t, float("-inf")) for j, i in enumerate(rows) for t in banned[i]
+             if 0 <= t < x.shape[1]]
     if bias:
         j, t, b = zip(*bias)
         x.index_put_((_dev(list(j), torch.int64, device), _dev(list(t), torch.int64, device)),
@@ -76,6 +81,7 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     history: list[TokenHistory | None] | None = None,
+    banned: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """One token per row: int64 [N] on the logits' device, without a host sync. Logit biases
     and penalties first (`apply_penalties`; ``history``: each penalized row's). Greedy rows
@@ -84,8 +90,9 @@ def sample(
     top-p filters (`filter_top_k_top_p`), then one draw from each row's distribution by the
     exponential race (the argmax of p_i / E_i with E_i ~ Exp(1) independent is token i with
     probability p_i). A row with a generator draws its E from it alone (so a seeded request
-    samples the same tokens whatever it is batched with); the others from the global RNG."""
-    logits = apply_penalties(logits, params, history or [None] * len(params))
+    samples the same tokens whatever it is batched with); the others from the global RNG.
+    ``banned``: per row, token ids it may not sample this step."""
+    logits = apply_penalties(logits, params, history or [None] * len(params), banned)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -264,7 +264,7 @@ class ModelRunner:
                 st.history = TokenHistory(st.sampling_params, st.token_ids,
                                           st.num_prompt_tokens, logits.shape[1], self.device)
         tokens = sample(logits, params, [st.generator for st in to_sample],
-                        [st.history for st in to_sample])
+                        [st.history for st in to_sample], [_banned(st) for st in to_sample])
         if self.tp is not None:
             self.tp.broadcast_tensor(tokens)
         for i, st in enumerate(to_sample):
@@ -347,3 +347,13 @@ class ModelRunner:
             return None, []
         index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
         return hidden.index_select(0, index), to_sample
+
+
+def _banned(st: CachedRequestState) -> list[int]:
+    """The tokens a request may not sample now: before min_tokens are out (read back or in
+    flight), its stop tokens and EOS."""
+    sp = st.sampling_params
+    if not sp.min_tokens or len(st.token_ids) - st.num_prompt_tokens + st.in_flight >= (
+            sp.min_tokens):
+        return []
+    return [*sp.stop_token_ids, *(() if sp.ignore_eos else st.eos_token_ids)]

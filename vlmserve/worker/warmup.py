@@ -224,7 +224,7 @@ def _real_steps(runner, prompts: list) -> None:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
                               [img.feature for img in p.images], p.prompt_positions,
-                              p.position_offset, greedy,
+                              p.position_offset, greedy, (),
                               [next(blocks) % runner.num_blocks for _ in range(n)], 0)
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):

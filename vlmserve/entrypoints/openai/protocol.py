@@ -139,6 +139,7 @@ class _SamplingRequest(OpenAIModel):
     # extensions (vLLM's names)
     repetition_penalty: float | None = None
     min_p: float | None = None
+    min_tokens: int | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
@@ -200,7 +201,7 @@ class _SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
-            logit_bias=bias)
+            logit_bias=bias, min_tokens=self.min_tokens or 0)
 
 
 class ChatCompletionRequest(_SamplingRequest):
