@@ -32,7 +32,7 @@ from vlmserve.encoder.client import EncoderClient, consumer_id
 from vlmserve.engine.core import load_model_processor, sampling_defaults, text_config
 from vlmserve.engine.core_client import CoreClient
 from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
-from vlmserve.engine.messages import Encoder, effective_params, relabeled
+from vlmserve.engine.messages import Encoder, relabeled
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.preprocess import (
     encoder_client,
@@ -155,11 +155,9 @@ class AsyncLLM:
         todo = [(rid, params, frames)]
         for i in range(1, n):
             child_id = f"{rid}-{i}"
-            child = (params if params.seed is None
-                     else dataclasses.replace(params, seed=params.seed + i))
-            sent = effective_params(frames)
-            child_frames = relabeled(frames, child_id, sent if params.seed is None
-                                     else dataclasses.replace(sent, seed=child.seed))
+            seed = None if params.seed is None else params.seed + i
+            child = dataclasses.replace(params, seed=seed)
+            child_frames = relabeled(frames, child_id, seed)
             if child_frames is None:  # embedding handles: each child is encoded on its own
                 *_, child_frames = await self._preprocess(prompt, child, child_id,
                                                           image_loader, default_max_tokens)

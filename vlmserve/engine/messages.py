@@ -12,6 +12,7 @@ only its dtype, shape and frame index.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -173,17 +174,13 @@ _raw_add = msgspec.msgpack.Decoder(AddRequest, ext_hook=lambda code, data: msgsp
 _raw_encoder = msgspec.msgpack.Encoder()
 
 
-def relabeled(frames: list[Any], request_id: str, params: SamplingParams) -> list[Any] | None:
-    """The frames of an `AddRequest` as another request (its id and sampling parameters),
-    sharing its tensor frames; None if it holds embedding handles (each opens once)."""
+def relabeled(frames: list[Any], request_id: str, seed: int | None) -> list[Any] | None:
+    """The frames of an `AddRequest` as another request of the same prompt and parameters
+    but its own id and seed, sharing its tensor frames; None if it holds embedding handles
+    (each opens once)."""
     msg = _raw_add.decode(frames[0])
     if any(img.handle is not None for img in msg.images):
         return None
+    params = dataclasses.replace(msg.sampling_params, seed=seed)
     return [_raw_encoder.encode(msgspec.structs.replace(
         msg, request_id=request_id, sampling_params=params)), *frames[1:]]
-
-
-def effective_params(frames: list[Any]) -> SamplingParams:
-    """The sampling parameters an `AddRequest`'s frames carry (after the front end's checks
-    and defaults)."""
-    return _raw_add.decode(frames[0]).sampling_params

@@ -36,20 +36,22 @@ class TokenHistory:
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    history: list[TokenHistory | None],
+                    history: list[TokenHistory | None] | None = None,
                     banned: list[list[int]] | None = None) -> torch.Tensor:
-    """``logits`` [N, vocab] with each row's logit biases and repetition, frequency and
-    presence penalties applied, and its ``banned`` tokens (EOS and stop tokens before
-    min_tokens) at -inf (a new tensor; ``logits`` itself unchanged, as the raw
-    log-probabilities read it), or ``logits`` when no row has any."""
+    """``logits`` [N, vocab] with each row's logit biases, its repetition, frequency and
+    presence penalties (the rows with a ``history``: the penalized ones) and its ``banned``
+    tokens (EOS and stop tokens before min_tokens) at -inf: a new tensor (``logits`` itself
+    unchanged, as the raw log-probabilities read it), or ``logits`` when no row has any."""
+    history = history or [None] * len(params)
     banned = banned or [[]] * len(params)
-    rows = [i for i, p in enumerate(params) if p.penalized or p.logit_bias or banned[i]]
+    rows = [i for i, p in enumerate(params)
+            if p.logit_bias or history[i] is not None or banned[i]]
     if not rows:
         return logits
     device = logits.device
     index = _dev(rows, torch.int64, device)
     x = logits.index_select(0, index).float()
-    pen = [j for j, i in enumerate(rows) if params[i].penalized]
+    pen = [j for j, i in enumerate(rows) if history[i] is not None]
     if pen:
         counts = torch.stack([history[rows[j]].counts for j in pen])  # [P, vocab]
         some = None if len(pen) == len(rows) else _dev(pen, torch.int64, device)
@@ -92,7 +94,7 @@ def sample(
     probability p_i). A row with a generator draws its E from it alone (so a seeded request
     samples the same tokens whatever it is batched with); the others from the global RNG.
     ``banned``: per row, token ids it may not sample this step."""
-    logits = apply_penalties(logits, params, history or [None] * len(params), banned)
+    logits = apply_penalties(logits, params, history, banned)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -132,17 +134,16 @@ def filter_top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch
     already reaches ``ps[j]`` (1.0: no top-p); the most likely token always stays."""
     device = x.device
     if any(ks):
-        k = torch.tensor([max(n, 1) - 1 for n in ks], dtype=torch.int64)[:, None]  # k-th
-        kth = x.topk(max(ks), dim=-1).values.gather(1, k.to(device, non_blocking=True))
-        off = torch.tensor([n == 0 for n in ks])[:, None].to(device, non_blocking=True)
+        k = _dev([max(n, 1) - 1 for n in ks], torch.int64, device)[:, None]  # the k-th
+        kth = x.topk(max(ks), dim=-1).values.gather(1, k)
+        off = _dev([n == 0 for n in ks], torch.bool, device)[:, None]
         x = x.masked_fill((x < kth) & ~off, float("-inf"))
     if any(p < 1.0 for p in ps):
         # 2: never reached, however the float sum rounds (rows without top-p)
-        top_p = torch.tensor([p if p < 1.0 else 2.0 for p in ps], dtype=torch.float32)
+        top_p = _dev([p if p < 1.0 else 2.0 for p in ps], torch.float32, device)
         sorted_x, order = x.sort(dim=-1, descending=True)
         sorted_p = sorted_x.softmax(dim=-1)
-        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None].to(device,
-                                                                           non_blocking=True)
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
         drop[:, 0] = False  # even when top_p rounds to 0 in float32
         x = x.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
     return x
@@ -164,7 +165,7 @@ def compute_logprobs(
     ids and values [len(rows), 1 + k] on the logits' device, without a host sync; column 0
     is the sampled token, columns 1.. the k most likely, most likely first."""
     if len(rows) < logits.shape[0]:
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        index = _dev(rows, torch.int64, logits.device)
         logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, vocab]
     ids = tokens.unsqueeze(1)  # [M, 1]

@@ -259,17 +259,13 @@ class ModelRunner:
                 return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         params = [st.sampling_params for st in to_sample]
-        for st in to_sample:  # first sampled: nothing in flight, token_ids complete
-            if st.history is None and st.sampling_params.penalized:
-                st.history = TokenHistory(st.sampling_params, st.token_ids,
-                                          st.num_prompt_tokens, logits.shape[1], self.device)
-        tokens = sample(logits, params, [st.generator for st in to_sample],
-                        [st.history for st in to_sample], [_banned(st) for st in to_sample])
+        history, banned = self._penalty_inputs(to_sample, logits.shape[1])
+        tokens = sample(logits, params, [st.generator for st in to_sample], history, banned)
         if self.tp is not None:
             self.tp.broadcast_tensor(tokens)
-        for i, st in enumerate(to_sample):
-            if st.history is not None:
-                st.history.count(tokens[i:i + 1])
+        for i, h in enumerate(history or ()):
+            if h is not None:
+                h.count(tokens[i:i + 1])
         n = len(to_sample)
         self.sampled[:n].copy_(tokens)
         host = self._host_tokens[self._num_results % 2][:n]
@@ -288,6 +284,28 @@ class ModelRunner:
             st.in_flight += 1
             st.sample_row = i
         return StepResult(self, to_sample, host, host_logprobs)
+
+    def _penalty_inputs(self, states: list[CachedRequestState], vocab: int
+                        ) -> tuple[list[TokenHistory | None] | None, list[list[int]] | None]:
+        """Per row to sample: a penalized request's token history (built at its first sampled
+        token, when nothing is in flight and `token_ids` is complete) and the tokens it may
+        not sample yet (before min_tokens are out, read back or in flight: its stop tokens and
+        EOS); each list None when no row has any (the usual step)."""
+        history: list[TokenHistory | None] | None = None
+        banned: list[list[int]] | None = None
+        for i, st in enumerate(states):
+            sp = st.sampling_params
+            if sp.penalized:
+                if st.history is None:
+                    st.history = TokenHistory(sp, st.token_ids, st.num_prompt_tokens, vocab,
+                                              self.device)
+                history = history or [None] * len(states)
+                history[i] = st.history
+            if sp.min_tokens and (len(st.token_ids) - st.num_prompt_tokens + st.in_flight
+                                  < sp.min_tokens):
+                banned = banned or [[] for _ in states]
+                banned[i] = [*sp.stop_token_ids, *(() if sp.ignore_eos else st.eos_token_ids)]
+        return history, banned
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
@@ -348,12 +366,3 @@ class ModelRunner:
         index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
         return hidden.index_select(0, index), to_sample
 
-
-def _banned(st: CachedRequestState) -> list[int]:
-    """The tokens a request may not sample now: before min_tokens are out (read back or in
-    flight), its stop tokens and EOS."""
-    sp = st.sampling_params
-    if not sp.min_tokens or len(st.token_ids) - st.num_prompt_tokens + st.in_flight >= (
-            sp.min_tokens):
-        return []
-    return [*sp.stop_token_ids, *(() if sp.ignore_eos else st.eos_token_ids)]
