@@ -24,6 +24,64 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # OpenAI's ranges for presence and frequency penalties and logit biases; vLLM's for the
 # repetition penalty
 MAX_PENALTY, MAX_BIAS, MAX_REPETITION_PENALTY = 2.0, 100.0, 2.0
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names; exactly one of them): ``json`` a JSON
+    schema (a dict or its JSON text), ``regex`` a regular expression, ``choice`` one of
+    these strings, ``grammar`` an EBNF grammar (GBNF: rules ``name ::= ...``, the start rule
+    ``root``), ``json_object`` any JSON object. ``disable_any_whitespace``: JSON output
+    without whitespace between its tokens (by default any whitespace is allowed there).
+    Tokens that would leave the output no way to match are masked out before sampling; the
+    end-of-sequence token is allowed only once it matches."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidSamplingParamsError(
+                f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise InvalidSamplingParamsError("structured outputs: json must be a JSON schema "
+                                             "(an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidSamplingParamsError(
+                    f"structured outputs: {name} must be a non-empty string")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise InvalidSamplingParamsError(
+                "structured outputs: choice must be a non-empty list of non-empty strings")
+
+    @property
+    def spec(self) -> tuple[str, str, bool]:
+        """(kind, its text, any whitespace): what a grammar is compiled from; a JSON schema
+        as canonical JSON text, choices as a JSON list."""
+        kind = next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidSamplingParamsError(
+                    f"structured outputs: json is not valid JSON: {e}") from None
+        text = (json.dumps(value, sort_keys=True) if kind in ("json", "choice")
+                else "" if kind == "json_object" else value)
+        return kind, text, not self.disable_any_whitespace
 
 
 @dataclass
@@ -48,6 +106,9 @@ class SamplingParams:
     logit_bias {token id: bias in [-100, 100]} is added to the logits with the penalties.
     min_tokens (vLLM's): until that many tokens are out, EOS and stop_token_ids cannot be
     sampled and stop strings do not end the request.
+    structured_outputs: what the output must match (`StructuredOutputsParams`: a JSON schema,
+    a regular expression, a choice, a grammar): the tokens that cannot lead to a match are
+    masked out of the logits before the penalties (the log-probabilities see the mask).
     output_kind: "cumulative" reports the whole request so far at every step that gives it
     tokens; "delta" reports only what each such step added (text, token ids, logprobs; with
     stop strings the last len(longest stop) - 1 characters wait for the next output, as a
@@ -74,6 +135,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +193,10 @@ class SamplingParams:
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
                 self.max_tokens if self.max_tokens is not None else self.min_tokens):
             bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if self.output_kind not in OUTPUT_KINDS:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 

@@ -161,6 +161,40 @@ def test_penalties_and_logit_bias_match_llm(server: Server, llm: LLM) -> None:
     assert resp.choices[0].message.content == expected.text
 
 
+def test_structured_outputs_match_llm(server: Server, llm: LLM) -> None:
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and
+    guided_* fields: the same constrained tokens as `LLM.chat` with those
+    `StructuredOutputsParams`, streamed or not, chat and completions."""
+    from vlmserve.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    messages = user("Answer in JSON.", data_url(make_image(84, 56, 1)))
+
+    def want(so: SO, prompt=None) -> str:
+        params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so)
+        if prompt is not None:
+            return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+        return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    text = want(SO(json=schema))  # any whitespace (vLLM's default): a random model's go on
+    assert text.startswith('{"')
+    resp = chat(server, messages, 40, response_format=fmt, extra_body={})
+    assert resp.choices[0].message.content == text
+    assert stream_text(server, messages, 40, response_format=fmt, extra_body={})[0] == text
+    obj = chat(server, messages, 40, response_format={"type": "json_object"},
+               extra_body={"structured_outputs": None})
+    assert obj.choices[0].message.content == want(SO(json_object=True))
+    for body, so in [({"structured_outputs": {"choice": ["yes", "no"]}}, SO(choice=["yes", "no"])),
+                     ({"guided_regex": r"\d{3}"}, SO(regex=r"\d{3}")),
+                     ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                      SO(json=schema, disable_any_whitespace=True))]:
+        comp = server.client.completions.create(model="tiny", prompt="Once upon a time",
+                                                max_tokens=40, temperature=0, extra_body=body)
+        assert comp.choices[0].text == want(so, "Once upon a time"), body
+
+
 def test_n_choices(server: Server, llm: LLM) -> None:
     """`n`: that many choices of one prompt (its image preprocessed once), each a request of
     its own; with a seed, choice i samples as a request seeded seed + i (vLLM's rule);

@@ -134,7 +134,13 @@ def test_json_nested_50000_deep_is_a_400(srv) -> None:
 
 # finding 3: accepted and ignored, or silently coerced
 @pytest.mark.parametrize("kw, words", [
-    ({"response_format": {"type": "json_object"}}, ["response_format", "not supported"]),
+    ({"response_format": {"type": "xml"}}, ["response_format", "json_schema"]),
+    ({"response_format": {"type": "json_schema"}}, ["json_schema", "needs"]),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+     ["at most one", "response_format", "guided_regex"]),
+    ({"structured_outputs": {"regex": "(unclosed"}}, ["invalid regex"]),
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, ["invalid json"]),
+    ({"structured_outputs": {"xml": "a"}}, ["structured_outputs", "xml"]),
     ({"tool_choice": "auto"}, ["tool_choice", "not supported"]),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
     ({"logprobs": True, "top_logprobs": 21}, ["top_logprobs", "less than or equal to 20"]),

@@ -198,6 +198,9 @@ class EngineCore:
         if warmup:
             self.executor.warmup(self.model_processor)
         self.eos_token_ids = _eos_ids(self.model_path, self.model_processor.tokenizer)
+        self.executor.runner.enable_structured_outputs(
+            self.model_processor.tokenizer, text_config(self.hf_config).vocab_size,
+            self.eos_token_ids)
         ex = self.executor
         logger.info(
             "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens (%d blocks of "
@@ -257,6 +260,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (no-op for one process)."""
+        if self.executor.runner.grammars is not None:
+            self.executor.runner.grammars.shutdown()
         self.executor.shutdown()
         if self._trace is not None:
             self._trace.close()

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError, InvalidSamplingParamsError
+from vlmserve.layers.grammar import check_structured
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -194,12 +195,15 @@ class InputProcessor:
             text, list(token_ids) if token_ids is not None else None, images))
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """`params.validate()`, and its logit biases name tokens of the vocabulary."""
+        """`params.validate()`, its logit biases name tokens of the vocabulary, and its
+        structured output's grammar parses."""
         params.validate()
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidSamplingParamsError(f"logit_bias token id {bad[0]} is outside the "
                                              f"vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            check_structured(params.structured_outputs)
 
     def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         if not processed.prompt_token_ids:

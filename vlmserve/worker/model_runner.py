@@ -23,6 +23,12 @@ import torch
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
+from vlmserve.layers.grammar import (
+    GrammarCompiler,
+    RequestGrammar,
+    allocate_bitmask,
+    apply_bitmask,
+)
 from vlmserve.layers.sampler import (
     TokenHistory,
     compute_logprobs,
@@ -45,6 +51,7 @@ class CachedRequestState(NewRequestData):
     in_flight: int = 0
     sample_row: int = -1
     history: TokenHistory | None = None  # penalized requests': token counts on the device
+    grammar: RequestGrammar | None = None  # structured output (the sampling rank only)
 
 
 class StepResult:
@@ -170,6 +177,10 @@ class ModelRunner:
                              for _ in range(2)]
         self._num_results = 0
         self.requests: dict[str, CachedRequestState] = {}
+        # structured outputs: set by the engine core on the rank whose tokens are sampled
+        # (`enable_structured_outputs`); None elsewhere (its tokens come from that rank)
+        self.grammars: GrammarCompiler | None = None
+        self._last_result: StepResult | None = None
         self._paused_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
@@ -192,6 +203,12 @@ class ModelRunner:
                                  image_sizes=warmup.DEFAULT_IMAGE_SIZES if image_sizes is None
                                  else image_sizes)
 
+    def enable_structured_outputs(self, tokenizer, vocab_size: int,
+                                  eos_token_ids: tuple[int, ...]) -> None:
+        """Hold the requests that ask for structured output to it (this process samples;
+        ``vocab_size``: the logits' width)."""
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+
     # ---- state -----------------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -209,9 +226,13 @@ class ModelRunner:
             gen = self._paused_generators.pop(new.request_id, None)
             if gen is None and sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-            self.requests[new.request_id] = CachedRequestState(
+            state = self.requests[new.request_id] = CachedRequestState(
                 **{**vars(new), "token_ids": list(new.token_ids),
                    "block_ids": list(new.block_ids)}, generator=gen)
+            if sp.structured_outputs is not None and self.grammars is not None:
+                # compiled while the prompt runs; a resumed request's matcher starts over
+                state.grammar = RequestGrammar(
+                    new.request_id, self.grammars.start(sp.structured_outputs))
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -259,6 +280,7 @@ class ModelRunner:
                 return StepResult()
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         params = [st.sampling_params for st in to_sample]
+        logits = self._apply_grammars(to_sample, logits)
         history, banned = self._penalty_inputs(to_sample, logits.shape[1])
         tokens = sample(logits, params, [st.generator for st in to_sample], history, banned)
         if self.tp is not None:
@@ -283,7 +305,27 @@ class ModelRunner:
         for i, st in enumerate(to_sample):
             st.in_flight += 1
             st.sample_row = i
-        return StepResult(self, to_sample, host, host_logprobs)
+        self._last_result = StepResult(self, to_sample, host, host_logprobs)
+        return self._last_result
+
+    def _apply_grammars(self, states: list[CachedRequestState], logits: torch.Tensor
+                        ) -> torch.Tensor:
+        """``logits`` with each structured request's disallowed tokens at -inf (``logits``
+        itself when none has a grammar). Its matcher needs every token sampled so far: a
+        token still in flight (async scheduling) is read back first, which waits for the
+        previous step only (this step's forward is queued behind it, so the device stays
+        busy while the host fills the bitmask)."""
+        rows = [i for i, st in enumerate(states) if st.grammar is not None and st.grammar.active]
+        if not rows:
+            return logits
+        if any(states[i].in_flight for i in rows):
+            self._last_result.get()
+        bitmask = allocate_bitmask(len(states), self.grammars.vocab_size)
+        masked = False
+        for i in rows:
+            st = states[i]
+            masked |= st.grammar.fill(st.token_ids[st.num_prompt_tokens:], bitmask, i)
+        return apply_bitmask(logits, bitmask) if masked else logits
 
     def _penalty_inputs(self, states: list[CachedRequestState], vocab: int
                         ) -> tuple[list[TokenHistory | None] | None, list[list[int]] | None]:

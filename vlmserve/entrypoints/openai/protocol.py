@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vlmserve.errors import InvalidSamplingParamsError
-from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 _PART_TYPES = ("text", "image_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
@@ -17,7 +17,7 @@ _PART_TYPES = ("text", "image_url")
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
+    "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -119,6 +119,40 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JSONSchema(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema "
+                             "(with a schema)")
+        return self
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` (`StructuredOutputsParams`' fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _SamplingRequest(OpenAIModel):
     # an argument OpenAI does not know is refused, as OpenAI does
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -144,6 +178,13 @@ class _SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names of structured outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -169,6 +210,30 @@ class _SamplingRequest(OpenAIModel):
         """`SamplingParams.logprobs`: how many top log-probabilities per token (None: no
         logprobs at all)."""
         return None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever of response_format,
+        structured_outputs and the guided_* fields the request set (at most one of them)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(exclude_none=True)
+            given.append(("structured_outputs", {k.rstrip("_"): v for k, v in so.items()}))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidSamplingParamsError(
+                "give at most one of response_format (json_object, json_schema), "
+                f"structured_outputs and guided_*; got {', '.join(n for n, _ in given)}")
+        return StructuredOutputsParams(**given[0][1])
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Raises `InvalidSamplingParamsError` naming a bad value. A field left unset takes
@@ -201,7 +266,8 @@ class _SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
-            logit_bias=bias, min_tokens=self.min_tokens or 0)
+            logit_bias=bias, min_tokens=self.min_tokens or 0,
+            structured_outputs=self.structured())
 
 
 class ChatCompletionRequest(_SamplingRequest):

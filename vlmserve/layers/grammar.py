@@ -1,0 +1,163 @@
+"""Structured outputs: a request's output held to a JSON schema, a regular expression, a choice
+or a grammar (`StructuredOutputsParams`), with xgrammar.
+
+The front end checks the grammar's text (`check_structured`: a 400 naming the problem, no
+tokenizer needed). The worker that samples (rank 0 under tensor parallelism: its tokens are
+everyone's) compiles it against the tokenizer on a thread of its own while the request's
+prompt runs (`GrammarCompiler.start`, compiled grammars cached by their text), and before
+each sampling of the request fills the request's row of a bitmask of allowed tokens from a
+matcher that has accepted every token sampled so far (`RequestGrammar`); `apply_bitmask` masks
+the logits. xgrammar is imported only when a request asks for structured output.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from vlmserve.errors import InvalidSamplingParamsError
+from vlmserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise InvalidSamplingParamsError(
+            "structured outputs need the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose language is exactly ``choices`` (JSON string escapes are GBNF's)."""
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _grammar(xgr, spec: tuple[str, str, bool]):
+    """The xgrammar `Grammar` of a `StructuredOutputsParams.spec` (no tokenizer)."""
+    kind, text, any_whitespace = spec
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+    if kind == "json_object":  # any JSON object (OpenAI's JSON mode; vLLM's too)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "choice":
+        import json
+
+        return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(text)))
+    return xgr.Grammar.from_ebnf(text)
+
+
+def check_structured(params: StructuredOutputsParams) -> None:
+    """Raise `InvalidSamplingParamsError` naming the problem if ``params`` cannot be compiled
+    (a schema xgrammar cannot hold to, a regular expression or grammar that does not parse)."""
+    xgr = _xgrammar()
+    kind = params.spec[0]
+    try:
+        _grammar(xgr, params.spec)
+    except Exception as e:  # noqa: BLE001 - xgrammar's parse errors have no common base
+        msg = str(e).strip().splitlines()
+        raise InvalidSamplingParamsError(
+            f"structured outputs: invalid {kind}: {msg[0] if msg else type(e).__name__}"
+        ) from None
+
+
+class GrammarCompiler:
+    """Grammars compiled against the model's tokenizer, on a thread of their own (xgrammar
+    releases the interpreter lock while it compiles), cached by their text. Built lazily:
+    nothing is imported or loaded until a request asks for structured output."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
+        self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``params``, soon."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._pool.submit(self._compile, params.spec)
+
+    def _compile(self, spec: tuple[str, str, bool]):
+        xgr = _xgrammar()
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=4)
+        return self._compiler.compile_grammar(_grammar(xgr, spec))
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's matcher: `fill` accepts the request's output tokens not accepted yet
+    (all of them after a preemption: the matcher is rebuilt with the request's state) and
+    writes the tokens allowed next into a bitmask row. A token the matcher refuses (the
+    request went on after its grammar was complete: ignore_eos, min_tokens) ends the
+    constraint, with a warning."""
+
+    def __init__(self, request_id: str, compiled: Future) -> None:
+        self.request_id = request_id
+        self._compiled = compiled
+        self._matcher: Any = None
+        self._accepted = 0
+        self.active = True
+
+    def fill(self, output_tokens: list[int], bitmask: torch.Tensor, row: int) -> bool:
+        """Whether row ``row`` of ``bitmask`` now holds this request's allowed tokens
+        (False: unconstrained; the row is left as it was)."""
+        if not self.active:
+            return False
+        if self._matcher is None:
+            try:
+                compiled = self._compiled.result()
+            except Exception as e:  # noqa: BLE001 - checked in the front end; never expected
+                return self._stop(f"its grammar did not compile: {e}")
+            self._matcher = _xgrammar().GrammarMatcher(compiled)
+        for tok in output_tokens[self._accepted:]:
+            if not self._matcher.accept_token(tok):
+                return self._stop(f"token {tok} does not match its grammar")
+            self._accepted += 1
+        if self._matcher.is_terminated():
+            return self._stop(None)
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return True
+
+    def _stop(self, why: str | None) -> bool:
+        if why is not None:
+            logger.warning("request %s goes on without structured output: %s",
+                           self.request_id, why)
+        self.active = False
+        return False
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host bitmask [rows, ceil(vocab / 32)] int32 with every token allowed."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, vocab] with the tokens whose bit is 0 in ``bitmask`` ([N, words] int32,
+    bit j of word w is token 32 w + j; on the host) at -inf: a new tensor."""
+    device = logits.device
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        bitmask = bitmask.pin_memory()
+    words = bitmask.to(device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)
+    return logits.masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
