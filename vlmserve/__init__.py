@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "vlmserve.llm",
     "SamplingParams": "vlmserve.sampling_params",
+    "StructuredOutputsParams": "vlmserve.sampling_params",
     "RequestOutput": "vlmserve.outputs",
     "CompletionOutput": "vlmserve.outputs",
     "MultimodalEncoder": "vlmserve.encoder.encoder",

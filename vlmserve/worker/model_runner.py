@@ -180,6 +180,7 @@ class ModelRunner:
         # structured outputs: set by the engine core on the rank whose tokens are sampled
         # (`enable_structured_outputs`); None elsewhere (its tokens come from that rank)
         self.grammars: GrammarCompiler | None = None
+        self._num_grammars = 0  # running requests with a grammar
         self._last_result: StepResult | None = None
         self._paused_generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
@@ -214,6 +215,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             state = self.requests.pop(rid, None)
+            if state is not None and state.grammar is not None:
+                self._num_grammars -= 1
             if rid in so.preempted_request_ids:
                 # a resumed request continues its random stream instead of restarting it
                 if state is not None:
@@ -233,6 +236,7 @@ class ModelRunner:
                 # compiled while the prompt runs; a resumed request's matcher starts over
                 state.grammar = RequestGrammar(
                     new.request_id, self.grammars.start(sp.structured_outputs))
+                self._num_grammars += 1
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -315,6 +319,8 @@ class ModelRunner:
         token still in flight (async scheduling) is read back first, which waits for the
         previous step only (this step's forward is queued behind it, so the device stays
         busy while the host fills the bitmask)."""
+        if not self._num_grammars:  # the usual step: nothing per row
+            return logits
         rows = [i for i, st in enumerate(states) if st.grammar is not None and st.grammar.active]
         if not rows:
             return logits
