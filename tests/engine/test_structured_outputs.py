@@ -171,3 +171,46 @@ def test_bad_constraints_are_refused_naming_the_problem(llm) -> None:
                                             structured_outputs=SO(choice=["ok"])),
                        use_tqdm=False)[0].outputs[0]
     assert out.text == "ok" and out.finish_reason == "stop"
+
+
+def test_a_compiling_grammar_holds_its_request_back_not_the_steps(llm, monkeypatch) -> None:
+    """Until its grammar is compiled a request waits outside the scheduler while the others
+    run; a grammar that fails to compile fails its request alone, with the reason."""
+    import threading
+
+    from vlmserve.layers import grammar
+
+    gate = threading.Event()
+    compile_ = grammar.GrammarCompiler._compile
+
+    def slow(self, spec):
+        assert gate.wait(30)
+        if spec[1] == "(a|b)":
+            raise RuntimeError("no memory for the token mask")
+        return compile_(self, spec)
+    monkeypatch.setattr(grammar.GrammarCompiler, "_compile", slow)
+    engine = llm.engine
+    greedy = dict(max_tokens=6, temperature=0.0)
+    engine.add_request({"prompt": "Once upon a time"},
+                       SamplingParams(**greedy, ignore_eos=True), "plain")
+    engine.add_request({"prompt": "Once upon a time"},
+                       SamplingParams(**greedy, structured_outputs=SO(choice=["ok", "no"])),
+                       "held")
+    engine.add_request({"prompt": "Hi"},
+                       SamplingParams(**greedy, structured_outputs=SO(regex="(a|b)")), "bad")
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request({"prompt": "Hi"}, SamplingParams(**greedy), "held")
+    done = {}
+    while "plain" not in done:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {"plain"}  # six steps ran while both grammars compiled
+    assert set(engine.core._compiling) == {"held", "bad"}
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["held"].outputs[0].text in ("ok", "no")
+    assert done["bad"].outputs[0].finish_reason == "error"

@@ -16,6 +16,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,8 @@ class EngineCore:
             " (sized to the device)" if sized else "",
             "on" if cc.enable_prefix_caching else "off")
         self.async_scheduling = sc.async_scheduling
+        # structured requests whose grammar is compiling: admitted once it is compiled
+        self._compiling: dict[str, tuple[Request, Future]] = {}
         # steps launched and not read back yet (at most one with async scheduling)
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         self.num_steps = 0
@@ -234,25 +237,56 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         """Queue a preprocessed request; one that can never fit raises `PromptTooLongError`,
         a request id in use a `ValueError`."""
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or req.request_id in self._compiling:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         reason = self.scheduler.check_admissible(req)
         if reason is not None:
             raise PromptTooLongError(reason)
-        if not self.scheduler.has_unfinished_requests():  # idle until now: no stall
+        if not self.has_unfinished_requests():  # idle until now: no stall
             self._last_progress = time.monotonic()
+        so = req.sampling_params.structured_outputs
+        grammars = self.executor.runner.grammars
+        if so is not None and grammars is not None:
+            # held back until compiled (the runner's own compile then hits the cache), so no
+            # step waits for a grammar
+            compiled = grammars.start(so)
+            if not compiled.done():
+                self._compiling[req.request_id] = (req, compiled)
+                return
         self.scheduler.add_request(req)
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> list[Request]:
+        """Requests whose grammar is compiled go to the scheduler (waiting up to ``wait_s``
+        for one when nothing else can run); one whose grammar failed to compile is returned,
+        finished with its error."""
+        if wait_s > 0.0:
+            wait([f for _, f in self._compiling.values()], wait_s, FIRST_COMPLETED)
+        failed = []
+        for rid, (req, compiled) in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[rid]
+            if compiled.exception() is None:
+                self.scheduler.add_request(req)
+                continue
+            req.error = f"its structured output's grammar did not compile: {compiled.exception()}"
+            req.status = RequestStatus.FINISHED_ERROR
+            failed.append(req)
+        return failed
 
     def abort_request(self, request_id: str,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """Finish a request now, releasing what it holds; False if it was not running."""
+        if self._compiling.pop(request_id, None) is not None:
+            return False  # nothing of it reached the worker
         if request_id not in self.scheduler.requests:
             return False
         self.scheduler.finish_request(request_id, status)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or bool(self._compiling))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (for benchmarks: the next requests start cold)."""
@@ -281,18 +315,22 @@ class EngineCore:
         A step that raises fails only the request it ran alone; with several, they are
         recomputed as suspects, each alone (`Scheduler.fail_steps`), and a request found to
         fail is returned finished with `FINISHED_ERROR`."""
+        failed: list[Request] = []
+        if self._compiling:
+            idle = not self.scheduler.has_unfinished_requests() and not self._in_flight
+            failed = self._admit_compiled(wait_s=0.005 if idle else 0.0)
         so = self.scheduler.schedule()
         if so.num_scheduled_tokens or not self.scheduler.has_unfinished_requests():
             self._last_progress = time.monotonic()
             self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
-        updated: list[Request] = []
+        updated: list[Request] = failed
         began = time.perf_counter() if self._trace is not None else 0.0
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
             if self._trace is not None:
                 self._trace.launched(so, began)
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
-            return self._fail_step(so, e)
+            return failed + self._fail_step(so, e)
         self.num_steps += 1
         keep = 1 if self.async_scheduling and not so.is_empty else 0
         try:

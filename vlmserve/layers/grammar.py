@@ -22,6 +22,8 @@ from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+# compiled grammars kept for requests that ask again (vLLM's default size)
+CACHE_BYTES = 512 << 20
 
 
 def _xgrammar():
@@ -72,8 +74,10 @@ def check_structured(params: StructuredOutputsParams) -> None:
 
 class GrammarCompiler:
     """Grammars compiled against the model's tokenizer, on a thread of their own (xgrammar
-    releases the interpreter lock while it compiles), cached by their text. Built lazily:
-    nothing is imported or loaded until a request asks for structured output."""
+    releases the interpreter lock while it compiles), cached by their text (up to
+    `CACHE_BYTES`). The engine core starts a request's compile when it arrives and admits it
+    once compiled; the runner's own `start` then hits the cache. Built lazily: nothing is
+    imported or loaded until a request asks for structured output."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
@@ -91,7 +95,8 @@ class GrammarCompiler:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=4)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=4,
+                                                 cache_limit_bytes=CACHE_BYTES)
         return self._compiler.compile_grammar(_grammar(xgr, spec))
 
     def shutdown(self) -> None:
