@@ -214,3 +214,23 @@ def test_a_compiling_grammar_holds_its_request_back_not_the_steps(llm, monkeypat
                 done[out.request_id] = out
     assert done["held"].outputs[0].text in ("ok", "no")
     assert done["bad"].outputs[0].finish_reason == "error"
+
+
+def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_given_rows() -> None:
+    torch.manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word's extra bits are ignored
+    logits = torch.randn(4, vocab)
+    allowed = torch.rand(2, vocab) < 0.3
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    for r in range(2):
+        for t in allowed[r].nonzero().flatten().tolist():
+            bitmask[r, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(
+                torch.int32)
+    want = logits.clone()
+    for r, row in enumerate((1, 3)):
+        want[row][~allowed[r]] = float("-inf")
+    got = apply_bitmask(logits.clone(), bitmask, [1, 3])
+    assert torch.equal(got, want)
+    want = logits[:2].clone()
+    want[~allowed] = float("-inf")
+    assert torch.equal(apply_bitmask(logits[:2].clone(), bitmask), want)  # every row

@@ -28,6 +28,7 @@ from vlmserve.layers.grammar import (
     RequestGrammar,
     allocate_bitmask,
     apply_bitmask,
+    fill_bitmasks,
 )
 from vlmserve.layers.sampler import (
     TokenHistory,
@@ -314,8 +315,8 @@ class ModelRunner:
 
     def _apply_grammars(self, states: list[CachedRequestState], logits: torch.Tensor
                         ) -> torch.Tensor:
-        """``logits`` with each structured request's disallowed tokens at -inf (``logits``
-        itself when none has a grammar). Its matcher needs every token sampled so far: a
+        """``logits`` with each structured request's disallowed tokens at -inf (in place: the
+        log-probabilities see the mask). Its matcher needs every token sampled so far: a
         token still in flight (async scheduling) is read back first, which waits for the
         previous step only (this step's forward is queued behind it, so the device stays
         busy while the host fills the bitmask)."""
@@ -326,12 +327,13 @@ class ModelRunner:
             return logits
         if any(states[i].in_flight for i in rows):
             self._last_result.get()
-        bitmask = allocate_bitmask(len(states), self.grammars.vocab_size)
-        masked = False
-        for i in rows:
-            st = states[i]
-            masked |= st.grammar.fill(st.token_ids[st.num_prompt_tokens:], bitmask, i)
-        return apply_bitmask(logits, bitmask) if masked else logits
+        rows = [i for i in rows
+                if states[i].grammar.catch_up(states[i].token_ids[states[i].num_prompt_tokens:])]
+        if not rows:
+            return logits
+        bitmask = allocate_bitmask(len(rows), self.grammars.vocab_size)
+        fill_bitmasks([states[i].grammar for i in rows], list(range(len(rows))), bitmask)
+        return apply_bitmask(logits, bitmask, rows)
 
     def _penalty_inputs(self, states: list[CachedRequestState], vocab: int
                         ) -> tuple[list[TokenHistory | None] | None, list[list[int]] | None]:
