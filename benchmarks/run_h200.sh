@@ -39,6 +39,11 @@
 #   sampler : one step's sampling at batch 192 (greedy, default, nucleus, top-k, seeded): host
 #             and device ms, torch ops; this tree, then .cache/old (carried; the row-by-row
 #             sampler: `git archive a62bc8b vlmserve | tar -x -C .cache/old`) if present
+#   structured: structured outputs' cost offline (benchmarks/structured_time.py: the 2B's
+#             requests plain, JSON schema, regex) and their CPU tests on CUDA; xgrammar's
+#             wheels carried in .cache/xgr (`pip download xgrammar apache-tvm-ffi --no-deps
+#             -d .cache/xgr --python-version 3.12 --only-binary=:all: --platform
+#             manylinux_2_28_x86_64`), pydantic from .whl (carried)
 #   synctests: GPU tests of no device waits inside a launch and of the vision attention backends
 #   vattn   : vision attention backends (torch, flash): host vs device time, serveours per
 #             backend with the step trace
@@ -187,6 +192,15 @@ sampler)
   step sampler_new 120 python3 benchmarks/sampler_time.py --device cuda
   [ ! -d .cache/old/vlmserve ] || PYTHONPATH=$PWD/.cache/old step sampler_old 300 \
     python3 benchmarks/sampler_time.py --device cuda ;;
+structured)
+  kit_deps
+  python3 -m pip install -q --no-index --no-deps --target /tmp/xgr .cache/xgr/*.whl \
+    >> "$OUT/pip.log" 2>&1
+  [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
+  PYTHONPATH=$PWD:/tmp/xgr:/tmp/deps step structured_tests 200 python3 -m pytest -x -q \
+    -p no:cacheprovider -o addopts="" tests/engine/test_structured_outputs.py
+  PYTHONPATH=$PWD:/tmp/xgr:/tmp/deps step structured_time 200 python3 \
+    benchmarks/structured_time.py /tmp/q2vl2b ;;
 synctests)  # GPU tests: no device waits inside a step's launch; the vision attention backends
   TAIL=12 step sync_tests 400 python -m pytest -x -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py ;;
