@@ -9,14 +9,19 @@ import os
 import pytest
 
 from tests.distributed.helpers import one_process, token_ids
-from vlmserve import LLM, SamplingParams
+from vlmserve import LLM, SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
 def test_tp2_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
-    _, prompts, expected = one_process(model, params, **kw)
+    single, prompts, expected = one_process(model, params, **kw)
+    # structured outputs: rank 0 masks (its tokens are every rank's), the others do not
+    structured = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so)
+                  for so in (StructuredOutputsParams(regex=r"[a-c]{2}-\d{3}"),
+                             StructuredOutputsParams(choice=["left", "right"]))] * 2
+    want = token_ids(single, prompts[:4], structured)
     tp = LLM(model, tensor_parallel_size=2, **kw)
     try:
         runner = tp.engine.executor.runner
@@ -32,6 +37,8 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         stats = tp.engine.get_stats()
         assert stats["prefix_cache_hit_tokens"] > 0 and stats["num_images_encoded"] == encoded
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        assert token_ids(tp, prompts[:4], structured) == want
+        assert runner.grammars is not None  # rank 0's (the followers' runners have none)
     finally:
         tp.engine.shutdown()
 
@@ -176,7 +183,7 @@ def _wide_lm_checkpoint(path):
 
 _LOAD_STATS = """
 import dataclasses, json, sys
-from vlmserve import LLM, SamplingParams
+from vlmserve import LLM, SamplingParams, StructuredOutputsParams
 llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), dtype="float32", device="cpu",
           max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256)
 ex = llm.engine.executor
