@@ -222,3 +222,60 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
                 llm.kill()
     finally:
         enc.kill()
+
+
+def test_requests_wait_for_encoders_side_by_side_not_in_the_preprocessing_pool(epd) -> None:
+    """With one preprocessing process, requests still wait for the encoder server together:
+    the wait is on the front end's threads (a proxy that holds every encode 0.5 s sees them
+    in flight at once), and the answers are a single process's."""
+    import http.server
+    import threading
+    import time
+
+    enc, _ = epd
+    state = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    class SlowProxy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.5)
+            r = httpx.post(enc.url + self.path, content=body, timeout=30,
+                           headers={k: v for k, v in self.headers.items()
+                                    if k.lower() in ("content-type", "accept")})
+            with lock:
+                state["now"] -= 1
+            self.send_response(r.status_code)
+            self.send_header("content-type", r.headers["content-type"])
+            self.send_header("content-length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    llm = ServeProc("--encoder-url", f"http://127.0.0.1:{proxy.server_port}",
+                    "--preprocess-workers", "1")
+    try:
+        convs = [user("Describe.", data_url(make_image(56 + 28 * i, 56, 40 + i)))
+                 for i in range(4)]
+        ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+                  max_num_batched_tokens=256)
+        expected = [o.outputs[0].text for o in ref.chat(convs, greedy(6), use_tqdm=False)]
+
+        async def run_all() -> list[str]:
+            async with llm.client() as client:
+                return list(await asyncio.gather(*(_stream(client, m, 6) for m in convs)))
+
+        assert asyncio.run(run_all()) == expected
+        assert state["most"] >= 3, state
+        core = llm.stats()
+        assert core["encoder_handles_opened"] == core["encoder_handles_released"] == 4
+    finally:
+        llm.kill()
+        proxy.shutdown()

@@ -106,11 +106,11 @@ def test_handles_never_opened_teach_nothing(encoder_url, images) -> None:
     _open(encoder_url, again)
 
 
-def test_images_through_two_preprocessing_processes_are_encoded_once(encoder_url) -> None:
-    """An LLM server with 2 preprocessing processes (2 encoder clients): the same image in
-    sequential requests (they alternate between the processes) is exported once and known
-    after; every answer is the single server's, every handle opened and released."""
-    llm = ServeProc("--encoder-url", encoder_url, "--preprocess-workers", "2")
+def test_images_through_two_front_ends_are_encoded_once(encoder_url) -> None:
+    """An LLM server with 2 front ends (2 encoder clients): the same image in sequential
+    requests (the kernel spreads their connections over the front ends) is exported once and
+    known after; every answer is the single server's, every handle opened and released."""
+    llm = ServeProc("--encoder-url", encoder_url, "--api-server-count", "2")
     try:
         conv = user("Describe.", data_url(make_image(84, 56, 31)))
         ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
@@ -123,7 +123,7 @@ def test_images_through_two_preprocessing_processes_are_encoded_once(encoder_url
                 return await _stream(client, conv, 8)
 
         sent = 0
-        while sent < 6 and _stats(encoder_url)["known_images"] == before["known_images"]:
+        while sent < 16 and _stats(encoder_url)["known_images"] == before["known_images"]:
             assert asyncio.run(ask()) == want
             sent += 1
             # the engine core's release has reached the encoder before the next request

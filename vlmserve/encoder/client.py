@@ -23,11 +23,15 @@ import threading
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, PixelImage
 from vlmserve.multimodal.inputs import ImageInput
+
+if TYPE_CHECKING:
+    from vlmserve.engine.messages import ImageData
 
 logger = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
@@ -93,7 +97,8 @@ class EncoderClient:
         # images: encoded (a handle), not sent (sent recently), sent and known to the server
         self.sent_images = self.skipped_images = self.known_images = self.failovers = 0
 
-    def encode(self, images: Sequence[ImageInput]) -> list[EncodedImageWire | None]:
+    def encode(self, images: Sequence[ImageInput | ImageData]
+               ) -> list[EncodedImageWire | None]:
         """A handle per image; None for the images not sent (sent recently) or answered as
         known (the engine core holds them already): their pixels go to the core. Raises
         `EncoderUnavailableError` when no server would encode them (each was unreachable,
@@ -101,18 +106,27 @@ class EncoderClient:
         is a deployment mismatch, a 503, not the user's 400)."""
         with self._lock:
             send = [img for img in images if img.mm_hash not in self._recent]
-        unique = list({img.mm_hash: img for img in send}.values())
-        out: dict[str, EncodedImageWire] = {}
-        if unique:
-            for img, enc in zip(unique, self._post(unique), strict=True):
-                if enc.handle is not None:
-                    out[img.mm_hash] = enc
-        with self._lock:
+            # remembered from now: a request on another thread with the same image does not
+            # send it too (its pixels go to the core, which finds the rows cached or encodes)
             for img in images:
                 self._recent[img.mm_hash] = None
                 self._recent.move_to_end(img.mm_hash)
             while len(self._recent) > self._remember:
                 self._recent.popitem(last=False)
+        unique = list({img.mm_hash: img for img in send}.values())
+        out: dict[str, EncodedImageWire] = {}
+        if unique:
+            try:
+                encoded = self._post(unique)
+            except BaseException:
+                with self._lock:  # not encoded after all
+                    for img in unique:
+                        self._recent.pop(img.mm_hash, None)
+                raise
+            for img, enc in zip(unique, encoded, strict=True):
+                if enc.handle is not None:
+                    out[img.mm_hash] = enc
+        with self._lock:
             self.sent_images += len(out)
             self.known_images += len(unique) - len(out)
             self.skipped_images += len(images) - len(send)

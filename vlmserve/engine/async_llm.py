@@ -38,6 +38,7 @@ from vlmserve.engine.preprocess import (
     encoder_client,
     preprocess,
     preprocess_in_worker,
+    send_to_encoders,
     start_pool,
 )
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
@@ -49,6 +50,8 @@ from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# the most requests a front end has waiting for encoder servers at once
+ENCODE_THREADS = 64
 
 class AsyncLLM:
     """Front end of an engine core in another process; `generate` streams to asyncio code.
@@ -71,6 +74,7 @@ class AsyncLLM:
         # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
         self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
         self._encoder_client: EncoderClient | None = None
+        self._encode_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._proc: mp.process.BaseProcess | None = None
         if core is None:
@@ -94,9 +98,12 @@ class AsyncLLM:
             self.core_pid = info.pid
             # every front end of this core is one consumer to the encoder servers
             self.encoder_consumer = consumer_id(core.address)
-            if preprocess_workers == 0:
-                self._encoder_client = encoder_client(self.encoder_urls, encoder_transport,
-                                                      self.encoder_consumer, self.limits)
+            self._encoder_client = encoder_client(self.encoder_urls, encoder_transport,
+                                                  self.encoder_consumer, self.limits)
+            # the requests waiting for encoder servers, each on a thread of its own here
+            # (blocked in I/O): as many in flight as come, whatever the preprocessing pool
+            self._encode_threads = (concurrent.futures.ThreadPoolExecutor(
+                ENCODE_THREADS, thread_name_prefix="encode") if self._encoder_client else None)
             self._preprocess_workers = preprocess_workers
             if preprocess_workers > 0:
                 self._pool = self._new_pool()
@@ -162,6 +169,11 @@ class AsyncLLM:
                 *_, child_frames = await self._preprocess(prompt, child, child_id,
                                                           image_loader, default_max_tokens)
             todo.append((child_id, child, child_frames))
+        if self._encoder_client is not None:  # on threads here, not in the pool's processes
+            sent = await asyncio.gather(*(asyncio.wrap_future(self._encode_threads.submit(
+                send_to_encoders, self._encoder_client, f, self.input_processor.hidden_size))
+                for _, _, f in todo))
+            todo = [(cid, child, f) for (cid, child, _), f in zip(todo, sent, strict=True)]
         self._check_alive()
         streams = []
         for child_id, child, child_frames in todo:
@@ -181,8 +193,7 @@ class AsyncLLM:
         if self._pool is None:
             return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
                                            self.eos_token_ids, self._encoder, prompt, params,
-                                           rid, image_loader, default_max_tokens,
-                                           self._encoder_client)
+                                           rid, image_loader, default_max_tokens)
         pool = self._pool
         try:
             return await asyncio.wrap_future(pool.submit(
@@ -234,6 +245,9 @@ class AsyncLLM:
         """Stop the engine core (if this front end started it) and the I/O thread;
         unfinished requests end with `EngineDeadError`."""
         self.client.stop(self._proc is not None, timeout)
+        if self._encode_threads is not None:
+            self._encode_threads.shutdown(wait=False, cancel_futures=True)
+            self._encoder_client.close()
         if self._pool is not None:  # the workers hold nothing: stop them, do not wait on
             # the pool's own shutdown (at interpreter exit it could wait for them forever)
             procs = list(self._pool._processes.values())
@@ -249,9 +263,7 @@ class AsyncLLM:
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
         return start_pool(self._preprocess_workers, self.config.model_config.model,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
-                           wait, self.encoder_urls, self.encoder_transport,
-                           self.encoder_consumer,
-                           self.image_cache_bytes, self._preprocess_threads)
+                           wait, self.image_cache_bytes, self._preprocess_threads)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -16,7 +16,7 @@ from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import freeze_startup_heap, load_model_processor, text_config
 from vlmserve.engine.core_proc import die_with_parent
-from vlmserve.engine.messages import AddRequest, Encoder, ImageData
+from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
 from vlmserve.executor.uniproc import limit_host_threads
@@ -26,13 +26,12 @@ from vlmserve.sampling_params import SamplingParams
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
                 params: SamplingParams, request_id: str, image_loader: ImageLoader,
-                default_max_tokens: int | None = None,
-                encoder_client: EncoderClient | None = None) -> tuple[str | None, list[int], list]:
+                default_max_tokens: int | None = None) -> tuple[str | None, list[int], list]:
     """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
     raises an `InvalidRequestError`. A max_tokens given must fit the context after the
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
-    or as many as the context leaves room for. With `encoder_client`, the images are encoded
-    by encoder servers: an image sent there travels as an embedding handle, without pixels."""
+    or as many as the context leaves room for. Images travel as pixels (`send_to_encoders`
+    then has encoder servers encode them, if the server has any)."""
     input_processor.check_sampling(params)
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
@@ -48,50 +47,55 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
             params, max_tokens=max(1, min(default_max_tokens, limits.max_model_len - n)))
     images = [ImageData(img.mm_hash, img.offset, img.length, img.encoder_meta, img.pixels,
                         img.embeds) for img in processed.images]
-    # images given encoded (multi_modal_embeddings) are not sent again
-    todo = [(data, img) for data, img in zip(images, processed.images, strict=True)
-            if img.embeds is None]
-    if encoder_client is not None and todo:
-        for (data, _), enc in zip(todo, encoder_client.encode([img for _, img in todo]),
-                                  strict=True):
-            if enc is None:
-                continue
-            hidden = input_processor.hidden_size
-            if hidden is not None and enc.handle.shape[1:] != (hidden,):
-                raise EncoderUnavailableError(
-                    f"the encoder server returned rows of width {enc.handle.shape[1:]} for a "
-                    f"model whose embeddings have {hidden}: does it serve the same model?")
-            data.pixels, data.handle = _NO_PIXELS, enc.handle
     msg = AddRequest(
         request_id, processed.prompt_token_ids, images,
         processed.prompt_positions, processed.position_offset, params, eos_token_ids)
     return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
 
 
+def send_to_encoders(client: EncoderClient, frames: list, hidden_size: int | None) -> list:
+    """The `AddRequest` frames with the images an encoder server encoded as embedding
+    handles, without their pixels (the others, sent recently or known to the server, keep
+    their pixels for the core). Runs on a front end's thread while the request waits for the
+    encoder servers: no preprocessing process waits for them."""
+    msg = Decoder(AddRequest).decode(frames)
+    # images given encoded (multi_modal_embeddings) are not sent again
+    todo = [img for img in msg.images if img.embeds is None and img.handle is None]
+    if not todo:
+        return frames
+    for img, enc in zip(todo, client.encode(todo), strict=True):
+        if enc is None:
+            continue
+        if hidden_size is not None and enc.handle.shape[1:] != (hidden_size,):
+            raise EncoderUnavailableError(
+                f"the encoder server returned rows of width {enc.handle.shape[1:]} for a "
+                f"model whose embeddings have {hidden_size}: does it serve the same model?")
+        img.pixels, img.handle = _NO_PIXELS, enc.handle
+    return Encoder().encode(msg)
+
+
 _NO_PIXELS = torch.empty((0, 0, 3), dtype=torch.uint8)
-# (input processor, limits, eos ids, message encoder, encoder client) in a pool process
+# (input processor, limits, eos ids, message encoder) in a pool process
 _worker: tuple | None = None
 
 
 def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
                    limits: AdmissionLimits) -> EncoderClient | None:
-    """A front end's (or preprocessing process's) client of the encoder servers at `urls`,
-    if any, for the engine core `consumer` (its `consumer_id`) with these limits."""
+    """A front end's client of the encoder servers at `urls`, if any, for the engine core
+    `consumer` (its `consumer_id`) with these limits."""
     return EncoderClient(urls, transport, consumer=consumer,
                          consumer_rows=limits.encoder_cache_rows) if urls else None
 
 
 def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
-                 eos_token_ids: tuple[int, ...], encoder_urls: tuple[str, ...] = (),
-                 encoder_transport: str = "auto", encoder_consumer: str | None = None,
-                 image_cache_bytes: int = 0, threads: int = 1) -> None:
+                 eos_token_ids: tuple[int, ...], image_cache_bytes: int = 0,
+                 threads: int = 1) -> None:
     global _worker
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
     _, hf_config, model_processor = load_model_processor(model)
-    client = encoder_client(encoder_urls, encoder_transport, encoder_consumer, limits)
     _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
-                              image_cache_bytes), limits, eos_token_ids, Encoder(), client)
+                              image_cache_bytes), limits, eos_token_ids, Encoder())
     freeze_startup_heap()
 
 
@@ -99,9 +103,8 @@ def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id
                           image_loader: ImageLoader, default_max_tokens: int | None = None
                           ) -> tuple[str | None, list[int], list]:
     assert _worker is not None
-    *common, client = _worker
-    text, token_ids, frames = preprocess(*common, prompt, params, request_id, image_loader,
-                                         default_max_tokens, client)
+    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
+                                         default_max_tokens)
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 
@@ -111,8 +114,6 @@ def _ready() -> int:
 
 def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
-                encoder_urls: tuple[str, ...] = (), encoder_transport: str = "auto",
-                encoder_consumer: str | None = None,
                 image_cache_bytes: int = 0, threads: int = 1
                 ) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
@@ -120,8 +121,7 @@ def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimit
     first requests do not pay for it)."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(model, vocab_size, limits, eos_token_ids, encoder_urls, encoder_transport,
-                  encoder_consumer, image_cache_bytes, threads))
+        initargs=(model, vocab_size, limits, eos_token_ids, image_cache_bytes, threads))
     if not wait:
         return pool
     pids: set[int] = set()
