@@ -279,3 +279,28 @@ def test_requests_wait_for_encoders_side_by_side_not_in_the_preprocessing_pool(e
     finally:
         llm.kill()
         proxy.shutdown()
+
+
+def test_n_choices_through_the_encoder_server(epd) -> None:
+    """`n` with encoder servers: the prompt is preprocessed once, each choice's message goes
+    to the encoder on its own (a handle is opened once), every choice answers as a single
+    process does."""
+    enc, llm = epd
+    conv = user("Describe.", data_url(make_image(70, 84, 50)))
+    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    want = ref.chat([conv], greedy(6), use_tqdm=False)[0].outputs[0].text
+
+    async def ask():
+        async with llm.client() as client:
+            return await client.chat.completions.create(
+                model=MODEL, messages=conv, max_tokens=6, temperature=0, n=3,
+                extra_body={"ignore_eos": True})
+
+    resp = asyncio.run(ask())
+    assert [c.message.content for c in resp.choices] == [want] * 3
+    assert wait_until(lambda: httpx.get(enc.url + "/stats").json()["ledger"]["live_handles"]
+                      == 0, 10)
+    core = llm.stats()
+    assert core["encoder_handles_opened"] == core["encoder_handles_released"]
+    assert core["encoder_handles_live"] == 0
