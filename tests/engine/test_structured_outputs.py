@@ -151,6 +151,8 @@ def test_greedy_matches_transformers_with_the_same_grammar(llm, engine_kwargs) -
             want), (kind, got, want)
     if "num_kv_blocks" in engine_kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
+    runner = llm.engine.executor.runner  # every compile handed over was taken, none kept
+    assert runner.grammars._by_request == {} and runner._paused_grammars == {}
 
 
 def test_bad_constraints_are_refused_naming_the_problem(llm) -> None:
@@ -200,6 +202,9 @@ def test_a_compiling_grammar_holds_its_request_back_not_the_steps(llm, monkeypat
                        SamplingParams(**greedy, structured_outputs=SO(regex="(a|b)")), "bad")
     with pytest.raises(ValueError, match="in use"):
         engine.add_request({"prompt": "Hi"}, SamplingParams(**greedy), "held")
+    engine.add_request({"prompt": "Hi"},
+                       SamplingParams(**greedy, structured_outputs=SO(choice=["x"])), "gone")
+    engine.abort_request("gone")  # while compiling: nothing of it is kept
     done = {}
     while "plain" not in done:
         for out in engine.step():
@@ -214,6 +219,7 @@ def test_a_compiling_grammar_holds_its_request_back_not_the_steps(llm, monkeypat
                 done[out.request_id] = out
     assert done["held"].outputs[0].text in ("ok", "no")
     assert done["bad"].outputs[0].finish_reason == "error"
+    assert "gone" not in done and engine.executor.runner.grammars._by_request == {}
 
 
 def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_given_rows() -> None:

@@ -247,9 +247,9 @@ class EngineCore:
         so = req.sampling_params.structured_outputs
         grammars = self.executor.runner.grammars
         if so is not None and grammars is not None:
-            # held back until compiled (the runner's own compile then hits the cache), so no
-            # step waits for a grammar
-            compiled = grammars.start(so)
+            # held back until compiled (the runner takes that compile), so no step waits for
+            # a grammar
+            compiled = grammars.start(so, req.request_id)
             if not compiled.done():
                 self._compiling[req.request_id] = (req, compiled)
                 return
@@ -266,9 +266,10 @@ class EngineCore:
             if not compiled.done():
                 continue
             del self._compiling[rid]
-            if compiled.exception() is None:
+            if compiled.exception() is None:  # the runner takes the compile
                 self.scheduler.add_request(req)
                 continue
+            self.executor.runner.grammars.forget(rid)
             req.error = f"its structured output's grammar did not compile: {compiled.exception()}"
             req.status = RequestStatus.FINISHED_ERROR
             failed.append(req)
@@ -277,6 +278,8 @@ class EngineCore:
     def abort_request(self, request_id: str,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """Finish a request now, releasing what it holds; False if it was not running."""
+        if self.executor.runner.grammars is not None:
+            self.executor.runner.grammars.forget(request_id)  # if the runner never took it
         if self._compiling.pop(request_id, None) is not None:
             return False  # nothing of it reached the worker
         if request_id not in self.scheduler.requests:

@@ -76,19 +76,34 @@ class GrammarCompiler:
     """Grammars compiled against the model's tokenizer, on a thread of their own (xgrammar
     releases the interpreter lock while it compiles), cached by their text (up to
     `CACHE_BYTES`). The engine core starts a request's compile when it arrives and admits it
-    once compiled; the runner's own `start` then hits the cache. Built lazily: nothing is
+    once compiled; the runner `take`s that compile. Built lazily: nothing is
     imported or loaded until a request asks for structured output."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
+        self._by_request: dict[str, Future] = {}
 
-    def start(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of ``params``, soon."""
+    def start(self, params: StructuredOutputsParams, request_id: str | None = None) -> Future:
+        """The compiled grammar of ``params``, soon; with ``request_id``, kept for the
+        runner's `take` (the engine core starts a request's compile when it arrives)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._pool.submit(self._compile, params.spec)
+        compiled = self._pool.submit(self._compile, params.spec)
+        if request_id is not None:
+            self._by_request[request_id] = compiled
+        return compiled
+
+    def take(self, request_id: str, params: StructuredOutputsParams) -> Future:
+        """The compile the engine core started for this request (compiled by now: no wait
+        behind other compiles), or a new one."""
+        compiled = self._by_request.pop(request_id, None)
+        return compiled if compiled is not None else self.start(params)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended before the runner took its grammar."""
+        self._by_request.pop(request_id, None)
 
     def _compile(self, spec: tuple[str, str, bool]):
         xgr = _xgrammar()
@@ -113,7 +128,7 @@ class RequestGrammar:
 
     def __init__(self, request_id: str, compiled: Future) -> None:
         self.request_id = request_id
-        self._compiled = compiled
+        self.compiled = compiled
         self.matcher: Any = None
         self._accepted = 0
         self.active = True
@@ -125,7 +140,7 @@ class RequestGrammar:
             return False
         if self.matcher is None:
             try:
-                compiled = self._compiled.result()
+                compiled = self.compiled.result()
             except Exception as e:  # noqa: BLE001 - the core admits only compiled grammars
                 return self._stop(f"its grammar did not compile: {e}")
             self.matcher = _xgrammar().GrammarMatcher(compiled)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,7 @@ class ModelRunner:
         self._num_grammars = 0  # running requests with a grammar
         self._last_result: StepResult | None = None
         self._paused_generators: dict[str, torch.Generator | None] = {}
+        self._paused_grammars: dict[str, Future] = {}  # preempted requests' compiled grammars
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self.timeline = DeviceTimeline() if device.type == "cuda" else None
@@ -220,10 +222,14 @@ class ModelRunner:
                 self._num_grammars -= 1
             if rid in so.preempted_request_ids:
                 # a resumed request continues its random stream instead of restarting it
+                # (and keeps its compiled grammar; its matcher starts over)
                 if state is not None:
                     self._paused_generators[rid] = state.generator
+                    if state.grammar is not None:
+                        self._paused_grammars[rid] = state.grammar.compiled
             else:
                 self._paused_generators.pop(rid, None)
+                self._paused_grammars.pop(rid, None)
         self.store.free(so.free_encoder_hashes)
         for new in so.new_requests:
             sp = new.sampling_params
@@ -234,9 +240,10 @@ class ModelRunner:
                 **{**vars(new), "token_ids": list(new.token_ids),
                    "block_ids": list(new.block_ids)}, generator=gen)
             if sp.structured_outputs is not None and self.grammars is not None:
-                # compiled while the prompt runs; a resumed request's matcher starts over
-                state.grammar = RequestGrammar(
-                    new.request_id, self.grammars.start(sp.structured_outputs))
+                compiled = self._paused_grammars.pop(new.request_id, None)
+                if compiled is None:
+                    compiled = self.grammars.take(new.request_id, sp.structured_outputs)
+                state.grammar = RequestGrammar(new.request_id, compiled)
                 self._num_grammars += 1
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
