@@ -120,3 +120,16 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones() -> None:
     tokens = sample(logits, params, [None] * 6)
     for i in (0, 2, 3, 4):  # greedy, and top_k=1
         assert tokens[i].item() == logits[i].argmax().item()
+
+
+def test_top_k_1_is_greedy_in_one_kernel() -> None:
+    """top_k 1 (Qwen2-VL's generation config: with temperature 0.1 and top_p 0.001) samples
+    the argmax, without the temperature, top-p's sort or a draw."""
+    torch.manual_seed(4)
+    logits = torch.randn(8, 50)
+    params = [SamplingParams(temperature=0.1, top_p=0.001, top_k=1, seed=i) for i in range(8)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tokens = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(8)])
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::sort" not in ops and "aten::exponential_" not in ops

@@ -91,12 +91,15 @@ def sample(
     not grow with the batch: logits divided by each row's temperature, its min-p, top-k and
     top-p filters (`filter_top_k_top_p`), then one draw from each row's distribution by the
     exponential race (the argmax of p_i / E_i with E_i ~ Exp(1) independent is token i with
-    probability p_i). A row with a generator draws its E from it alone (so a seeded request
+    probability p_i); a row with top_k 1 is greedy. A row with a generator draws its E from
+    it alone (so a seeded request
     samples the same tokens whatever it is batched with); the others from the global RNG.
     ``banned``: per row, token ids it may not sample this step."""
     logits = apply_penalties(logits, params, history, banned)
     out = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    # top_k 1 keeps only the most likely token, whatever the temperature or top-p: greedy
+    # (Qwen2-VL's generation config asks for it, so every request that sets nothing does)
+    rows = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
     if not rows:
         return out
     device, vocab = logits.device, logits.shape[1]
