@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, sized_scheduler_limits
 from vlmserve.distributed.parallel_state import split_by_rows
 from vlmserve.encoder.delivered import DeliveredImages
 from vlmserve.encoder.handles import EmbeddingHandle
@@ -158,6 +158,12 @@ class MultimodalEncoder:
             raise
         self.transport = transport
         self.rank = rank
+        # image rows one forward of the encoder server takes (`encode` itself takes any)
+        sc = self.config.scheduler_config
+        self.max_rows_per_forward = sc.max_num_encoder_tokens or sc.max_num_batched_tokens or (
+            sized_scheduler_limits(self.device.type, None if self.device.type != "cuda" else
+                                   torch.cuda.get_device_properties(self.device).total_memory,
+                                   serving=False)[1])
         self.export_only_delivered = export_only_delivered
         self._stats = EncoderStats()
 

@@ -8,9 +8,11 @@
     GET  /health, /stats, /metrics
 
 Requests that arrive while the tower runs wait and then go together: every step encodes all
-images of all waiting requests in one forward (`MultimodalEncoder.encode`). Each image gets an
-embedding handle recorded in the encoder's ledger until its consumer (an LLM server started
-with `--encoder-url`) opens and releases it, or its lease runs out; images whose handles the
+images of all waiting requests, in forwards (`MultimodalEncoder.encode`) of at most the
+encoder's `max_rows_per_forward` image rows (`--max-num-encoder-tokens`, else the step
+budget). Each image gets an embedding handle recorded in the encoder's ledger until its
+consumer (an LLM server started with `--encoder-url`) opens and releases it, or its lease
+runs out; images whose handles the
 request's consumer opened and released recently are not encoded again (handle null).
 """
 
@@ -57,7 +59,8 @@ MSGPACK = "application/msgpack"
 
 
 class _Batcher:
-    """One thread owns the encoder: it takes every waiting job and encodes them together."""
+    """One thread owns the encoder: it takes every waiting job and encodes them together, in
+    forwards of at most the encoder's `max_rows_per_forward` image rows."""
 
     def __init__(self, encoder: MultimodalEncoder) -> None:
         self.encoder = encoder
@@ -83,11 +86,10 @@ class _Batcher:
                     self._jobs.put(None)
                     break
                 jobs.append(more)
-            for transport in {j[1] for j in jobs}:  # one forward per handle kind asked
-                group = [j for j in jobs if j[1] == transport]
+            for group in _forwards(jobs, self.encoder.max_rows_per_forward):
                 try:
                     results: list[Any] = self.encoder.encode([j[0] for j in group],
-                                                             transport=transport)
+                                                             transport=group[0][1])
                 except Exception as e:  # noqa: BLE001 - each waiting request is told
                     logger.exception("encoding failed")
                     results = [e] * len(group)
@@ -97,6 +99,25 @@ class _Batcher:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(30)
+
+
+def _forwards(jobs: list[tuple], max_rows: int) -> list[list[tuple]]:
+    """The waiting jobs as tower forwards, in arrival order: one per handle kind asked, each
+    of at most ``max_rows`` image rows (a job larger than that alone), so a burst of
+    requests is neither one unbounded forward nor one forward per request."""
+    out: list[list[tuple]] = []
+    for transport in dict.fromkeys(j[1] for j in jobs):
+        group: list[tuple] = []
+        rows = 0
+        for job in (j for j in jobs if j[1] == transport):
+            n = sum(img.length for img in job[0].images)
+            if group and rows + n > max_rows:
+                out.append(group)
+                group, rows = [], 0
+            group.append(job)
+            rows += n
+        out.append(group)
+    return out
 
 
 def _settle(fut: asyncio.Future, result: Any) -> None:
