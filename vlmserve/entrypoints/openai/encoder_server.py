@@ -12,8 +12,8 @@ images of all waiting requests, in forwards (`MultimodalEncoder.encode`) of at m
 encoder's `max_rows_per_forward` image rows (`--max-num-encoder-tokens`, else the step
 budget). Each image gets an embedding handle recorded in the encoder's ledger until its
 consumer (an LLM server started with `--encoder-url`) opens and releases it, or its lease
-runs out; images whose handles the
-request's consumer opened and released recently are not encoded again (handle null).
+runs out; images whose handles the request's consumer opened and released recently are not
+encoded again (handle null).
 """
 
 from __future__ import annotations
