@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any
 
 import msgspec
@@ -22,6 +23,11 @@ import torch
 
 from vlmserve.encoder.wire import HandleWire
 from vlmserve.sampling_params import SamplingParams
+
+# decoded tensors share their frames' memory, read-only when a frame is `bytes` (a front end
+# decoding its own message: `preprocess.send_to_encoders`); they are read, never written
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                        category=UserWarning, module=__name__)
 
 _TENSOR_EXT = 1
 
