@@ -673,3 +673,59 @@ def test_multiturn_bench_reuses_each_turns_prefix(server: Server) -> None:
     assert r["ttft_turns_2_up"]["mean_ms"] > 0 and r["total_tokens_per_s"] > 0
     hits = server.metrics()["vlmserve_prefix_cache_hit_tokens"] - before
     assert hits >= 3 * (prompts[0] + prompts[1]) - 3 * 2 * 16  # turns 2, 3: all but a block
+
+
+def test_tool_calls_named_and_required(server: Server, llm: LLM) -> None:
+    """tool_choice naming a function, or "required": the answer is a tool call whose
+    arguments follow the function's parameter schema (structured outputs, compact JSON): the
+    same tokens as `LLM.chat` with that schema; streamed, the arguments arrive in deltas
+    after a first chunk with the call's id and name; a conversation with earlier tool calls
+    and a tool's answer is accepted."""
+    from vlmserve.sampling_params import StructuredOutputsParams as SO
+
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                               "days": {"type": "integer", "minimum": 1,
+                                                        "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": params}},
+             {"type": "function", "function": {"name": "noop"}}]
+    messages = user("What is the weather?", data_url(make_image(84, 56, 1)))
+    named = {"type": "function", "function": {"name": "weather"}}
+    want = llm.chat(messages, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=(
+        SO(json=params, disable_any_whitespace=True))), use_tqdm=False)[0].outputs[0].text
+    resp = chat(server, messages, 40, tools=tools, tool_choice=named, extra_body={})
+    msg = resp.choices[0].message
+    assert msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id
+    assert call.function.arguments == want
+    args = json.loads(want)
+    assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 9
+    chunks = list(chat(server, messages, 40, tools=tools, tool_choice=named, stream=True,
+                       extra_body={}))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == want
+    assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+    # "required": a list of calls of the tools ("]" favoured: a random model's list ends)
+    close = {str(llm.get_tokenizer().convert_tokens_to_ids("]")): 10}
+    for stream in (False, True):
+        out = chat(server, messages, 60, tools=tools[:1], tool_choice="required", stream=stream,
+                   logit_bias=close, extra_body={})
+        if stream:
+            calls = [d for c in out if c.choices for d in c.choices[0].delta.tool_calls or []]
+        else:
+            assert out.choices[0].finish_reason == "stop"
+            assert out.choices[0].message.content is None
+            calls = out.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "weather"
+        assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")
+    cut = chat(server, messages, 5, tools=tools, tool_choice="required", extra_body={})
+    assert cut.choices[0].finish_reason == "length"  # not a whole call: the text as it is
+    assert cut.choices[0].message.content.startswith('[{"name')
+    # the next turn: the assistant's call and the tool's answer in the history
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
+    again = chat(server, history, 8, tools=tools, tool_choice="none")
+    assert again.choices[0].message.content and not again.choices[0].message.tool_calls

@@ -128,8 +128,9 @@ class AsyncLLM:
         """Requests this front end is serving (handed to the core, not finished)."""
         return self.client.num_streams
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.input_processor.model_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> str:
+        return self.input_processor.model_processor.apply_chat_template(messages, tools)
 
     async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                           request_id: str | None = None, arrival_time: float | None = None,

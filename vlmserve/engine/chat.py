@@ -6,7 +6,9 @@ from typing import Any
 
 from vlmserve.errors import InvalidRequestError
 
-_ROLES = {"system", "user", "assistant"}
+_ROLES = {"system", "user", "assistant", "tool"}
+# passed on to the chat template as they are (an assistant's tool calls, a tool's answer)
+_TOOL_FIELDS = ("tool_calls", "tool_call_id")
 
 
 def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
@@ -19,8 +21,9 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
         if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
             raise InvalidRequestError(f"message {i} needs a role among {sorted(_ROLES)}")
         content = msg.get("content")
+        extra = {k: msg[k] for k in _TOOL_FIELDS if msg.get(k) is not None}
         if isinstance(content, str):
-            out.append({"role": msg["role"], "content": content})
+            out.append({"role": msg["role"], "content": content, **extra})
             continue
         if not isinstance(content, list):
             raise InvalidRequestError(f"message {i}: content must be a string or a list of parts")
@@ -41,5 +44,5 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
                 parts.append({"type": "image"})
             else:
                 raise InvalidRequestError(f"message {i}: unsupported content part type {kind!r}")
-        out.append({"role": msg["role"], "content": parts})
+        out.append({"role": msg["role"], "content": parts, **extra})
     return out, images

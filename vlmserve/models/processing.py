@@ -57,9 +57,11 @@ class HFInputProcessor:
         return json.dumps({"model": str(self.model_path.resolve()), "processor": settings,
                            **more}, sort_keys=True, default=str)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render HF-style messages (string content or text/image parts) as a prompt."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> str:
+        """Render HF-style messages (string content or text/image parts) as a prompt, with
+        the tools (OpenAI's function definitions) where the template shows them."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=True)
 
     def token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:

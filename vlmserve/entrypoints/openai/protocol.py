@@ -15,7 +15,6 @@ _PART_TYPES = ("text", "image_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
 # request that sets one to anything else gets a 400 naming it, not silence.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
     "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""),
@@ -84,8 +83,10 @@ class ImageURLPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImageURLPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier tool calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @model_validator(mode="before")
     @classmethod
@@ -109,10 +110,12 @@ class ChatMessage(OpenAIModel):
     def to_dict(self) -> dict[str, Any]:
         """The message as `parse_chat_messages` takes it."""
         role = "system" if self.role == "developer" else self.role
+        extra = {k: v for k, v in (("tool_calls", self.tool_calls),
+                                   ("tool_call_id", self.tool_call_id)) if v is not None}
         if isinstance(self.content, list):
             return {"role": role, "content": [p.model_dump(exclude_none=True)
-                                              for p in self.content]}
-        return {"role": role, "content": self.content or ""}
+                                              for p in self.content], **extra}
+        return {"role": role, "content": self.content or "", **extra}
 
 
 class StreamOptions(OpenAIModel):
@@ -151,6 +154,31 @@ class StructuredOutputs(OpenAIModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _arguments_schema(fn: FunctionDefinition) -> dict[str, Any]:
+    return fn.parameters if fn.parameters is not None else {"type": "object"}
 
 
 class _SamplingRequest(OpenAIModel):
@@ -275,6 +303,52 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @property
+    def tool_call_mode(self) -> str | FunctionDefinition | None:
+        """How the answer calls tools: None (text), "required" (one call or more, of any of
+        `tools`), or the named function it must call. The arguments are held to the tools'
+        JSON schemas (structured outputs); "auto" (the model decides) needs a parser of the
+        model's tool-call format, which this server does not have: a 400, as vLLM's without
+        --tool-call-parser."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise InvalidSamplingParamsError(
+                f"tool_choice {_choice_name(choice)} needs tools")
+        if choice == "auto":
+            raise InvalidSamplingParamsError(
+                'tool_choice "auto" (the default with tools) needs a parser of the model\'s '
+                'tool calls, which this server does not have: set tool_choice to "required", '
+                'a named function, or "none"')
+        if choice == "required":
+            return "required"
+        names = {t.function.name: t.function for t in self.tools}
+        if choice.function.name not in names:
+            raise InvalidSamplingParamsError(
+                f"tool_choice names function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(names)})")
+        return names[choice.function.name]
+
+    def structured(self) -> StructuredOutputsParams | None:
+        mode = self.tool_call_mode
+        if mode is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise InvalidSamplingParamsError(
+                "tool calls and response_format / structured outputs cannot be combined")
+        # arguments as compact JSON (", " and ": " between items, no other whitespace)
+        if mode == "required":  # vLLM's schema: a list of {name, parameters} of the tools
+            return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {
+                "anyOf": [{"type": "object", "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": _arguments_schema(t.function)},
+                    "required": ["name", "parameters"]} for t in self.tools]}},
+                disable_any_whitespace=True)
+        return StructuredOutputsParams(json=_arguments_schema(mode), disable_any_whitespace=True)
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
@@ -325,9 +399,21 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -377,6 +463,31 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {...}}
+
+
+def _choice_name(choice: Any) -> str:
+    return f'"{choice}"' if isinstance(choice, str) else f"{{function {choice.function.name!r}}}"
+
+
+def tool_calls_of(mode: str | FunctionDefinition, text: str) -> list[ToolCall] | None:
+    """The tool calls an answer made under `ChatCompletionRequest.tool_call_mode` (its text
+    held to the tools' schemas); None when the text is not a whole call (cut at max_tokens)."""
+    import json
+
+    if not isinstance(mode, str):
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
+    try:
+        calls = json.loads(text)
+        return [ToolCall(function=FunctionCall(name=c["name"],
+                                               arguments=json.dumps(c["parameters"])))
+                for c in calls]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class ChatChunkChoice(BaseModel):

@@ -47,6 +47,7 @@ from vlmserve.entrypoints.openai.protocol import (
     ModelList,
     UsageInfo,
     random_id,
+    tool_calls_of,
 )
 from vlmserve.entrypoints.openai.streaming import chat_events, completion_events, event_stream
 from vlmserve.errors import (
@@ -135,7 +136,12 @@ class OpenAIServing:
 
         # the engine's preprocessing decodes the images, off the event loop (with
         # `image_loader`, under this server's limits); remote ones are fetched first, here
-        prompt = self.engine.apply_chat_template(hf_messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            prompt = self.engine.apply_chat_template(hf_messages, tools)
+        except Exception as e:  # noqa: BLE001 - the template refused these messages
+            raise InvalidRequestError(
+                f"the model's chat template cannot render these messages: {e}") from None
         return {"prompt": prompt, "multi_modal_data": {"image": await self.fetch_remote(sources)}}
 
     async def fetch_remote(self, sources: list) -> list:
@@ -208,13 +214,17 @@ class OpenAIServing:
             return event_stream(chat_events(streams, req, params, rid, created,
                                             self.model_name, self.token_texts), streams)
         outs = await self.last_outputs(streams, request)
+        mode = req.tool_call_mode
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
             logprobs = None if params.logprobs is None else chat_logprobs(
                 self.token_texts, c.token_ids, c.logprobs, params.logprobs)
-            choices.append(ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                                      logprobs=logprobs, finish_reason=c.finish_reason))
+            calls = None if mode is None else tool_calls_of(mode, c.text)
+            message = (AssistantMessage(content=c.text) if calls is None
+                       else AssistantMessage(content=None, tool_calls=calls))
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
+                                      finish_reason=c.finish_reason))
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
             usage=_usage(outs)).model_dump())

@@ -26,6 +26,8 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     UsageInfo,
+    random_id,
+    tool_calls_of,
 )
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -78,20 +80,52 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
     chunk = functools.partial(_chat_chunk, rid, created, model, req.include_usage)
     counts: list[tuple[int, int]] = []  # (prompt tokens, output tokens) of each choice done
 
+    mode = req.tool_call_mode
+
+    def delta(text: str, first: bool, call_id: str) -> DeltaMessage:
+        """The new text: content, or the named function's arguments (its id and name on
+        the first chunk)."""
+        role = "assistant" if first else None
+        if mode is None:
+            return DeltaMessage(role=role, content=text)
+        call = {"index": 0, "function": {"arguments": text}}
+        if first:
+            call = {"index": 0, "id": call_id, "type": "function",
+                    "function": {"name": mode.name, "arguments": text}}
+        return DeltaMessage(role=role, tool_calls=[call])
+
     async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        if mode == "required":  # the calls are known once their list is complete
+            async for event in _required_calls(index, stream):
+                yield event
+            return
         first = True  # the role rides on the first token's chunk
-        token_chunk = _TextChunk(chunk(DeltaMessage(content=_TextChunk.MARK), index=index))
+        call_id = random_id("call")
+        token_chunk = _TextChunk(chunk(delta(_TextChunk.MARK, False, call_id), index=index))
         async for out, c, num_tokens in _deltas(stream):
             if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
-                yield chunk(DeltaMessage(role="assistant" if first else None, content=c.text),
+                yield chunk(delta(c.text, first, call_id),
                             logprobs=chat_logprobs(token_texts, c.token_ids, c.logprobs,
                                                    params.logprobs), index=index)
                 first = False
             elif c.token_ids:  # a chunk per output with tokens, even if no text is due yet
-                yield (chunk(DeltaMessage(role="assistant", content=c.text), index=index)
+                yield (chunk(delta(c.text, True, call_id), index=index)
                        if first else token_chunk(c.text))
                 first = False
             if out.finished:
+                yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
+                counts.append((len(out.prompt_token_ids), num_tokens))
+
+    async def _required_calls(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        text = []
+        async for out, c, num_tokens in _deltas(stream):
+            text.append(c.text)
+            if out.finished:
+                calls = tool_calls_of(mode, "".join(text))
+                yield chunk(DeltaMessage(role="assistant", content="".join(text))
+                            if calls is None else DeltaMessage(role="assistant", tool_calls=[
+                                {"index": i, **call.model_dump()}
+                                for i, call in enumerate(calls)]), index=index)
                 yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
