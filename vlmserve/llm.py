@@ -72,16 +72,20 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """OpenAI-style messages (text and image_url parts) through the chat template."""
+        """OpenAI-style messages (text and image_url parts) through the chat template, with
+        ``tools`` (OpenAI's function definitions) where the template shows them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.chat_prompt(conv) for conv in conversations]
+        prompts = [self.chat_prompt(conv, tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The engine prompt (templated text + images) for one conversation."""
         hf_messages, images = parse_chat_messages(messages)
-        text = self.engine.input_processor.model_processor.apply_chat_template(hf_messages)
+        text = self.engine.input_processor.model_processor.apply_chat_template(hf_messages,
+                                                                               tools)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def _run(self, todo: deque[tuple[PromptInput, SamplingParams]], use_tqdm: bool
