@@ -252,3 +252,31 @@ def test_load_image_restrictions(tmp_path: Path) -> None:
     with pytest.raises(InvalidImageError, match="600 pixels exceeds the limit of 599"):
         load_image(data, max_pixels=599)
     assert load_image(data, max_pixels=600).size == (30, 20)
+
+
+def test_chat_template_gets_tools_and_tool_messages(processor) -> None:
+    """Tools (OpenAI's function definitions), an assistant's tool calls and a tool's answer
+    reach the chat template as transformers passes them (a template of Qwen2.5's kind shows
+    them)."""
+    tok = processor.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}{% endfor %}"
+        "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
+    try:
+        from vlmserve.engine.chat import parse_chat_messages
+
+        msgs, _ = parse_chat_messages([
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+        text = processor.apply_chat_template(
+            msgs, [{"type": "function", "function": {"name": "weather"}}])
+    finally:
+        tok.chat_template = saved
+    assert text.replace("\n", "") == ("TOOL weatheruser: Weather?assistant:  CALL weather"
+                                      "tool: sunny FOR c1")

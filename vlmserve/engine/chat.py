@@ -22,6 +22,8 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
             raise InvalidRequestError(f"message {i} needs a role among {sorted(_ROLES)}")
         content = msg.get("content")
         extra = {k: msg[k] for k in _TOOL_FIELDS if msg.get(k) is not None}
+        if content is None and "tool_calls" in extra:  # an assistant's call, no text
+            content = ""
         if isinstance(content, str):
             out.append({"role": msg["role"], "content": content, **extra})
             continue
