@@ -2,16 +2,18 @@
 or a grammar (`StructuredOutputsParams`), with xgrammar.
 
 The front end checks the grammar's text (`check_structured`: a 400 naming the problem, no
-tokenizer needed). The worker that samples (rank 0 under tensor parallelism: its tokens are
-everyone's) compiles it against the tokenizer on a thread of its own while the request's
-prompt runs (`GrammarCompiler.start`, compiled grammars cached by their text), and before
-each sampling of the request fills the request's row of a bitmask of allowed tokens from a
-matcher that has accepted every token sampled so far (`RequestGrammar`); `apply_bitmask` masks
-the logits. xgrammar is imported only when a request asks for structured output.
+tokenizer needed). The engine core compiles it against the tokenizer on a thread of its own
+when the request arrives (`GrammarCompiler`, compiled grammars cached by their text) and
+admits the request once compiled. The worker that samples (rank 0 under tensor parallelism:
+its tokens are everyone's) takes that compile and, before each sampling of the request,
+fills the request's row of a bitmask of allowed tokens from a matcher that has accepted every
+token sampled so far (`RequestGrammar`, `fill_bitmasks`); `apply_bitmask` masks the logits.
+xgrammar is imported only when a request asks for structured output.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,8 +39,6 @@ def _xgrammar():
 
 def _choice_ebnf(choices: list[str]) -> str:
     """A grammar whose language is exactly ``choices`` (JSON string escapes are GBNF's)."""
-    import json
-
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
@@ -52,8 +52,6 @@ def _grammar(xgr, spec: tuple[str, str, bool]):
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     if kind == "choice":
-        import json
-
         return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(text)))
     return xgr.Grammar.from_ebnf(text)
 
@@ -76,8 +74,8 @@ class GrammarCompiler:
     """Grammars compiled against the model's tokenizer, on a thread of their own (xgrammar
     releases the interpreter lock while it compiles), cached by their text (up to
     `CACHE_BYTES`). The engine core starts a request's compile when it arrives and admits it
-    once compiled; the runner `take`s that compile. Built lazily: nothing is
-    imported or loaded until a request asks for structured output."""
+    once compiled; the runner `take`s that compile. Built lazily: nothing is imported or
+    loaded until a request asks for structured output."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
