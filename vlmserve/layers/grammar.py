@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -71,7 +72,7 @@ def check_structured(params: StructuredOutputsParams) -> None:
 
 
 class GrammarCompiler:
-    """Grammars compiled against the model's tokenizer, on a thread of their own (xgrammar
+    """Grammars compiled against the model's tokenizer, on two threads of their own (xgrammar
     releases the interpreter lock while it compiles), cached by their text (up to
     `CACHE_BYTES`). The engine core starts a request's compile when it arrives and admits it
     once compiled; the runner `take`s that compile. Built lazily: nothing is imported or
@@ -82,12 +83,14 @@ class GrammarCompiler:
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
         self._by_request: dict[str, Future] = {}
+        self._lock = threading.Lock()
 
     def start(self, params: StructuredOutputsParams, request_id: str | None = None) -> Future:
         """The compiled grammar of ``params``, soon; with ``request_id``, kept for the
         runner's `take` (the engine core starts a request's compile when it arrives)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            # two: one slow grammar does not hold up every other request's
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         compiled = self._pool.submit(self._compile, params.spec)
         if request_id is not None:
             self._by_request[request_id] = compiled
@@ -105,11 +108,12 @@ class GrammarCompiler:
 
     def _compile(self, spec: tuple[str, str, bool]):
         xgr = _xgrammar()
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=4,
-                                                 cache_limit_bytes=CACHE_BYTES)
+        with self._lock:  # the first compiles build the compiler once
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=4,
+                                                     cache_limit_bytes=CACHE_BYTES)
         return self._compiler.compile_grammar(_grammar(xgr, spec))
 
     def shutdown(self) -> None:
