@@ -40,7 +40,8 @@
 #             and device ms, torch ops; this tree, then .cache/old (carried; the row-by-row
 #             sampler: `git archive a62bc8b vlmserve | tar -x -C .cache/old`) if present
 #   structured: structured outputs' cost offline (benchmarks/structured_time.py: the 2B's
-#             requests plain, JSON schema, regex) and their CPU tests on CUDA; xgrammar's
+#             requests plain, JSON schema, regex), served (serveours at 64, plain and JSON
+#             mode: BENCH_EXTRA is the client's --extra-body), and their CPU tests on CUDA; xgrammar's
 #             wheels carried in .cache/xgr (`pip download xgrammar apache-tvm-ffi --no-deps
 #             -d .cache/xgr --python-version 3.12 --only-binary=:all: --platform
 #             manylinux_2_28_x86_64`), pydantic from .whl (carried)
@@ -200,7 +201,14 @@ structured)
   PYTHONPATH=$PWD:/tmp/xgr:/tmp/deps step structured_tests 200 python3 -m pytest -x -q \
     -p no:cacheprovider -o addopts="" tests/engine/test_structured_outputs.py
   PYTHONPATH=$PWD:/tmp/xgr:/tmp/deps step structured_time 200 python3 \
-    benchmarks/structured_time.py /tmp/q2vl2b ;;
+    benchmarks/structured_time.py /tmp/q2vl2b
+  # served: the same W1-shaped requests plain and in JSON mode (BENCH_EXTRA: the client's
+  # --extra-body), concurrency 64
+  for mode in plain json; do
+    BENCH_EXTRA=$([ $mode = json ] && echo '{"response_format": {"type": "json_object"}}') \
+      RUNS=${RUNS:-inf@64} bash "$0" serveours
+    mv "$OUT/ours" "$OUT/ours_$mode"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_$mode.log"
+  done ;;
 synctests)  # GPU tests: no device waits inside a step's launch; the vision attention backends
   TAIL=12 step sync_tests 400 python -m pytest -x -q -p no:cacheprovider -o addopts="" \
     tests/gpu/test_no_sync.py tests/gpu/test_vision_triton.py ;;
@@ -222,7 +230,7 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
   # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it)
   kit_deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
-  PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
+  PYTHONPATH=$PWD:/tmp/deps:/tmp/xgr python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
     ${VLMSERVE_ARGS:---max-num-seqs 512 --max-num-batched-tokens 8192} > "$OUT/ours_server.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do curl -sf localhost:8001/health > /dev/null && break; sleep 1; done
@@ -233,7 +241,8 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
   fi
   PYTHONPATH=$PWD:/tmp/deps step serve_ours 400 python3 -m vlmserve.benchmarks.serve \
     --base-url http://127.0.0.1:8001 --num-requests 192 --output-len 128 --warmup-requests 16 \
-    --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours"
+    --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours" \
+    ${BENCH_EXTRA:+--extra-body "$BENCH_EXTRA"}
   kill $pid; wait $pid ;;
 clientcheck)  # the benchmark client against a paced fake server, and the openai SDK's
   kit_deps

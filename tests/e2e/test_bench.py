@@ -102,3 +102,19 @@ def test_bench_serve_runs_draw_requests_of_their_own() -> None:
     assert run_messages(args, 1) == second  # deterministic: every server gets these
     replay = ap.parse_args(["--num-requests", "3", "--image-sizes", "28", "--reuse-requests"])
     assert run_messages(replay, 2) == run_messages(replay, 0) == first
+
+
+def test_bench_serve_extra_body_goes_into_every_request() -> None:
+    """`--extra-body JSON` (e.g. a response_format, to measure structured outputs served)
+    is merged into each request's body."""
+    import json
+
+    from vlmserve.benchmarks.client import chat_body
+    from vlmserve.benchmarks.serve import add_args
+
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args(["--extra-body", '{"response_format": {"type": "json_object"}}'])
+    body = json.loads(chat_body("m", [{"role": "user", "content": "hi"}], 8, args.extra_body))
+    assert body["response_format"] == {"type": "json_object"} and body["max_tokens"] == 8
+    assert "response_format" not in json.loads(chat_body("m", [], 8))

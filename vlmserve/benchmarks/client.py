@@ -46,12 +46,13 @@ async def first_model(session: aiohttp.ClientSession) -> str:
         return (await r.json())["data"][0]["id"]
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int) -> bytes:
+def chat_body(model: str, messages: list[dict], max_tokens: int,
+              extra: dict | None = None) -> bytes:
     """A streamed greedy chat request of exactly `max_tokens` tokens (`ignore_eos`), usage in
-    its last chunk."""
+    its last chunk; ``extra``: more fields (e.g. a response_format), over these."""
     return json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
 
 
 @dataclass

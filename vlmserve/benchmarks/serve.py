@@ -100,7 +100,8 @@ def _server_figures(before: dict, after: dict) -> dict[str, float | None]:
 async def run_once(args, convs, concurrency: int, rate: float = float("inf")) -> dict:
     async with open_session(args.base_url) as session:
         model = args.model or await first_model(session)
-        bodies = [chat_body(model, messages, args.output_len) for messages in convs]
+        bodies = [chat_body(model, messages, args.output_len, args.extra_body)
+                  for messages in convs]
         sem = asyncio.Semaphore(concurrency)
         rng = np.random.default_rng(args.seed + 1)
         bar = tqdm(total=len(convs), desc=f"concurrency {concurrency}")
@@ -207,6 +208,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     "run draws requests of its own")
     ap.add_argument("--warmup-requests", type=int, default=16,
                     help="untimed requests (other images) sent before the timed runs")
+    ap.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                    help="fields added to every request (e.g. '{\"response_format\": "
+                    "{\"type\": \"json_object\"}}' for structured outputs' cost)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput: TPOT bound")
     ap.add_argument("--out-dir", default=None, help="JSON results and PNG plots here")
