@@ -712,14 +712,18 @@ def test_tool_calls_named_and_required(server: Server, llm: LLM) -> None:
     for stream in (False, True):
         out = chat(server, messages, 60, tools=tools[:1], tool_choice="required", stream=stream,
                    logit_bias=close, extra_body={})
-        if stream:
-            calls = [d for c in out if c.choices for d in c.choices[0].delta.tool_calls or []]
+        if stream:  # a call's id and name first, then its arguments in deltas
+            deltas = [d for c in out if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert {d.index for d in deltas} == {0} and len(deltas) > 2
+            assert deltas[0].id and deltas[0].function.name == "weather"
+            names = [d.function.name for d in deltas if d.function.name]
+            args = "".join(d.function.arguments or "" for d in deltas)
         else:
             assert out.choices[0].finish_reason == "stop"
             assert out.choices[0].message.content is None
             calls = out.choices[0].message.tool_calls
-        assert len(calls) == 1 and calls[0].function.name == "weather"
-        assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")
+            names, args = [c.function.name for c in calls], calls[0].function.arguments
+        assert names == ["weather"] and json.loads(args)["city"] in ("Paris", "Rome")
     cut = chat(server, messages, 5, tools=tools, tool_choice="required", extra_body={})
     assert cut.choices[0].finish_reason == "length"  # not a whole call: the text as it is
     assert cut.choices[0].message.content.startswith('[{"name')

@@ -272,3 +272,24 @@ def test_eight_8000x8000_pngs_are_refused_from_their_headers(srv) -> None:
     assert_400(r, "8000x8000", "--max-image-pixels")
     assert time.monotonic() - start < 10
     assert_serving(srv)
+
+
+def test_required_tool_calls_stream_as_their_text_grows() -> None:
+    """A "required" answer's text, fed in any pieces: each call's id and name once its head
+    is complete, then its arguments exactly, escapes and nesting included."""
+    from vlmserve.entrypoints.openai.streaming import _RequiredCalls
+
+    text = ('[{"name": "weather", "parameters": {"city": "Ro\\"m}e", "l": [1, {"a": 2}]}}, '
+            '{"name": "noop", "parameters": {}}, {"name": "n\\u00e9", "parameters": 5}]')
+    for step in (1, 2, 7, len(text)):
+        calls, events = _RequiredCalls(), []
+        for i in range(0, len(text), step):
+            events += calls.feed(text[i:i + step])
+        names = [e["function"]["name"] for e in events if "id" in e]
+        args: dict[int, str] = {}
+        for e in events:
+            args[e["index"]] = args.get(e["index"], "") + e["function"]["arguments"]
+        assert names == ["weather", "noop", "n\u00e9"] and calls.count == 3
+        assert args == {0: '{"city": "Ro\\"m}e", "l": [1, {"a": 2}]}', 1: "{}", 2: "5"}
+    cut = _RequiredCalls()
+    assert cut.feed('[{"name": "wea') == [] and cut.count == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -27,7 +28,6 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorResponse,
     UsageInfo,
     random_id,
-    tool_calls_of,
 )
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -63,6 +63,68 @@ def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
     if not include_usage:
         data.pop("usage")
     return _sse(data)
+
+
+class _RequiredCalls:
+    """Tool-call deltas from the text of a "required" answer as it grows: its grammar makes
+    it `[{"name": "F", "parameters": ARGS}, ...]` (compact JSON), so a call begins with that
+    head (its id and name then go out) and its ARGS are sent as they come, up to where the
+    value closes."""
+
+    HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "parameters": ')
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.count = 0  # calls begun
+        self._pos = 0  # where the next head may start
+        self._args: int | None = None  # where the current call's ARGS start
+        self._sent = self._scan = 0  # ARGS sent, scanned (offsets in `text`)
+        self._depth, self._in_str, self._esc = 0, False, False
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        out: list[dict] = []
+        while True:
+            if self._args is None:
+                m = self.HEAD.search(self.text, self._pos)
+                if m is None:
+                    return out
+                out.append({"index": self.count, "id": random_id("call"), "type": "function",
+                            "function": {"name": json.loads(f'"{m.group(1)}"'),
+                                         "arguments": ""}})
+                self._args = self._sent = self._scan = m.end()
+                self._depth, self._in_str, self._esc = 0, False, False
+            end = self._value_end()
+            stop = self._scan if end is None else end
+            if stop > self._sent:
+                out.append({"index": self.count,
+                            "function": {"arguments": self.text[self._sent:stop]}})
+                self._sent = stop
+            if end is None:
+                return out
+            self.count += 1
+            self._args, self._pos = None, end
+
+    def _value_end(self) -> int | None:
+        """Where the current ARGS value ends, if it has (scanning on from the last call)."""
+        for i in range(self._scan, len(self.text)):
+            ch = self.text[i]
+            self._scan = i + 1
+            if self._in_str:
+                self._esc, self._in_str = (False, True) if self._esc else (
+                    ch == "\\", ch != '"')
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                if self._depth == 0:  # the call's own brace after a scalar
+                    self._scan = i
+                    return i
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
 
 
 def _sse(payload: BaseModel | dict | str) -> str:
@@ -117,15 +179,17 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
     async def _required_calls(index: int, stream: RequestStream) -> AsyncIterator[str]:
-        text = []
+        calls = _RequiredCalls()
+        first = True
         async for out, c, num_tokens in _deltas(stream):
-            text.append(c.text)
+            deltas = calls.feed(c.text)
+            if deltas:
+                yield chunk(DeltaMessage(role="assistant" if first else None, tool_calls=deltas),
+                            index=index)
+                first = False
             if out.finished:
-                calls = tool_calls_of(mode, "".join(text))
-                yield chunk(DeltaMessage(role="assistant", content="".join(text))
-                            if calls is None else DeltaMessage(role="assistant", tool_calls=[
-                                {"index": i, **call.model_dump()}
-                                for i, call in enumerate(calls)]), index=index)
+                if not calls.count:  # cut before a call began: the text as it is
+                    yield chunk(DeltaMessage(role="assistant", content=calls.text), index=index)
                 yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
