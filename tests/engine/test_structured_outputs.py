@@ -240,3 +240,15 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_given_rows() -> Non
     want = logits[:2].clone()
     want[~allowed] = float("-inf")
     assert torch.equal(apply_bitmask(logits[:2].clone(), bitmask), want)  # every row
+
+
+def test_llava_outputs_match_their_constraints(vlmserve_cache) -> None:
+    """LLaVA's tokenizer (Llama's byte fallback) holds to grammars as Qwen's does."""
+    llava = LLM("tiny-llava-1.5", dtype="float32")
+    cons = [c for c in constraints() if not c.json_object]
+    outs = llava.generate(["Describe the image."] * len(cons),
+                          [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                          structured_outputs=c) for c in cons], use_tqdm=False)
+    for c, out in zip(cons, outs):
+        assert out.outputs[0].finish_reason == "stop", (c.spec, out.outputs[0].text)
+        assert_matches(c, out.outputs[0].text)
