@@ -289,7 +289,10 @@ def test_required_tool_calls_stream_as_their_text_grows() -> None:
         args: dict[int, str] = {}
         for e in events:
             args[e["index"]] = args.get(e["index"], "") + e["function"]["arguments"]
-        assert names == ["weather", "noop", "n\u00e9"] and calls.count == 3
+        assert names == ["weather", "noop", "n\u00e9"] and calls.count == calls.begun == 3
         assert args == {0: '{"city": "Ro\\"m}e", "l": [1, {"a": 2}]}', 1: "{}", 2: "5"}
     cut = _RequiredCalls()
-    assert cut.feed('[{"name": "wea') == [] and cut.count == 0
+    assert cut.feed('[{"name": "wea') == [] and cut.begun == 0
+    assert [e["function"] for e in cut.feed('ther", "parameters": {"a')] == [
+        {"name": "weather", "arguments": ""}, {"arguments": '{"a'}]
+    assert cut.begun == 1 and cut.count == 0  # begun, not complete

@@ -75,7 +75,8 @@ class _RequiredCalls:
 
     def __init__(self) -> None:
         self.text = ""
-        self.count = 0  # calls begun
+        self.begun = 0  # calls whose id and name went out
+        self.count = 0  # calls whose arguments are complete
         self._pos = 0  # where the next head may start
         self._args: int | None = None  # where the current call's ARGS start
         self._sent = self._scan = 0  # ARGS sent, scanned (offsets in `text`)
@@ -92,6 +93,7 @@ class _RequiredCalls:
                 out.append({"index": self.count, "id": random_id("call"), "type": "function",
                             "function": {"name": json.loads(f'"{m.group(1)}"'),
                                          "arguments": ""}})
+                self.begun += 1
                 self._args = self._sent = self._scan = m.end()
                 self._depth, self._in_str, self._esc = 0, False, False
             end = self._value_end()
@@ -137,8 +139,9 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                       params: SamplingParams, rid: str, created: int, model: str,
                       token_texts: TokenTexts) -> AsyncIterator[str]:
     """A chat completion's SSE events: per choice (a stream each, ``n`` of them, their
-    chunks as they come), a chunk per output with tokens (the role on the first) and the
-    finish reason; then usage if asked (all choices' tokens), `[DONE]`."""
+    chunks as they come), a chunk per output with tokens (the role on the first; with tool
+    calls, their ids, names and argument deltas instead of content) and the finish reason;
+    then usage if asked (all choices' tokens), `[DONE]`."""
     chunk = functools.partial(_chat_chunk, rid, created, model, req.include_usage)
     counts: list[tuple[int, int]] = []  # (prompt tokens, output tokens) of each choice done
 
@@ -157,7 +160,7 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
         return DeltaMessage(role=role, tool_calls=[call])
 
     async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
-        if mode == "required":  # the calls are known once their list is complete
+        if mode == "required":  # calls read from the growing text
             async for event in _required_calls(index, stream):
                 yield event
             return
@@ -188,7 +191,7 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                             index=index)
                 first = False
             if out.finished:
-                if not calls.count:  # cut before a call began: the text as it is
+                if not calls.begun:  # cut before a call began: the text as it is
                     yield chunk(DeltaMessage(role="assistant", content=calls.text), index=index)
                 yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
                 counts.append((len(out.prompt_token_ids), num_tokens))
