@@ -37,6 +37,22 @@ def epd(vlmserve_cache):
     enc.kill()
 
 
+def _single_process(convs: list[list[dict]], n: int, model: str = MODEL) -> list[str]:
+    """What one process answers (`LLM.chat`, greedy, ``n`` tokens)."""
+    ref = LLM(model, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    return [o.outputs[0].text for o in ref.chat(convs, greedy(n), use_tqdm=False)]
+
+
+def _streamed_together(llm: ServeProc, convs: list[list[dict]], n: int) -> list[str]:
+    """The LLM server's answers, all streamed at once."""
+    async def run_all() -> list[str]:
+        async with llm.client() as client:
+            return list(await asyncio.gather(*(_stream(client, m, n) for m in convs)))
+
+    return asyncio.run(run_all())
+
+
 def _conversations() -> list[list[dict]]:
     urls = [data_url(img) for img in IMAGES]
     return [user("Describe.", urls[0]), user("Compare.", urls[1], urls[2]),
@@ -47,9 +63,7 @@ def _conversations() -> list[list[dict]]:
 def test_epd_answers_like_one_process_and_frees_every_handle(epd) -> None:
     enc, llm = epd
     convs = _conversations()
-    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
-              max_num_batched_tokens=256)
-    expected = [o.outputs[0].text for o in ref.chat(convs, greedy(12), use_tqdm=False)]
+    expected = _single_process(convs, 12)
 
     async def run_all() -> list[str]:
         async with llm.client() as client:
@@ -168,15 +182,7 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
         urls = [data_url(make_image(w, h, i)) for i, (w, h) in enumerate([(56, 56), (120, 50),
                                                                           (50, 150)])]
         convs = [user("Describe.", urls[0]), user("Compare.", urls[1], urls[2])]
-        ref = LLM(model, dtype="float32", device="cpu", max_model_len=1024,
-                  max_num_batched_tokens=256)
-        expected = [o.outputs[0].text for o in ref.chat(convs, greedy(8), use_tqdm=False)]
-
-        async def run_all() -> list[str]:
-            async with llm.client() as client:
-                return list(await asyncio.gather(*(_stream(client, m, 8) for m in convs)))
-
-        assert asyncio.run(run_all()) == expected
+        assert _streamed_together(llm, convs, 8) == _single_process(convs, 8, model)
         assert httpx.get(enc.url + "/stats").json()["encoded_images"] == 3
         assert llm.stats()["encoder_handles_opened"] == 3
     finally:
@@ -264,15 +270,7 @@ def test_requests_wait_for_encoders_side_by_side_not_in_the_preprocessing_pool(e
     try:
         convs = [user("Describe.", data_url(make_image(56 + 28 * i, 56, 40 + i)))
                  for i in range(4)]
-        ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
-                  max_num_batched_tokens=256)
-        expected = [o.outputs[0].text for o in ref.chat(convs, greedy(6), use_tqdm=False)]
-
-        async def run_all() -> list[str]:
-            async with llm.client() as client:
-                return list(await asyncio.gather(*(_stream(client, m, 6) for m in convs)))
-
-        assert asyncio.run(run_all()) == expected
+        assert _streamed_together(llm, convs, 6) == _single_process(convs, 6)
         assert state["most"] >= 3, state
         core = llm.stats()
         assert core["encoder_handles_opened"] == core["encoder_handles_released"] == 4
@@ -287,9 +285,7 @@ def test_n_choices_through_the_encoder_server(epd) -> None:
     process does."""
     enc, llm = epd
     conv = user("Describe.", data_url(make_image(70, 84, 50)))
-    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
-              max_num_batched_tokens=256)
-    want = ref.chat([conv], greedy(6), use_tqdm=False)[0].outputs[0].text
+    (want,) = _single_process([conv], 6)
 
     async def ask():
         async with llm.client() as client:

@@ -277,12 +277,12 @@ def test_eight_8000x8000_pngs_are_refused_from_their_headers(srv) -> None:
 def test_required_tool_calls_stream_as_their_text_grows() -> None:
     """A "required" answer's text, fed in any pieces: each call's id and name once its head
     is complete, then its arguments exactly, escapes and nesting included."""
-    from vlmserve.entrypoints.openai.streaming import _RequiredCalls
+    from vlmserve.entrypoints.openai.tool_calls import RequiredCalls
 
     text = ('[{"name": "weather", "parameters": {"city": "Ro\\"m}e", "l": [1, {"a": 2}]}}, '
             '{"name": "noop", "parameters": {}}, {"name": "n\\u00e9", "parameters": 5}]')
     for step in (1, 2, 7, len(text)):
-        calls, events = _RequiredCalls(), []
+        calls, events = RequiredCalls(), []
         for i in range(0, len(text), step):
             events += calls.feed(text[i:i + step])
         names = [e["function"]["name"] for e in events if "id" in e]
@@ -291,7 +291,7 @@ def test_required_tool_calls_stream_as_their_text_grows() -> None:
             args[e["index"]] = args.get(e["index"], "") + e["function"]["arguments"]
         assert names == ["weather", "noop", "n\u00e9"] and calls.count == calls.begun == 3
         assert args == {0: '{"city": "Ro\\"m}e", "l": [1, {"a": 2}]}', 1: "{}", 2: "5"}
-    cut = _RequiredCalls()
+    cut = RequiredCalls()
     assert cut.feed('[{"name": "wea') == [] and cut.begun == 0
     assert [e["function"] for e in cut.feed('ther", "parameters": {"a')] == [
         {"name": "weather", "arguments": ""}, {"arguments": '{"a'}]

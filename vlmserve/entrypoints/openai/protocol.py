@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vlmserve.entrypoints.openai.tool_calls import ToolCall, tool_call_mode, tool_call_schema
 from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -177,10 +178,6 @@ class NamedToolChoice(OpenAIModel):
     function: FunctionName
 
 
-def _arguments_schema(fn: FunctionDefinition) -> dict[str, Any]:
-    return fn.parameters if fn.parameters is not None else {"type": "object"}
-
-
 class _SamplingRequest(OpenAIModel):
     # an argument OpenAI does not know is refused, as OpenAI does
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -308,30 +305,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def tool_call_mode(self) -> str | FunctionDefinition | None:
-        """How the answer calls tools: None (text), "required" (one call or more, of any of
-        `tools`), or the named function it must call. The arguments are held to the tools'
-        JSON schemas (structured outputs); "auto" (the model decides) needs a parser of the
-        model's tool-call format, which this server does not have: a 400, as vLLM's without
-        --tool-call-parser."""
-        choice = self.tool_choice or ("auto" if self.tools else "none")
-        if choice == "none":
-            return None
-        if not self.tools:
-            raise InvalidSamplingParamsError(
-                f"tool_choice {_choice_name(choice)} needs tools")
-        if choice == "auto":
-            raise InvalidSamplingParamsError(
-                'tool_choice "auto" (the default with tools) needs a parser of the model\'s '
-                'tool calls, which this server does not have: set tool_choice to "required", '
-                'a named function, or "none"')
-        if choice == "required":
-            return "required"
-        names = {t.function.name: t.function for t in self.tools}
-        if choice.function.name not in names:
-            raise InvalidSamplingParamsError(
-                f"tool_choice names function {choice.function.name!r}, which is not among "
-                f"the tools ({', '.join(names)})")
-        return names[choice.function.name]
+        """How the answer calls tools (`tool_calls.tool_call_mode`)."""
+        return tool_call_mode(self.tools, self.tool_choice)
 
     def structured(self) -> StructuredOutputsParams | None:
         mode = self.tool_call_mode
@@ -340,15 +315,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if super().structured() is not None:
             raise InvalidSamplingParamsError(
                 "tool calls and response_format / structured outputs cannot be combined")
-        # arguments as compact JSON (", " and ": " between items, no other whitespace)
-        if mode == "required":  # vLLM's schema: a list of {name, parameters} of the tools
-            return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {
-                "anyOf": [{"type": "object", "properties": {
-                    "name": {"type": "string", "enum": [t.function.name]},
-                    "parameters": _arguments_schema(t.function)},
-                    "required": ["name", "parameters"]} for t in self.tools]}},
-                disable_any_whitespace=True)
-        return StructuredOutputsParams(json=_arguments_schema(mode), disable_any_whitespace=True)
+        return tool_call_schema(mode, self.tools)
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
@@ -397,17 +364,6 @@ class UsageInfo(BaseModel):
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON
-
-
-class ToolCall(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("call"))
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class AssistantMessage(BaseModel):
@@ -464,30 +420,6 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {...}}
-
-
-def _choice_name(choice: Any) -> str:
-    return f'"{choice}"' if isinstance(choice, str) else f"{{function {choice.function.name!r}}}"
-
-
-def tool_calls_of(mode: str | FunctionDefinition, text: str) -> list[ToolCall] | None:
-    """The tool calls an answer made under `ChatCompletionRequest.tool_call_mode` (its text
-    held to the tools' schemas); None when the text is not a whole call (cut at max_tokens)."""
-    import json
-
-    if not isinstance(mode, str):
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
-        return [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
-    try:
-        calls = json.loads(text)
-        return [ToolCall(function=FunctionCall(name=c["name"],
-                                               arguments=json.dumps(c["parameters"])))
-                for c in calls]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class ChatChunkChoice(BaseModel):

@@ -47,9 +47,9 @@ from vlmserve.entrypoints.openai.protocol import (
     ModelList,
     UsageInfo,
     random_id,
-    tool_calls_of,
 )
 from vlmserve.entrypoints.openai.streaming import chat_events, completion_events, event_stream
+from vlmserve.entrypoints.openai.tool_calls import tool_calls_of
 from vlmserve.errors import (
     InvalidImageError,
     InvalidRequestError,

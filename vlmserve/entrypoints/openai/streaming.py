@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -27,8 +26,8 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     UsageInfo,
-    random_id,
 )
+from vlmserve.entrypoints.openai.tool_calls import RequiredCalls, call_id
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -65,70 +64,6 @@ def _chat_chunk(rid: str, created: int, model: str, include_usage: bool,
     return _sse(data)
 
 
-class _RequiredCalls:
-    """Tool-call deltas from the text of a "required" answer as it grows: its grammar makes
-    it `[{"name": "F", "parameters": ARGS}, ...]` (compact JSON), so a call begins with that
-    head (its id and name then go out) and its ARGS are sent as they come, up to where the
-    value closes."""
-
-    HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "parameters": ')
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.begun = 0  # calls whose id and name went out
-        self.count = 0  # calls whose arguments are complete
-        self._pos = 0  # where the next head may start
-        self._args: int | None = None  # where the current call's ARGS start
-        self._sent = self._scan = 0  # ARGS sent, scanned (offsets in `text`)
-        self._depth, self._in_str, self._esc = 0, False, False
-
-    def feed(self, text: str) -> list[dict]:
-        self.text += text
-        out: list[dict] = []
-        while True:
-            if self._args is None:
-                m = self.HEAD.search(self.text, self._pos)
-                if m is None:
-                    return out
-                out.append({"index": self.count, "id": random_id("call"), "type": "function",
-                            "function": {"name": json.loads(f'"{m.group(1)}"'),
-                                         "arguments": ""}})
-                self.begun += 1
-                self._args = self._sent = self._scan = m.end()
-                self._depth, self._in_str, self._esc = 0, False, False
-            end = self._value_end()
-            stop = self._scan if end is None else end
-            if stop > self._sent:
-                out.append({"index": self.count,
-                            "function": {"arguments": self.text[self._sent:stop]}})
-                self._sent = stop
-            if end is None:
-                return out
-            self.count += 1
-            self._args, self._pos = None, end
-
-    def _value_end(self) -> int | None:
-        """Where the current ARGS value ends, if it has (scanning on from the last call)."""
-        for i in range(self._scan, len(self.text)):
-            ch = self.text[i]
-            self._scan = i + 1
-            if self._in_str:
-                self._esc, self._in_str = (False, True) if self._esc else (
-                    ch == "\\", ch != '"')
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                if self._depth == 0:  # the call's own brace after a scalar
-                    self._scan = i
-                    return i
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return None
-
-
 def _sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump()
@@ -147,7 +82,7 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
 
     mode = req.tool_call_mode
 
-    def delta(text: str, first: bool, call_id: str) -> DeltaMessage:
+    def delta(text: str, first: bool, cid: str) -> DeltaMessage:
         """The new text: content, or the named function's arguments (its id and name on
         the first chunk)."""
         role = "assistant" if first else None
@@ -155,7 +90,7 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
             return DeltaMessage(role=role, content=text)
         call = {"index": 0, "function": {"arguments": text}}
         if first:
-            call = {"index": 0, "id": call_id, "type": "function",
+            call = {"index": 0, "id": cid, "type": "function",
                     "function": {"name": mode.name, "arguments": text}}
         return DeltaMessage(role=role, tool_calls=[call])
 
@@ -165,16 +100,16 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                 yield event
             return
         first = True  # the role rides on the first token's chunk
-        call_id = random_id("call")
-        token_chunk = _TextChunk(chunk(delta(_TextChunk.MARK, False, call_id), index=index))
+        cid = call_id()
+        token_chunk = _TextChunk(chunk(delta(_TextChunk.MARK, False, cid), index=index))
         async for out, c, num_tokens in _deltas(stream):
             if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
-                yield chunk(delta(c.text, first, call_id),
+                yield chunk(delta(c.text, first, cid),
                             logprobs=chat_logprobs(token_texts, c.token_ids, c.logprobs,
                                                    params.logprobs), index=index)
                 first = False
             elif c.token_ids:  # a chunk per output with tokens, even if no text is due yet
-                yield (chunk(delta(c.text, True, call_id), index=index)
+                yield (chunk(delta(c.text, True, cid), index=index)
                        if first else token_chunk(c.text))
                 first = False
             if out.finished:
@@ -182,7 +117,7 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
     async def _required_calls(index: int, stream: RequestStream) -> AsyncIterator[str]:
-        calls = _RequiredCalls()
+        calls = RequiredCalls()
         first = True
         async for out, c, num_tokens in _deltas(stream):
             deltas = calls.feed(c.text)
