@@ -87,6 +87,11 @@ class SchedulerConfig:
         "so running streams wait less behind new prompts; also the image rows such a step "
         "encodes beyond its first image (an image is encoded whole); a step without decodes "
         "still takes the whole step budget (needs chunked prefill; default: the step budget).")
+    max_num_encoder_tokens_while_decoding: int | None = _opt(
+        None, "Image rows a step that also carries decodes may encode beyond its first image "
+        "(an image is encoded whole), so running streams wait less behind the vision tower; "
+        "prompt tokens are not capped (default: half the step budget when serving, none "
+        "offline).")
     async_scheduling: bool = _opt(
         True, "Schedule and launch each step before reading back the previous one's tokens, "
         "so the device does not wait for the host between steps (outputs come a step later).")
@@ -158,6 +163,9 @@ class EngineConfig:
             if not s.enable_chunked_prefill:
                 raise ValueError("max_num_prefill_tokens_while_decoding needs chunked prefill "
                                  "(a prompt longer than it could wait for ever)")
+        if (s.max_num_encoder_tokens_while_decoding is not None
+                and s.max_num_encoder_tokens_while_decoding < 1):
+            raise ValueError("max_num_encoder_tokens_while_decoding must be >= 1")
         if c.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
@@ -189,10 +197,15 @@ def sized_scheduler_limits(device_type: str, device_memory: int | None, serving:
 
 def with_sized_limits(config: EngineConfig, device_type: str, device_memory: int | None,
                       serving: bool) -> EngineConfig:
-    """`config` with the scheduler limits the user left unset sized to the device."""
+    """`config` with the scheduler limits the user left unset sized to the device (and, for a
+    server, the image rows a step with decodes encodes: half its step budget)."""
     sc = config.scheduler_config
     seqs, tokens = sized_scheduler_limits(device_type, device_memory, serving)
+    tokens = sc.max_num_batched_tokens or tokens
+    enc_decoding = sc.max_num_encoder_tokens_while_decoding
+    if enc_decoding is None and serving:
+        enc_decoding = max(tokens // 2, 1)
     sized = dataclasses.replace(
-        sc, max_num_seqs=sc.max_num_seqs or seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens or tokens)
+        sc, max_num_seqs=sc.max_num_seqs or seqs, max_num_batched_tokens=tokens,
+        max_num_encoder_tokens_while_decoding=enc_decoding)
     return dataclasses.replace(config, scheduler_config=sized)

@@ -290,12 +290,15 @@ def test_prefill_tokens_while_decoding_are_capped(lag):
 
 
 @pytest.mark.parametrize("lag", [False, True])
-def test_image_rows_while_decoding_are_capped(lag):
-    """The prefill cap bounds the image rows a step with decodes encodes, too (an image is
-    encoded whole, whatever part of it the chunk takes), except its first image, which always
-    fits; every request still finishes."""
+@pytest.mark.parametrize("cap", ["max_num_prefill_tokens_while_decoding",
+                                 "max_num_encoder_tokens_while_decoding"])
+def test_image_rows_while_decoding_are_capped(lag, cap):
+    """The prefill cap bounds the image rows a step with decodes encodes, too, and so does the
+    encoder cap of such steps (an image is encoded whole, whatever part of it the chunk
+    takes), except its first image, which always fits; the encoder cap leaves the prompt
+    tokens alone; every request still finishes."""
     sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_num_encoder_tokens=64,
-                           max_num_prefill_tokens_while_decoding=8, num_kv_blocks=512)
+                           num_kv_blocks=512, **{cap: 8})
     sched.add_request(make_request("a", 2, max_tokens=200))
     rng = random.Random(1)
     reqs = []
@@ -306,7 +309,7 @@ def test_image_rows_while_decoding_are_capped(lag):
             images.append((pos, n))
             pos += n + rng.randint(0, 3)
         reqs.append(make_request(f"r{i}", pos + rng.randint(0, 2), images, max_tokens=2))
-    seen = {"several": 0, "one_over_cap": 0, "added": False}
+    seen = {"several": 0, "one_over_cap": 0, "added": False, "prompt_over_cap": 0}
 
     def check(s, so):
         if not seen["added"] and s.requests["a"].output_token_ids:
@@ -319,9 +322,15 @@ def test_image_rows_while_decoding_are_capped(lag):
         assert len(rows) <= 1 or sum(rows) <= 8, (so.num_scheduled_tokens, rows)
         seen["several"] += len(rows) > 1
         seen["one_over_cap"] += len(rows) == 1 and rows[0] > 8
+        # prompt tokens but a prompt's last (scheduled as a decode: `decodes_next`)
+        prompt = sum(min(n, s.requests[rid].num_prompt_tokens - (so.chunk_ends[rid] - n))
+                     for rid, n in so.num_scheduled_tokens.items()
+                     if so.chunk_ends[rid] - n < s.requests[rid].num_prompt_tokens - 1)
+        seen["prompt_over_cap"] += prompt > 8
 
     run(sched, on_step=check, lag=lag)
     assert seen["several"] and seen["one_over_cap"], seen
+    assert bool(seen["prompt_over_cap"]) == (cap == "max_num_encoder_tokens_while_decoding")
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 

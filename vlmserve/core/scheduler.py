@@ -64,6 +64,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_num_encoder_tokens: int | None = None,
         max_num_prefill_tokens_while_decoding: int | None = None,
+        max_num_encoder_tokens_while_decoding: int | None = None,
         encoder_cache_rows: int | None = None,
         retain_encoder_outputs: bool = False,
         plan_prefetch: bool = True,
@@ -77,6 +78,8 @@ class Scheduler:
         self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         # prompt tokens a step with decodes may carry (None: no limit but the step budget)
         self.max_num_prefill_tokens_while_decoding = max_num_prefill_tokens_while_decoding
+        # image rows such a step may encode beyond its first image (None: the encoder budget)
+        self.max_num_encoder_tokens_while_decoding = max_num_encoder_tokens_while_decoding
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(
             encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens),
@@ -156,10 +159,14 @@ class Scheduler:
             def eligible(r: Request) -> bool:
                 return True
 
-        prefill_budget = self._prefill_budget(budget, eligible)
-        # image rows a step with decodes may encode: the prefill cap too, but its first image
-        # always fits (an image is encoded whole, and must not wait for the decodes to end)
-        enc_soft = enc_budget if prefill_budget >= budget else min(enc_budget, prefill_budget)
+        decoding = any(eligible(r) and r.decodes_next for r in self.running)
+        prefill_budget = self._prefill_budget(budget, decoding)
+        # image rows a step with decodes may encode: both caps, but its first image always
+        # fits (an image is encoded whole, and must not wait for the decodes to end)
+        enc_soft = enc_budget
+        if decoding:
+            enc_soft = min(enc_budget, prefill_budget,
+                           self.max_num_encoder_tokens_while_decoding or enc_budget)
 
         def plan(req: Request, tokens: int) -> tuple[int, list[int], int]:
             first = enc_budget if enc_budget == self.max_num_encoder_tokens else 0
@@ -233,7 +240,8 @@ class Scheduler:
             out.prefetch = predict_next_rows(
                 self.running, self.waiting, self.max_num_seqs - len(self.running),
                 self.max_num_batched_tokens,
-                self._prefill_budget(self.max_num_batched_tokens, lambda r: True),
+                self._prefill_budget(self.max_num_batched_tokens,
+                                     any(r.decodes_next for r in self.running)),
                 self.encoder_cache)
         return out
 
@@ -292,11 +300,11 @@ class Scheduler:
                 self._preempt(req)
         return errored
 
-    def _prefill_budget(self, budget: int, eligible) -> int:
-        """Prompt tokens a step of `budget` tokens may take: fewer when a running request
-        it may schedule decodes in it (`max_num_prefill_tokens_while_decoding`)."""
+    def _prefill_budget(self, budget: int, decoding: bool) -> int:
+        """Prompt tokens a step of `budget` tokens may take: fewer when it carries decodes
+        (`max_num_prefill_tokens_while_decoding`)."""
         cap = self.max_num_prefill_tokens_while_decoding
-        if cap is not None and any(eligible(r) and r.decodes_next for r in self.running):
+        if cap is not None and decoding:
             return min(cap, budget)
         return budget
 

@@ -188,6 +188,7 @@ class EngineCore:
             max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
                 sc.max_num_batched_tokens, self.model_processor.max_image_tokens),
             max_num_prefill_tokens_while_decoding=sc.max_num_prefill_tokens_while_decoding,
+            max_num_encoder_tokens_while_decoding=sc.max_num_encoder_tokens_while_decoding,
             encoder_cache_rows=self.executor.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=self.executor.mm_offload,
@@ -205,11 +206,13 @@ class EngineCore:
         ex = self.executor
         logger.info(
             "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens (%d blocks of "
-            "%d), max_num_seqs %d, max_num_batched_tokens %d%s, prefix caching %s",
+            "%d), max_num_seqs %d, max_num_batched_tokens %d%s, image rows beside decodes %s, "
+            "prefix caching %s",
             mc.model, ex.device, str(ex.dtype).removeprefix("torch."), self.max_model_len,
             kv_tokens, ex.num_kv_blocks, cc.block_size, sc.max_num_seqs,
             sc.max_num_batched_tokens,
             " (sized to the device)" if sized else "",
+            sc.max_num_encoder_tokens_while_decoding or "not capped",
             "on" if cc.enable_prefix_caching else "off")
         self.async_scheduling = sc.async_scheduling
         # structured requests whose grammar is compiling: admitted once it is compiled
