@@ -84,6 +84,12 @@ def test_epd_answers_like_one_process_and_frees_every_handle(epd) -> None:
     assert segments(f"vlms-{enc.proc.pid}x") == []
     core = llm.stats()
     assert core["encoder_handles_opened"] == core["encoder_handles_released"] == 3
+    # where an encode's time goes: the front end's round trips, the server's side of them
+    client, server = core["encoder_client"], stats["server"]
+    assert client["sent_images"] == 3  # (failovers: the fixture names a dead server first)
+    assert client["posts"] == server["requests"] == server["jobs"] >= 2
+    assert 1 <= server["forwards"] <= server["jobs"]
+    assert 0 < server["mean_forward_ms"] and 0 < server["mean_request_ms"] < client["mean_post_ms"]
     assert core["encoder_handles_live"] == core["encoder_handles_failed"] == 0
     metrics = httpx.get(enc.url + "/metrics").text
     assert "vlmserve_encoder_live_handles 0.0" in metrics

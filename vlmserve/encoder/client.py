@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -96,6 +97,7 @@ class EncoderClient:
         self._encoder = msgspec.msgpack.Encoder()
         # images: encoded (a handle), not sent (sent recently), sent and known to the server
         self.sent_images = self.skipped_images = self.known_images = self.failovers = 0
+        self.posts, self.post_s = 0, 0.0  # answered posts, and their round trips (seconds)
 
     def encode(self, images: Sequence[ImageInput | ImageData]
                ) -> list[EncodedImageWire | None]:
@@ -148,6 +150,7 @@ class EncoderClient:
                            pixels=img.pixels.contiguous().numpy().tobytes())
                 for img in images], transport=self.transports[i], consumer=self.consumer,
                 consumer_rows=self.consumer_rows))
+            began = time.perf_counter()
             try:
                 r = self._http.post(self.urls[i] + "/v1/encode", content=body,
                                     headers={"content-type": MSGPACK, "accept": MSGPACK,
@@ -157,6 +160,9 @@ class EncoderClient:
             else:
                 if r.status_code == 200:
                     got = self._decoder.decode(r.content).images
+                    with self._lock:
+                        self.posts += 1
+                        self.post_s += time.perf_counter() - began
                     if [g.mm_hash for g in got] != [img.mm_hash for img in images]:
                         raise EncoderUnavailableError(
                             f"encoder server {self.urls[i]} answered for other images")
@@ -172,6 +178,15 @@ class EncoderClient:
             logger.warning("encoder server failed (%s); trying the next one", errors[-1])
         raise EncoderUnavailableError("no encoder server could encode the request's images: "
                                       + "; ".join(errors))
+
+    def stats(self) -> dict[str, float]:
+        """Images sent, skipped and answered as known, failovers, and the posts' mean round
+        trip (pixels out, handles back)."""
+        with self._lock:
+            return {"sent_images": self.sent_images, "skipped_images": self.skipped_images,
+                    "known_images": self.known_images, "failovers": self.failovers,
+                    "posts": self.posts, "mean_post_ms":
+                    round(1e3 * self.post_s / self.posts, 3) if self.posts else 0.0}
 
     def close(self) -> None:
         self._http.close()

@@ -240,6 +240,8 @@ class AsyncLLM:
         stats = await self._call("get_stats")
         stats.update(num_streams=self.num_streams, frontend_pid=os.getpid(),
                      engine_core_pid=self.core_pid)
+        if self._encoder_client is not None:  # this front end's side of --encoder-url
+            stats["encoder_client"] = self._encoder_client.stats()
         return stats
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -25,6 +25,7 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -58,12 +59,35 @@ logger = logging.getLogger("vlmserve.encoder_server")
 MSGPACK = "application/msgpack"
 
 
+@dataclasses.dataclass
+class ServerTimes:
+    """Where an encode request's time goes on this server (seconds, summed): the whole request
+    (`request_s`: body read to answer), a job's wait for the encoder thread (`queue_s`), and
+    the forwards (`forward_s`: the host's time in `encode`, launch and export; the device's
+    work may still run after it)."""
+    requests: int = 0
+    request_s: float = 0.0
+    jobs: int = 0
+    queue_s: float = 0.0
+    forwards: int = 0
+    forward_s: float = 0.0
+    max_jobs_per_forward: int = 0
+
+    def summary(self) -> dict[str, float]:
+        def ms(total: float, n: int) -> float:
+            return round(1e3 * total / n, 3) if n else 0.0
+        return {**dataclasses.asdict(self), "mean_request_ms": ms(self.request_s, self.requests),
+                "mean_queue_ms": ms(self.queue_s, self.jobs),
+                "mean_forward_ms": ms(self.forward_s, self.forwards)}
+
+
 class _Batcher:
     """One thread owns the encoder: it takes every waiting job and encodes them together, in
     forwards of at most the encoder's `max_rows_per_forward` image rows."""
 
     def __init__(self, encoder: MultimodalEncoder) -> None:
         self.encoder = encoder
+        self.times = ServerTimes()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="vlmserve-encoder", daemon=True)
         self._thread.start()
@@ -71,7 +95,7 @@ class _Batcher:
     async def encode(self, prompt: ProcessedPrompt, transport: str) -> EncoderOutput:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._jobs.put((prompt, transport, loop, fut))
+        self._jobs.put((prompt, transport, loop, fut, time.perf_counter()))
         return await fut
 
     def _run(self) -> None:
@@ -86,14 +110,21 @@ class _Batcher:
                     self._jobs.put(None)
                     break
                 jobs.append(more)
+            t = self.times
             for group in _forwards(jobs, self.encoder.max_rows_per_forward):
+                began = time.perf_counter()
+                t.jobs += len(group)
+                t.queue_s += sum(began - j[4] for j in group)
                 try:
                     results: list[Any] = self.encoder.encode([j[0] for j in group],
                                                              transport=group[0][1])
                 except Exception as e:  # noqa: BLE001 - each waiting request is told
                     logger.exception("encoding failed")
                     results = [e] * len(group)
-                for (_, _, loop, fut), result in zip(group, results, strict=True):
+                t.forwards += 1
+                t.forward_s += time.perf_counter() - began
+                t.max_jobs_per_forward = max(t.max_jobs_per_forward, len(group))
+                for (_, _, loop, fut, _), result in zip(group, results, strict=True):
                     loop.call_soon_threadsafe(_settle, fut, result)
 
     def close(self) -> None:
@@ -203,6 +234,7 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
         check_bearer(request, api_key)  # --api-key, as the LLM server's /v1 endpoints
+        began = time.perf_counter()
         body = await read_body(request, cfg)
         binary = request.headers.get("content-type", "").startswith(MSGPACK)
         try:
@@ -213,6 +245,8 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
         transport = encoder.transport if req.transport == "auto" else req.transport
         resp: Any = (output_to_wire(await batcher.encode(prompt, transport))
                      if req.prompt is not None else await encode_images(prompt, req, transport))
+        batcher.times.requests += 1
+        batcher.times.request_s += time.perf_counter() - began
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")
@@ -223,7 +257,8 @@ def build_encoder_app(encoder: MultimodalEncoder, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        return JSONResponse(dataclasses.asdict(encoder.get_stats()))
+        return JSONResponse({**dataclasses.asdict(encoder.get_stats()),
+                             "server": batcher.times.summary()})
 
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"vlmserve_encoder_{name}", help_text, registry=registry)
