@@ -54,6 +54,8 @@
 #             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
 #             time-slicing the GPU); skipped with a message where MPS cannot start
+#   pack    : last: everything under $OUT (plots left out) as one $OUT/all.tgz (the device tool
+#             brings back at most 8 files a call)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
 #             batch-1 decode; LN_SIDE=ours|vllm|both (vLLM from the peers kit, with
 #             benchmarks/vllm_compat on its path; sbs.py's SBS_PROMPT=llava_next)
@@ -353,6 +355,9 @@ device='cuda')"
       PYTHONPATH=$PWD/benchmarks/vllm_compat:/tmp/vsite:/tmp/deps \
       step llnext_vllm 400 python3 "$S" vllm /tmp/llnext 512
   fi ;;
+pack)
+  (cd "$OUT" && find . -name "*.png" -delete && tar czf /tmp/all.tgz . \
+    && find . -mindepth 1 -delete && mv /tmp/all.tgz . && ls -l all.tgz) ;;
 *) echo "unknown section $section" ;;
 esac
 done
