@@ -24,3 +24,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # with SamplingParams(prompt_logprobs=k), from the first output on: per prompt token, None
+    # for the first, then {token id: logprob} (the k most likely there, and the prompt's own
+    # token last if not among them), and that token's rank (1: most likely)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -56,6 +56,15 @@ class Request:
         # one {token id: logprob} per output token if the request asked (`logprobs`), or None
         self.output_logprobs: list[dict[int, float]] | None = (
             None if sampling_params.logprobs is None else [])
+        # with `prompt_logprobs`: per prompt token its {token id: logprob} and its rank (None
+        # for the first; filled as the prompt's chunks are read back, sent with the first
+        # output: `prompt_logprobs_sent`)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_logprob_ranks = [None] * len(self.prompt_token_ids)
+        self.prompt_logprobs_sent = False
         # tokens being sampled by steps not yet read back: scheduled on as if known (their
         # values reach the worker's next step on the device), replaced as results arrive
         self.num_placeholders = 0

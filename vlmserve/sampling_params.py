@@ -97,6 +97,12 @@ class SamplingParams:
     (k or k + 1 entries, most likely first, the sampled token last if not among them), in
     `CompletionOutput.logprobs`. They are the raw log-probabilities (log_softmax of the
     model's logits before temperature, top-k and top-p: vLLM's default "raw_logprobs").
+    prompt_logprobs (vLLM's): None computes none; k in [0, MAX_LOGPROBS] scores every prompt
+    token: `RequestOutput.prompt_logprobs` holds None for the first (nothing predicts it) and
+    then per token {token id: log-probability} of the k most likely tokens at its position
+    and the prompt's own token, and `prompt_logprob_ranks` that token's rank (1: the most
+    likely). Such a request computes its whole prompt (it takes nothing from the prefix
+    cache), and they come with its first output.
     presence_penalty and frequency_penalty (OpenAI's, in [-2, 2]) subtract from a token's logit
     the penalty once if it was generated before, and the penalty times how often;
     repetition_penalty (vLLM's and transformers', in (0, 2]; 1 is off) divides the positive
@@ -128,6 +134,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: str = "cumulative"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -171,10 +178,10 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:

@@ -22,6 +22,9 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
                   for so in (StructuredOutputsParams(regex=r"[a-c]{2}-\d{3}"),
                              StructuredOutputsParams(choice=["left", "right"]))] * 2
     want = token_ids(single, prompts[:4], structured)
+    # prompt logprobs: the vocabulary-parallel head's logits, gathered on every rank alike
+    scoring = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    scores = [o.prompt_logprobs for o in single.generate(prompts, scoring, use_tqdm=False)]
     tp = LLM(model, tensor_parallel_size=2, **kw)
     try:
         runner = tp.engine.executor.runner
@@ -39,6 +42,11 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         assert token_ids(tp, prompts[:4], structured) == want
         assert runner.grammars is not None  # rank 0's (the followers' runners have none)
+        for got, ref in zip(tp.generate(prompts, scoring, use_tqdm=False), scores, strict=True):
+            assert len(got.prompt_logprobs) == len(ref) and got.prompt_logprobs[0] is None
+            for a, b in zip(got.prompt_logprobs[1:], ref[1:]):
+                assert list(a) == list(b) and list(a.values()) == pytest.approx(
+                    list(b.values()), abs=1e-4)
     finally:
         tp.engine.shutdown()
 

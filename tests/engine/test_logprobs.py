@@ -135,3 +135,73 @@ def test_only_steps_where_a_request_asked_compute_logprobs(llm, monkeypatch) -> 
 def test_bad_logprobs_are_refused(bad) -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def check_prompt_logprobs(out, processed, oracle, k: int) -> None:
+    """`out.prompt_logprobs`: None for the first prompt token, then for token t the k most
+    likely at position t - 1 and token t, equal to log_softmax of transformers' logits over
+    the prompt; `prompt_logprob_ranks` that token's rank there."""
+    ids = processed.prompt_token_ids
+    ref_ids, kwargs = oracle._inputs(processed)
+    with torch.inference_mode():
+        logits = oracle.model(input_ids=ref_ids, attention_mask=torch.ones_like(ref_ids),
+                              **kwargs).logits[0, :-1].float().cpu()
+    assert len(out.prompt_logprobs) == len(out.prompt_logprob_ranks) == len(ids)
+    assert out.prompt_logprobs[0] is None and out.prompt_logprob_ranks[0] is None
+    check_against(out.prompt_logprobs[1:], ids[1:], logits, k)
+    ref = torch.log_softmax(logits, dim=-1)
+    for t, rank in enumerate(out.prompt_logprob_ranks[1:]):
+        value = ref[t, ids[t + 1]]
+        assert (ref[t] > value + ATOL).sum() + 1 <= rank <= (ref[t] > value - ATOL).sum() + 1
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 37, "max_num_seqs": 3},
+    {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 128},
+    {"async_scheduling": False, "max_num_batched_tokens": 64},
+])
+def test_prompt_logprobs_equal_hf_through_chunks_and_preemption(oracle, engine_kwargs) -> None:
+    """Every other request scores its prompt (`prompt_logprobs`, k 0 and 3): chunks cut
+    through images, preemption, sync scheduling leave the scores equal to transformers'; the
+    generated tokens are those of the requests that did not ask."""
+    llm = LLM(MODEL, dtype="float32", device="cpu", **engine_kwargs)
+    prompts = mixed_prompts(llm)
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                             prompt_logprobs=(3 if i % 4 == 0 else 0) if i % 2 == 0 else None)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0,
+                                                 ignore_eos=True), use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out.outputs[0].token_ids == plain[i].outputs[0].token_ids
+        if i % 2:
+            assert out.prompt_logprobs is None and out.prompt_logprob_ranks is None
+            continue
+        check_prompt_logprobs(out, llm.engine.input_processor.process(prompt), oracle,
+                              params[i].prompt_logprobs)
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(llm, oracle) -> None:
+    """A prompt seen before is cached; a request scoring it computes it all again, and both
+    scores are the same; delta outputs carry them once, with the first token."""
+    prompt = chat_prompt(llm, "Score every token of this prompt, please.",
+                         [make_image(84, 84, 4)])
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
+    kv = llm.engine.core.scheduler.kv
+    hits = kv.num_hit_tokens
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert kv.num_hit_tokens == hits
+    assert first.prompt_logprobs == second.prompt_logprobs
+    check_prompt_logprobs(first, llm.engine.input_processor.process(prompt), oracle, 2)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2, output_kind="delta"),
+        request_id="delta")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "delta"]
+    assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (len(outs) - 1)
+    assert outs[0].prompt_logprobs == first.prompt_logprobs

@@ -169,7 +169,8 @@ class KVCacheManager:
         """A request being admitted with nothing computed takes the longest cached prefix of
         its tokens (never all of them: the last is computed for its logits); returns the
         tokens it covers, now counted as computed."""
-        if not self.enable_prefix_caching or req.num_computed_tokens:
+        if (not self.enable_prefix_caching or req.num_computed_tokens
+                or req.sampling_params.prompt_logprobs is not None):  # it scores every token
             return 0
         req.num_registered_blocks = 0
         known = req.num_prompt_tokens + len(req.output_token_ids)

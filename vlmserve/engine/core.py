@@ -366,6 +366,11 @@ class EngineCore:
             self._in_flight.popleft()
             if self._trace is not None:
                 self._trace.read_back(done, result)
+            for rid, (first, scored, ranks) in result.prompt_logprobs.items():
+                req = self.scheduler.requests.get(rid)
+                if req is not None and req.prompt_logprobs is not None:
+                    req.prompt_logprobs[first:first + len(scored)] = scored
+                    req.prompt_logprob_ranks[first:first + len(ranks)] = ranks
             new = self.scheduler.update_from_output(done, tokens)
             if result.logprobs:  # the requests that asked: their token's logprobs
                 for req in new:

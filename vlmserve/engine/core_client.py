@@ -295,6 +295,8 @@ class CoreClient:
             req.output_token_ids.append(token)
             if req.output_logprobs is not None:  # it asked: the core sent them
                 req.output_logprobs.append(logprobs[rid])
+            if msg.prompt_logprobs is not None and rid in msg.prompt_logprobs:
+                req.prompt_logprobs, req.prompt_logprob_ranks = msg.prompt_logprobs[rid]
             if reason is not None:
                 req.status = RequestStatus(reason)
             out = self.output_processor.process(req, _mark_stopped)

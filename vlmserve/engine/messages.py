@@ -93,13 +93,24 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     num_waiting: int
     # {request id: {token id: logprob}} of the step's token; None while no request asked
     logprobs: dict[str, dict[int, float]] | None = None
+    # {request id: (per prompt token {token id: logprob} or None, ranks)}, once per request
+    # that asked (`prompt_logprobs`), with its first token
+    prompt_logprobs: dict[str, tuple[list[dict[int, float] | None], list[int | None]]] | None = (
+        None)
 
     def add_logprobs(self, req: Any) -> None:
-        """The logprobs of the token just appended for `req` (a `Request`), if it asked."""
+        """The logprobs of the token just appended for `req` (a `Request`), if it asked, and
+        its prompt's the first time."""
         if req.output_logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = {}
             self.logprobs[req.request_id] = req.output_logprobs[-1]
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = {}
+            self.prompt_logprobs[req.request_id] = (req.prompt_logprobs,
+                                                    req.prompt_logprob_ranks)
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):

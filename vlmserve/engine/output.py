@@ -22,6 +22,7 @@ class _DetokState:
     stop_reason: str | None = None  # set when a stop string ended the request
     sent_chars: int = 0  # delta outputs: text and tokens already reported
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False  # delta outputs: the prompt's logprobs go once
 
 
 class OutputProcessor:
@@ -180,6 +181,11 @@ class OutputProcessor:
         else:
             token_ids = list(token_ids)
             logprobs = None if logprobs is None else list(logprobs)
+        prompt_logprobs = ranks = None
+        if req.prompt_logprobs is not None and (sp.output_kind != "delta"
+                                                or not st.sent_prompt_logprobs):
+            prompt_logprobs, ranks = req.prompt_logprobs, req.prompt_logprob_ranks
+            st.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -187,4 +193,6 @@ class OutputProcessor:
             outputs=[CompletionOutput(0, text, token_ids, req.status.value if finished else None,
                                       logprobs)],
             finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprob_ranks=ranks,
         )

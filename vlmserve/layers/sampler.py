@@ -179,6 +179,32 @@ def compute_logprobs(
     return ids, values
 
 
+def compute_prompt_logprobs(
+    compute_logits,  # [rows, hidden] -> float [rows, vocab] (the model's; a collective
+    # under tensor parallelism: every rank runs this alike)
+    hidden: torch.Tensor,  # [M, hidden]: the prompt positions asked for
+    targets: torch.Tensor,  # [M] int64: the prompt token each position predicts
+    k: int,  # the most top tokens any of those requests asked for
+    rows_at_once: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-probabilities of prompt tokens: ids and values [M, 1 + k] as
+    `compute_logprobs` gives them (column 0 the prompt's token), and that token's rank among
+    the vocabulary [M] (1: the most likely). The logits of at most ``rows_at_once`` positions
+    exist at a time (a 2,048-token chunk's would be 1.2 GB at a 152k vocabulary)."""
+    ids, values, ranks = [], [], []
+    for lo in range(0, hidden.shape[0], rows_at_once):
+        logprobs = torch.log_softmax(compute_logits(hidden[lo:lo + rows_at_once]).float(), -1)
+        target = targets[lo:lo + rows_at_once].unsqueeze(1)
+        value = logprobs.gather(1, target)
+        ranks.append((logprobs > value).sum(-1) + 1)
+        if k > 0:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            target, value = torch.cat([target, top_ids], 1), torch.cat([value, top_values], 1)
+        ids.append(target)
+        values.append(value)
+    return torch.cat(ids), torch.cat(values), torch.cat(ranks)
+
+
 def logprob_dict(ids: list[int], values: list[float], k: int) -> dict[int, float]:
     """One row of `compute_logprobs` (read back) as {token id: logprob}: the row's request's
     k most likely tokens, most likely first, and the sampled token (last, if not among

@@ -34,6 +34,7 @@ from vlmserve.layers.grammar import (
 from vlmserve.layers.sampler import (
     TokenHistory,
     compute_logprobs,
+    compute_prompt_logprobs,
     logprob_dict,
     logprob_rows,
     sample,
@@ -60,16 +61,22 @@ class StepResult:
     """The tokens one step sampled: `get()` waits for them once, appends them to the request
     states still alive, and returns {request id: token}. After `get()`, `logprobs` holds
     {request id: {token id: logprob}} for the requests that asked (`SamplingParams.logprobs`;
-    see `layers/sampler.logprob_dict`). `event` (CUDA) marks the end of the step on the
-    device."""
+    see `layers/sampler.logprob_dict`), and `prompt_logprobs` {request id: (index of the
+    first prompt token scored, a {token id: logprob} per token, the token's rank per token)}
+    for the prompt chunks of requests that asked (`SamplingParams.prompt_logprobs`). `event`
+    (CUDA) marks the end of the step on the device."""
 
     def __init__(self, runner: ModelRunner | None = None, states=(), host=None,
-                 host_logprobs=None) -> None:
+                 host_logprobs=None, host_prompt=None) -> None:
         self._runner, self._states, self._host = runner, list(states), host
         # (rows of `states`, ids [M, 1 + k], values [M, 1 + k]) on the host, or None
         self._host_logprobs = host_logprobs
-        self._tokens: dict[str, int] | None = None if self._states else {}
+        # ([(request id, first token scored, tokens, k)], ids, values, ranks) on the host
+        self._host_prompt = host_prompt
+        self._tokens: dict[str, int] | None = (None if self._states or host_prompt is not None
+                                               else {})
         self.logprobs: dict[str, dict[int, float]] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = {}
         self.event: torch.cuda.Event | None = None
         self.start: torch.cuda.Event | None = None  # the step's first event (its timeline's)
         # an event after the step's vision tower (CUDA, steps that encode), and the host's
@@ -85,7 +92,7 @@ class StepResult:
         if self._tokens is None:
             if self.event is not None:
                 self.event.synchronize()
-            tokens = self._host.tolist()
+            tokens = self._host.tolist() if self._host is not None else []
             for st, tok in zip(self._states, tokens):
                 st.in_flight -= 1
                 if self._runner.requests.get(st.request_id) is st:
@@ -97,6 +104,14 @@ class StepResult:
                     st = self._states[i]
                     self.logprobs[st.request_id] = logprob_dict(
                         row_ids, row_values, st.sampling_params.logprobs)
+            if self._host_prompt is not None:
+                scored, ids, values, ranks = self._host_prompt
+                ids, values, ranks, row = ids.tolist(), values.tolist(), ranks.tolist(), 0
+                for rid, first, count, k in scored:
+                    self.prompt_logprobs[rid] = (first, [
+                        logprob_dict(ids[i], values[i], k) for i in range(row, row + count)],
+                        ranks[row:row + count])
+                    row += count
         return self._tokens
 
 
@@ -280,6 +295,7 @@ class ModelRunner:
             return StepResult()
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         query_lens = list(so.num_scheduled_tokens.values())
+        host_prompt = None
         if (self.graphs is not None and len(states) <= self.graphs.max_batch()
                 and all(n == 1 and st.num_computed_tokens >= st.num_prompt_tokens
                         for st, n in zip(states, query_lens))):
@@ -287,9 +303,10 @@ class ModelRunner:
             logits = self.graphs.run(states)  # [B, vocab]
             to_sample = states
         else:
-            hidden, to_sample = self._forward_eager(states, query_lens)
-            if not to_sample:  # prefill chunks only: nothing to read back
-                return StepResult()
+            hidden, to_sample, prompt = self._forward_eager(states, query_lens)
+            host_prompt = self._prompt_logprobs(*prompt) if prompt is not None else None
+            if not to_sample:  # prefill chunks only: nothing to sample
+                return StepResult(self, host_prompt=host_prompt)
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         params = [st.sampling_params for st in to_sample]
         logits = self._apply_grammars(to_sample, logits)
@@ -317,8 +334,19 @@ class ModelRunner:
         for i, st in enumerate(to_sample):
             st.in_flight += 1
             st.sample_row = i
-        self._last_result = StepResult(self, to_sample, host, host_logprobs)
+        self._last_result = StepResult(self, to_sample, host, host_logprobs, host_prompt)
         return self._last_result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                         scored: list[tuple[str, int, int, int]]) -> tuple:
+        """The log-probabilities of a step's scored prompt tokens, on their way to the host
+        (pinned on CUDA: no wait here)."""
+        out = compute_prompt_logprobs(self.model.compute_logits, hidden, targets,
+                                      max(k for *_, k in scored))
+        if out[0].device.type != "cpu":
+            out = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in out)
+        return (scored, *out)
 
     def _apply_grammars(self, states: list[CachedRequestState], logits: torch.Tensor
                         ) -> torch.Tensor:
@@ -366,7 +394,10 @@ class ModelRunner:
 
     def _forward_eager(self, states, query_lens):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
-        sample from and their requests."""
+        sample from, their requests, and for the prompt tokens whose log-probabilities were
+        asked for (`prompt_logprobs`, before the request's first token) the hidden states
+        that predict them, the tokens and [(request id, index of the first, count, k)]
+        (None when no chunk has any)."""
         token_ids: list[int] = []
         text_pos: list[int] = []  # index + the request's position offset, of every token
         # (flat offset, the processor's positions of those prompt tokens)
@@ -377,6 +408,9 @@ class ModelRunner:
         sample_index: list[int] = []
         to_sample = []
         from_sampled: list[tuple[int, int]] = []  # (flat index, row of `sampled`)
+        scored_rows: list[int] = []  # flat rows whose logits score the next prompt token
+        scored_tokens: list[int] = []
+        scored: list[tuple[str, int, int, int]] = []
         base = 0
         for st, n in zip(states, query_lens):
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
@@ -398,6 +432,13 @@ class ModelRunner:
                 if lo < hi:
                     spans.append((img.mm_hash, lo - img.offset, hi - img.offset))
                     dest_rows.extend(range(base + lo - start, base + hi - start))
+            k = st.sampling_params.prompt_logprobs
+            if k is not None and known == st.num_prompt_tokens and not st.in_flight:
+                last = min(end, known - 1)  # position i scores token i + 1
+                if start < last:
+                    scored_rows.extend(range(base, base + last - start))
+                    scored_tokens.extend(st.token_ids[start + 1:last + 1])
+                    scored.append((st.request_id, start + 1, last - start, k))
             base += n
             if end == known + st.in_flight:
                 sample_index.append(base - 1)
@@ -418,8 +459,13 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
         hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
+        prompt = None
+        if scored:
+            rows, tokens = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)
+                            for v in (scored_rows, scored_tokens))
+            prompt = hidden.index_select(0, rows), tokens, scored
         if not sample_index:
-            return None, []
+            return None, [], prompt
         index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
-        return hidden.index_select(0, index), to_sample
+        return hidden.index_select(0, index), to_sample, prompt
 
