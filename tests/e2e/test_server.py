@@ -355,7 +355,83 @@ def test_completions_logprobs_in_the_legacy_format(server: Server, llm: LLM) -> 
         **{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
+def test_completions_echo_the_prompt_with_its_logprobs(server: Server, llm: LLM) -> None:
+    """echo: the prompt's text before the completion; with logprobs its tokens first, the
+    first without a logprob (null, as OpenAI), the others the offline engine's prompt
+    logprobs; streamed, the first chunk carries the prompt; token-id prompts decoded."""
+    k, n, prompt = 2, 5, "Once upon a time"
+    ref = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                              logprobs=k, prompt_logprobs=k),
+                       use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    ids = ref.prompt_token_ids
+    texts = [tok.decode([t]) for t in [*ids, *ref.outputs[0].token_ids]]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, echo=True,
+              extra_body={"ignore_eos": True})
+    assert server.client.completions.create(**kw).choices[0].text == prompt + ref.outputs[0].text
+    resp = server.client.completions.create(logprobs=k, **kw)
+    choice = resp.choices[0]
+    assert choice.text == prompt + ref.outputs[0].text
+    lp = choice.logprobs
+    assert lp.tokens == texts and lp.text_offset == [sum(map(len, texts[:i]))
+                                                     for i in range(len(texts))]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [lps[t] for t, lps in zip(ids[1:], ref.prompt_logprobs[1:])] + [
+        lps[t] for t, lps in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    for text, top in zip(texts[1:len(ids)], lp.top_logprobs[1:len(ids)]):
+        assert text in top and k <= len(top) <= k + 1
+    chunks = list(server.client.completions.create(logprobs=k, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[0].choices[0].text.startswith(prompt)
+    streamed = [t for c in chunks[:-1] for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    by_ids = server.client.completions.create(**{**kw, "prompt": ids})
+    assert by_ids.choices[0].text == tok.decode(ids) + ref.outputs[0].text
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server: Server, llm: LLM) -> None:
+    """`prompt_logprobs` (vLLM's extension): per prompt token null (the first) or {token id:
+    {logprob, rank, decoded_token}}, the k most likely and the prompt's own token, with the
+    offline engine's values; at the top of a chat response, in a completion's choice; with
+    stream a 400 naming it."""
+    k = 2
+    messages = user("Score this.", data_url(make_image(56, 56, 7)))
+    ref = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=k),
+                   use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": k}
+    got = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    scores = got["prompt_logprobs"]
+    ids = ref.prompt_token_ids
+    assert len(scores) == len(ids) and scores[0] is None
+    for token, entry, lps, rank in zip(ids[1:], scores[1:], ref.prompt_logprobs[1:],
+                                       ref.prompt_logprob_ranks[1:]):
+        assert list(entry) == [str(t) for t in lps]
+        assert entry[str(token)]["rank"] == rank >= 1
+        for tid, lp in lps.items():
+            assert entry[str(tid)]["logprob"] == pytest.approx(lp, abs=1e-5)
+            assert entry[str(tid)]["decoded_token"] == tok.decode([tid])
+        assert [e["rank"] for t, e in entry.items() if int(t) != token] == [
+            i + 1 for i, t in enumerate(list(lps)[:k]) if t != token]
+    plain = httpx.post(server.url + "/v1/chat/completions",
+                       json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert plain["prompt_logprobs"] is None
+    completion = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": "Once upon a time", "max_tokens": 2,
+        "prompt_logprobs": 0}, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert completion[0] is None and all(len(e) == 1 for e in completion[1:])
+    for path, extra in (("/v1/chat/completions", {"messages": messages}),
+                        ("/v1/completions", {"prompt": "Hi."})):
+        r = httpx.post(server.url + path, json={"model": "tiny", "max_tokens": 2, "stream": True,
+                                                "prompt_logprobs": 1, **extra}, timeout=60)
+        assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path, kw, param", [
+    ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),

@@ -17,7 +17,7 @@ _PART_TYPES = ("text", "image_url")
 # request that sets one to anything else gets a 400 naming it, not silence.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "best_of": (None, 1), "echo": (None, False),
+    "best_of": (None, 1),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -196,6 +196,7 @@ class _SamplingRequest(OpenAIModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     # extensions (vLLM's names)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
@@ -235,6 +236,16 @@ class _SamplingRequest(OpenAIModel):
         """`SamplingParams.logprobs`: how many top log-probabilities per token (None: no
         logprobs at all)."""
         return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`SamplingParams.prompt_logprobs` (vLLM's `prompt_logprobs`; not in streams, as
+        vLLM)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidSamplingParamsError(
+                "prompt_logprobs is not available with stream=true (it comes with the whole "
+                "response)")
+        return self.prompt_logprobs
 
     def structured(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever of response_format,
@@ -287,7 +298,8 @@ class _SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids or [],
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            logprobs=self.num_logprobs, output_kind="delta" if self.stream else "final_only",
+            logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+            output_kind="delta" if self.stream else "final_only",
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
@@ -334,6 +346,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False  # the prompt before the completion (and its logprobs, if asked)
     # extension: the prompt's images encoded by an encoder server (`POST /v1/encode` with
     # this prompt), as it answered: token ids, positions, images with embedding handles
     multi_modal_embeddings: dict[str, Any] | None = None
@@ -341,6 +354,14 @@ class CompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Also what `echo` with `logprobs` needs: the prompt tokens' logprobs."""
+        given = super().num_prompt_logprobs
+        if not self.echo or self.logprobs is None:
+            return given
+        return max(self.logprobs, given or 0)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -395,8 +416,9 @@ class CompletionLogprobs(BaseModel):
     token); `text_offset` is where each token's text starts in the completion's text."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for an echoed prompt's first token (nothing predicts it)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -407,6 +429,11 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
+# vLLM's `prompt_logprobs` in a response: per prompt token None (the first) or {token id:
+# {"logprob", "rank", "decoded_token"}}, the `prompt_logprobs` most likely and the prompt's own
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -414,6 +441,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -443,6 +471,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -32,7 +32,12 @@ from vlmserve.entrypoints.openai.http_util import (
     install_error_handlers,
     read_body,
 )
-from vlmserve.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from vlmserve.entrypoints.openai.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_choice_logprobs,
+    prompt_logprobs_json,
+)
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
 from vlmserve.entrypoints.openai.openapi import openapi_schema
 from vlmserve.entrypoints.openai.protocol import (
@@ -59,6 +64,7 @@ from vlmserve.errors import (
 from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # a UTF-16 surrogate escape: when the body fails to decode, the likely cause is a lone one
@@ -227,7 +233,16 @@ class OpenAIServing:
                                       finish_reason=c.finish_reason))
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
-            usage=_usage(outs)).model_dump())
+            usage=_usage(outs), prompt_logprobs=self.prompt_logprobs(outs[0], params)
+        ).model_dump())
+
+    def prompt_logprobs(self, out: RequestOutput, params: SamplingParams) -> list | None:
+        """vLLM's `prompt_logprobs` of a response, if the request asked."""
+        if params.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(self.token_texts, out.prompt_token_ids,
+                                    out.prompt_logprobs, out.prompt_logprob_ranks,
+                                    params.prompt_logprobs)
 
     def encoded_prompt(self, req: CompletionRequest) -> dict[str, Any]:
         """A completion whose images an encoder server encoded (`multi_modal_embeddings`):
@@ -261,17 +276,24 @@ class OpenAIServing:
         rid, created = random_id("cmpl"), int(time.time())
         streams = await self.engine.add_requests(prompt, params, rid, req.n or 1, arrival,
                                                  default_max_tokens=self.default_max_tokens)
+        echo = None
+        if req.echo:  # the prompt's text, as given (token ids decoded)
+            echo = (req.prompt if isinstance(req.prompt, str) else
+                    self.token_texts.tokenizer.decode(req.prompt, skip_special_tokens=False))
         if req.stream:
             return event_stream(completion_events(streams, req, params, rid, created,
-                                                  self.model_name, self.token_texts), streams)
+                                                  self.model_name, self.token_texts, echo),
+                                streams)
         outs = await self.last_outputs(streams, request)
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
-            logprobs = None if params.logprobs is None else completion_logprobs(
-                self.token_texts, c.token_ids, c.logprobs)[0]
-            choices.append(CompletionChoice(index=i, text=c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason))
+            choices.append(CompletionChoice(
+                index=i, text=c.text if echo is None else echo + c.text,
+                logprobs=completion_choice_logprobs(self.token_texts, out, params, echo)[0],
+                finish_reason=c.finish_reason,
+                prompt_logprobs=self.prompt_logprobs(out, params) if req.prompt_logprobs
+                is not None else None))
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
             usage=_usage(outs)).model_dump())

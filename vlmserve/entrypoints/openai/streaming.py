@@ -13,7 +13,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from vlmserve.engine.streams import EngineDeadError, RequestFailedError, RequestStream
-from vlmserve.entrypoints.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from vlmserve.entrypoints.openai.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_choice_logprobs,
+)
 from vlmserve.entrypoints.openai.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -140,8 +144,10 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
 
 async def completion_events(streams: list[RequestStream], req: CompletionRequest,
                             params: SamplingParams, rid: str, created: int, model: str,
-                            token_texts: TokenTexts) -> AsyncIterator[str]:
-    """A completion's SSE events, as `chat_events` (legacy logprobs lists)."""
+                            token_texts: TokenTexts, echo: str | None = None
+                            ) -> AsyncIterator[str]:
+    """A completion's SSE events, as `chat_events` (legacy logprobs lists); with ``echo``
+    (the prompt's text) each choice's first chunk starts with it (and its logprobs)."""
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         data = CompletionResponse(id=rid, created=created, model=model,
@@ -155,11 +161,14 @@ async def completion_events(streams: list[RequestStream], req: CompletionRequest
     async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
         token_chunk = _TextChunk(chunk([CompletionChoice(index=index, text=_TextChunk.MARK)]))
         offset = 0  # of the next token's text (in the tokens' texts so far)
+        prefix = echo
         async for out, c, num_tokens in _deltas(stream):
-            if c.token_ids and params.logprobs is not None:  # the new tokens' logprobs too
-                logprobs, offset = completion_logprobs(token_texts, c.token_ids, c.logprobs,
-                                                       offset)
-                yield chunk([CompletionChoice(index=index, text=c.text, logprobs=logprobs)])
+            if c.token_ids and (params.logprobs is not None or prefix is not None):
+                logprobs, offset = completion_choice_logprobs(token_texts, out, params,
+                                                              prefix, offset)
+                yield chunk([CompletionChoice(index=index, text=(prefix or "") + c.text,
+                                              logprobs=logprobs)])
+                prefix = None
             elif c.token_ids:
                 yield token_chunk(c.text)
             if out.finished:
