@@ -153,15 +153,25 @@ def test_step_outputs_carry_logprobs_only_for_requests_that_asked() -> None:
 
     from vlmserve.engine.messages import Decoder, Encoder, FromCore, StepOutputs
 
+    def req(rid, output_logprobs=None, prompt_logprobs=None, ranks=None):
+        return SimpleNamespace(request_id=rid, output_logprobs=output_logprobs,
+                               prompt_logprobs=prompt_logprobs, prompt_logprob_ranks=ranks,
+                               prompt_logprobs_sent=False)
+
     out = StepOutputs(["a", "b"], [5, 6], [None, "length"], 0.01, 2, 0)
-    out.add_logprobs(SimpleNamespace(request_id="a", output_logprobs=None))
-    assert out.logprobs is None
+    out.add_logprobs(req("a"))
+    assert out.logprobs is None and out.prompt_logprobs is None
     plain = Encoder().encode(out)[0]
-    out.add_logprobs(SimpleNamespace(request_id="b", output_logprobs=[{1: -0.5},
-                                                                      {6: -0.25, 2: -3.0}]))
+    b = req("b", [{1: -0.5}, {6: -0.25, 2: -3.0}], [None, {4: -1.5, 3: -0.5}], [None, 2])
+    out.add_logprobs(b)
     got = Decoder(FromCore).decode(Encoder().encode(out))
     assert got.logprobs == {"b": {6: -0.25, 2: -3.0}}
     assert list(got.logprobs["b"]) == [6, 2]  # order kept: most likely first
+    # the prompt's, once: with the request's first token
+    assert got.prompt_logprobs == {"b": ([None, {4: -1.5, 3: -0.5}], [None, 2])}
+    later = StepOutputs(["b"], [7], [None], 0.01, 1, 0)
+    later.add_logprobs(b)
+    assert later.prompt_logprobs is None
     assert Decoder(FromCore).decode([plain]).logprobs is None
 
 
