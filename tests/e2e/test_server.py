@@ -66,7 +66,8 @@ def server(vlmserve_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     args = make_parser().parse_args([
         "serve", MODEL, *ENGINE_FLAGS, "--allowed-local-media-path", str(media),
         "--limit-mm-per-prompt", "2", "--max-image-pixels", "200000",
-        "--max-request-bytes", "1000000", "--served-model-name", "tiny"])
+        "--max-request-bytes", "1000000", "--served-model-name", "tiny",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     # images decoded and prompts tokenized in a preprocessing process, as `vlmserve serve` does
     engine = AsyncLLM(EngineConfig.from_kwargs(**engine_kwargs(args) | {"model": MODEL}),
                       preprocess_workers=1)
@@ -749,6 +750,35 @@ def test_multiturn_bench_reuses_each_turns_prefix(server: Server) -> None:
     assert r["ttft_turns_2_up"]["mean_ms"] > 0 and r["total_tokens_per_s"] > 0
     hits = server.metrics()["vlmserve_prefix_cache_hit_tokens"] - before
     assert hits >= 3 * (prompts[0] + prompts[1]) - 3 * 2 * 16  # turns 2, 3: all but a block
+
+
+def test_auto_tool_calls_read_from_the_models_text(server: Server, llm: LLM) -> None:
+    """tool_choice "auto" (the default with tools; the server runs the hermes parser): the
+    answer's text, and the calls the model wrote in its own format as `tool_calls` with
+    finish_reason "tool_calls" (a random model writes none unless a regex makes it);
+    streamed, the content first, then each call whole."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = user("What is the weather in Paris?")
+    free = chat(server, messages, 8, tools=tools, extra_body={})
+    want = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert free.choices[0].message.content == want[0].outputs[0].text
+    assert not free.choices[0].message.tool_calls and free.choices[0].finish_reason == "length"
+    forced = {"structured_outputs": {"regex": r'Sure\.\n<tool_call>\n\{"name": "weather", '
+                                               r'"arguments": \{"city": "(Paris|Rome)"\}\}'
+                                               r'\n</tool_call>'}}
+    resp = chat(server, messages, 80, tools=tools, tool_choice="auto", extra_body=forced)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.\n"
+    (call,) = choice.message.tool_calls
+    assert call.id and call.function.name == "weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(chat(server, messages, 80, tools=tools, stream=True, extra_body=forced))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert content == "Sure.\n" and len(deltas) == 1
+    assert deltas[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_calls_named_and_required(server: Server, llm: LLM) -> None:

@@ -274,6 +274,33 @@ def test_eight_8000x8000_pngs_are_refused_from_their_headers(srv) -> None:
     assert_serving(srv)
 
 
+def test_hermes_tool_calls_read_as_the_text_grows() -> None:
+    """Calls in Qwen's format, fed in any pieces: the text around them is content (a tag's
+    start at the end held back until it is known), each call whole when its tag closes, a
+    tag without a call in it stays text, an unclosed call at the end still counts."""
+    from vlmserve.entrypoints.openai.tool_calls import HermesCalls, auto_calls_of
+
+    text = ('Let me check. <tool_call>\n{"name": "weather", "arguments": {"city": "Ro\\"me"}}'
+            '\n</tool_call>\n<tool_call>not json</tool_call> <tool_call>{"name": "noop", '
+            '"arguments": {}}')
+    want_content = 'Let me check. \n<tool_call>not json</tool_call> '
+    for step in (1, 3, 11, len(text)):
+        calls, content, events = HermesCalls(), "", []
+        for i in range(0, len(text), step):
+            got, new = calls.feed(text[i:i + step])
+            assert "<" not in got or "<tool_call>not" in content + got
+            content, events = content + got, events + new
+        got, new = calls.feed("", final=True)
+        content, events = content + got, events + new
+        assert content == want_content
+        assert [(e["index"], e["function"]["name"], json.loads(e["function"]["arguments"]))
+                for e in events] == [(0, "weather", {"city": 'Ro"me'}), (1, "noop", {})]
+    content, found = auto_calls_of(text)
+    assert content == want_content and [c.function.name for c in found] == ["weather", "noop"]
+    assert auto_calls_of("<tool_call>{\"name\": \"f\"}</tool_call>")[0] is None  # calls only
+    assert auto_calls_of("a < b <tool_") == ("a < b <tool_", [])
+
+
 def test_required_tool_calls_stream_as_their_text_grows() -> None:
     """A "required" answer's text, fed in any pieces: each call's id and name once its head
     is complete, then its arguments exactly, escapes and nesting included."""

@@ -116,6 +116,13 @@ class ServerConfig:
         128, "MiB of processed images (content hash, resized pixels) each preprocessing "
         "process keeps by source (data URLs, fetched bytes): a chat that sends the same "
         "images every turn decodes and resizes them once (0: off).")
+    enable_auto_tool_choice: bool = _opt(
+        False, "Serve tool_choice \"auto\" (the default when a request has tools): the model "
+        "decides whether to call tools, and its calls are read from its text by "
+        "--tool-call-parser.")
+    tool_call_parser: str | None = _opt(
+        None, "The model's tool-call format, for --enable-auto-tool-choice: hermes "
+        "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2-VL, Qwen2.5-VL).")
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")

@@ -43,6 +43,7 @@ from vlmserve.engine.core import freeze_startup_heap
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.server import build_app
+from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.executor.uniproc import limit_host_threads
 
 logger = logging.getLogger("vlmserve.server")
@@ -269,6 +270,12 @@ def run_server(args: Any) -> None:
         raise SystemExit(f"error: --role must be llm or encoder, not {cfg.role!r}")
     if cfg.encoder_transport not in TRANSPORTS:
         raise SystemExit(f"error: --encoder-transport must be one of {', '.join(TRANSPORTS)}")
+    if cfg.tool_call_parser is not None and cfg.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise SystemExit(f"error: --tool-call-parser must be one of "
+                         f"{', '.join(TOOL_CALL_PARSERS)}, not {cfg.tool_call_parser!r}")
+    if cfg.enable_auto_tool_choice and cfg.tool_call_parser is None:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
     _setup_logging(cfg)
     if cfg.encoder_api_key:  # the front ends' preprocessing processes inherit it
         os.environ["VLMSERVE_ENCODER_API_KEY"] = cfg.encoder_api_key

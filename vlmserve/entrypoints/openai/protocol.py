@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from vlmserve.entrypoints.openai.tool_calls import ToolCall, tool_call_mode, tool_call_schema
 from vlmserve.errors import InvalidSamplingParamsError
@@ -314,15 +314,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # set by the server: whether it reads "auto" calls (--enable-auto-tool-choice)
+    _auto_tool_choice: bool = PrivateAttr(False)
 
     @property
     def tool_call_mode(self) -> str | FunctionDefinition | None:
         """How the answer calls tools (`tool_calls.tool_call_mode`)."""
-        return tool_call_mode(self.tools, self.tool_choice)
+        return tool_call_mode(self.tools, self.tool_choice, self._auto_tool_choice)
 
     def structured(self) -> StructuredOutputsParams | None:
         mode = self.tool_call_mode
-        if mode is None:
+        if mode is None or mode == "auto":  # the model's own format, free
             return super().structured()
         if super().structured() is not None:
             raise InvalidSamplingParamsError(

@@ -54,7 +54,7 @@ from vlmserve.entrypoints.openai.protocol import (
     random_id,
 )
 from vlmserve.entrypoints.openai.streaming import chat_events, completion_events, event_stream
-from vlmserve.entrypoints.openai.tool_calls import tool_calls_of
+from vlmserve.entrypoints.openai.tool_calls import auto_calls_of, tool_calls_of
 from vlmserve.errors import (
     InvalidImageError,
     InvalidRequestError,
@@ -210,6 +210,7 @@ class OpenAIServing:
         self.check_auth(request)
         self.check_accepting()
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
+        req._auto_tool_choice = self.cfg.enable_auto_tool_choice
         self.check_model(req.model)
         params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self.chat_prompt(req)
@@ -226,11 +227,17 @@ class OpenAIServing:
             c = out.outputs[0]
             logprobs = None if params.logprobs is None else chat_logprobs(
                 self.token_texts, c.token_ids, c.logprobs, params.logprobs)
-            calls = None if mode is None else tool_calls_of(mode, c.text)
-            message = (AssistantMessage(content=c.text) if calls is None
-                       else AssistantMessage(content=None, tool_calls=calls))
+            finish = c.finish_reason
+            if mode == "auto":  # the model's own calls, if it made any
+                content, calls = auto_calls_of(c.text)
+                message = AssistantMessage(content=content, tool_calls=calls or None)
+                finish = "tool_calls" if calls and finish == "stop" else finish
+            else:
+                calls = None if mode is None else tool_calls_of(mode, c.text)
+                message = (AssistantMessage(content=c.text) if calls is None
+                           else AssistantMessage(content=None, tool_calls=calls))
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
-                                      finish_reason=c.finish_reason))
+                                      finish_reason=finish))
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
             usage=_usage(outs), prompt_logprobs=self.prompt_logprobs(outs[0], params)

@@ -31,7 +31,7 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorResponse,
     UsageInfo,
 )
-from vlmserve.entrypoints.openai.tool_calls import RequiredCalls, call_id
+from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, call_id
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -103,6 +103,10 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
             async for event in _required_calls(index, stream):
                 yield event
             return
+        if mode == "auto":  # content, and the model's own calls as they close
+            async for event in _auto_calls(index, stream):
+                yield event
+            return
         first = True  # the role rides on the first token's chunk
         cid = call_id()
         token_chunk = _TextChunk(chunk(delta(_TextChunk.MARK, False, cid), index=index))
@@ -133,6 +137,22 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                 if not calls.begun:  # cut before a call began: the text as it is
                     yield chunk(DeltaMessage(role="assistant", content=calls.text), index=index)
                 yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
+                counts.append((len(out.prompt_token_ids), num_tokens))
+
+    async def _auto_calls(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        calls = HermesCalls()
+        first = True
+        async for out, c, num_tokens in _deltas(stream):
+            content, deltas = calls.feed(c.text, final=out.finished)
+            if content or deltas or (first and c.token_ids):
+                yield chunk(DeltaMessage(role="assistant" if first else None,
+                                         content=content or None, tool_calls=deltas or None),
+                            index=index)
+                first = False
+            if out.finished:
+                finish = c.finish_reason
+                yield chunk(DeltaMessage(), index=index, finish="tool_calls"
+                            if calls.count and finish == "stop" else finish)
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
     async for event in _merged([choice(i, s) for i, s in enumerate(streams)]):

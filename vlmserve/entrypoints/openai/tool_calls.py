@@ -1,8 +1,9 @@
-"""Tool calls (OpenAI's `tools` and `tool_choice`) as structured outputs: which calls a
-request asks for (`tool_call_mode`: a named function or "required"; "auto" needs a parser of
-the model's own tool-call format, which this server does not have), the JSON schema its
-answer is held to (`tool_call_schema`), and the answer read back as calls, whole
-(`tool_calls_of`) or as its text grows (`RequiredCalls`, for streams)."""
+"""Tool calls (OpenAI's `tools` and `tool_choice`): which calls a request asks for
+(`tool_call_mode`: a named function or "required", held to a JSON schema by structured
+outputs, `tool_call_schema`; or "auto", the model's own choice in its own format, read by a
+parser: `--enable-auto-tool-choice --tool-call-parser hermes`), and the answer read back as
+calls, whole (`tool_calls_of`) or as its text grows (`RequiredCalls`, `HermesCalls`, for
+streams)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,16 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-def tool_call_mode(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None
-                   ) -> str | FunctionDefinition | None:
+# the models' tool-call formats `--tool-call-parser` knows
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def tool_call_mode(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None,
+                   auto: bool = False) -> str | FunctionDefinition | None:
     """How the answer calls tools: None (text), "required" (one call or more, of any of
-    ``tools``), or the named function it must call. "auto" (the model decides; the default
-    with tools) is a 400, as vLLM's without --tool-call-parser."""
+    ``tools``), the named function it must call, or "auto" (the model decides; the default
+    with tools), which needs the server's parser (``auto``), else a 400, as vLLM's without
+    --enable-auto-tool-choice."""
     choice = tool_choice or ("auto" if tools else "none")
     if choice == "none":
         return None
@@ -48,10 +54,12 @@ def tool_call_mode(tools: list[Tool] | None, tool_choice: str | NamedToolChoice 
             f"{{function {choice.function.name!r}}}")
         raise InvalidSamplingParamsError(f"tool_choice {name} needs tools")
     if choice == "auto":
+        if auto:
+            return "auto"
         raise InvalidSamplingParamsError(
             'tool_choice "auto" (the default with tools) needs a parser of the model\'s '
-            'tool calls, which this server does not have: set tool_choice to "required", '
-            'a named function, or "none"')
+            'tool calls, which this server was not started with (--enable-auto-tool-choice '
+            '--tool-call-parser): set tool_choice to "required", a named function, or "none"')
     if choice == "required":
         return "required"
     names = {t.function.name: t.function for t in tools}
@@ -161,3 +169,71 @@ class RequiredCalls:
                 if self._depth == 0:
                     return i + 1
         return None
+
+
+def _hermes_call(body: str) -> ToolCall | None:
+    """One call's JSON, {"name": ..., "arguments": {...}}, as a `ToolCall` (None if it is
+    not one)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=args if isinstance(
+        args, str) else json.dumps(args, ensure_ascii=False)))
+
+
+class HermesCalls:
+    """Calls in the Hermes format (Qwen's): ``<tool_call>{"name": F, "arguments": ARGS}
+    </tool_call>``, anywhere in the text, as it grows: the text around them is content (less
+    a possible start of a tag at the end, held back), each call goes out whole once its tag
+    closes (at the end of the output, an unclosed one too); a tag whose body is no call stays
+    content."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._inside = False
+        self.count = 0  # calls sent
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """The content and the tool-call deltas ({index, id, type, function}) ``text``
+        completes (``final``: the output's end)."""
+        self._buf += text
+        content: list[str] = []
+        calls: list[dict] = []
+        while True:
+            if not self._inside:
+                i = self._buf.find(self.OPEN)
+                if i < 0:
+                    keep = 0 if final else next((k for k in range(len(self.OPEN) - 1, 0, -1)
+                                                 if self._buf.endswith(self.OPEN[:k])), 0)
+                    cut = len(self._buf) - keep
+                    content.append(self._buf[:cut])
+                    self._buf = self._buf[cut:]
+                    return "".join(content), calls
+                content.append(self._buf[:i])
+                self._buf, self._inside = self._buf[i + len(self.OPEN):], True
+            j = self._buf.find(self.CLOSE)
+            if j < 0 and not final:
+                return "".join(content), calls
+            body = self._buf if j < 0 else self._buf[:j]
+            call = _hermes_call(body.strip())
+            if call is None:
+                content.append(self.OPEN + body + ("" if j < 0 else self.CLOSE))
+            else:
+                calls.append({"index": self.count, "id": call.id, "type": "function",
+                              "function": call.function.model_dump()})
+                self.count += 1
+            self._buf = "" if j < 0 else self._buf[j + len(self.CLOSE):]
+            self._inside = False
+
+
+def auto_calls_of(text: str) -> tuple[str | None, list[ToolCall]]:
+    """An "auto" answer's content (None when it only called tools) and its calls."""
+    content, calls = HermesCalls().feed(text, final=True)
+    return (None if calls and not content.strip() else content), [
+        ToolCall(id=c["id"], function=FunctionCall(**c["function"])) for c in calls]
