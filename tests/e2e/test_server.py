@@ -391,6 +391,47 @@ def test_completions_echo_the_prompt_with_its_logprobs(server: Server, llm: LLM)
     assert by_ids.choices[0].text == tok.decode(ids) + ref.outputs[0].text
 
 
+def test_completions_batch_prompts(server: Server, llm: LLM) -> None:
+    """A list of prompts (texts, or token-id lists) in one request, as OpenAI's: n choices
+    each, indexed prompt by prompt, each the offline engine's text; usage counts each prompt
+    once; streamed alike; echo per prompt; one refused prompt refuses the batch and leaves
+    nothing running; an empty list is a 400."""
+    tok = llm.get_tokenizer()
+    texts_in = ["Once upon a time", "The sky is"]
+    ids = [tok.encode("A token prompt"), tok.encode("Another one, longer")]
+    greedy4 = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for batch, prompts in ((texts_in, texts_in),
+                           (ids, [{"prompt_token_ids": p} for p in ids])):
+        ref = llm.generate(prompts, greedy4, use_tqdm=False)
+        want = [r.outputs[0].text for r in ref for _ in range(2)]
+        kw = dict(model="tiny", prompt=batch, max_tokens=4, temperature=0, n=2,
+                  extra_body={"ignore_eos": True})
+        resp = server.client.completions.create(**kw)
+        assert [c.index for c in resp.choices] == list(range(4))
+        assert [c.text for c in resp.choices] == want
+        assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+        assert resp.usage.completion_tokens == 4 * 4
+        texts: dict[int, str] = {}
+        usage = None
+        for c in server.client.completions.create(stream=True, stream_options={
+                "include_usage": True}, **kw):
+            for choice in c.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+            usage = c.usage or usage
+        assert [texts[i] for i in range(4)] == want and usage == resp.usage
+        echoed = server.client.completions.create(**{**kw, "echo": True, "n": 1})
+        shown = [p if isinstance(p, str) else tok.decode(p) for p in batch]
+        assert [c.text for c in echoed.choices] == [
+            p + r.outputs[0].text for p, r in zip(shown, ref)]
+    for bad, param in (([*ids, [10**9]], None), ([], "prompt")):
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": "tiny", "prompt": bad, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert param is None or r.json()["error"]["param"] == param
+    s = _idle(server)
+    assert s["num_running"] == s["num_waiting"] == s["num_streams"] == 0
+
+
 def test_prompt_logprobs_as_vllm_gives_them(server: Server, llm: LLM) -> None:
     """`prompt_logprobs` (vLLM's extension): per prompt token null (the first) or {token id:
     {logprob, rank, decoded_token}}, the k most likely and the prompt's own token, with the

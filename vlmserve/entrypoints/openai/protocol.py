@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from vlmserve.entrypoints.openai.tool_calls import ToolCall, tool_call_mode, tool_call_schema
 from vlmserve.errors import InvalidSamplingParamsError
@@ -25,6 +25,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # the most choices a request may ask for (OpenAI's limit)
 MAX_N = 128
+# the most prompts one /v1/completions request may batch, and choices in all (prompts x n)
+MAX_PROMPTS = 1024
 # the most log-probabilities per token /v1/completions gives (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5
 # accepted and without effect on the output (bookkeeping fields of OpenAI's API)
@@ -365,13 +367,25 @@ class CompletionRequest(_SamplingRequest):
             return given
         return max(self.logprobs, given or 0)
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (a batch: a list of strings or of token-id lists; its choices come
+        prompt by prompt, ``n`` each, indexed in that order, as OpenAI's)."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            self.prompt = p[0]
+        return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("give a prompt (text, token ids, or a list of them)")
+        return prompt
+
+    @model_validator(mode="after")
+    def _prompts(self) -> CompletionRequest:
+        if len(self.prompts) * (self.n or 1) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} choices in all (prompts times "
+                             f"n), got {len(self.prompts)} x {self.n or 1}")
         return self
 
 

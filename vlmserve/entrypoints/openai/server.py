@@ -240,7 +240,7 @@ class OpenAIServing:
                                       finish_reason=finish))
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
-            usage=_usage(outs), prompt_logprobs=self.prompt_logprobs(outs[0], params)
+            usage=_usage(outs, len(outs)), prompt_logprobs=self.prompt_logprobs(outs[0], params)
         ).model_dump())
 
     def prompt_logprobs(self, out: RequestOutput, params: SamplingParams) -> list | None:
@@ -273,28 +273,42 @@ class OpenAIServing:
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
         params = req.sampling_params(self.engine.sampling_defaults)
-        if isinstance(req.prompt, str):
-            self.check_prompt_chars(len(req.prompt))
-        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+        n = req.n or 1
+        for p in req.prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(len(p))
+        prompts: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": p}
+                              for p in req.prompts]
         if req.multi_modal_embeddings is not None:
-            if (req.n or 1) > 1:  # each choice would open the same handles
-                raise ApiError(400, "n > 1 is not supported with multi_modal_embeddings", "n")
-            prompt = self.encoded_prompt(req)
+            if n > 1 or len(prompts) > 1:  # each choice would open the same handles
+                raise ApiError(400, "with multi_modal_embeddings, give one prompt and n 1",
+                               "n" if n > 1 else "prompt")
+            prompts = [self.encoded_prompt(req)]
         rid, created = random_id("cmpl"), int(time.time())
-        streams = await self.engine.add_requests(prompt, params, rid, req.n or 1, arrival,
-                                                 default_max_tokens=self.default_max_tokens)
-        echo = None
-        if req.echo:  # the prompt's text, as given (token ids decoded)
-            echo = (req.prompt if isinstance(req.prompt, str) else
-                    self.token_texts.tokenizer.decode(req.prompt, skip_special_tokens=False))
+        # a batch's prompts preprocessed side by side; one refused ends them all
+        added = await asyncio.gather(*(self.engine.add_requests(
+            prompt, params, rid if i == 0 else f"{rid}_{i}", n, arrival,
+            default_max_tokens=self.default_max_tokens) for i, prompt in enumerate(prompts)),
+            return_exceptions=True)
+        failed = [e for e in added if isinstance(e, BaseException)]
+        streams = [s for got in added if not isinstance(got, BaseException) for s in got]
+        if failed:
+            for stream in streams:
+                stream.abort()
+            raise failed[0]
+        echoes = None
+        if req.echo:  # each prompt's text, as given (token ids decoded), for its n choices
+            echoes = [p if isinstance(p, str) else self.token_texts.tokenizer.decode(
+                p, skip_special_tokens=False) for p in req.prompts for _ in range(n)]
         if req.stream:
             return event_stream(completion_events(streams, req, params, rid, created,
-                                                  self.model_name, self.token_texts, echo),
+                                                  self.model_name, self.token_texts, echoes),
                                 streams)
         outs = await self.last_outputs(streams, request)
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
+            echo = None if echoes is None else echoes[i]
             choices.append(CompletionChoice(
                 index=i, text=c.text if echo is None else echo + c.text,
                 logprobs=completion_choice_logprobs(self.token_texts, out, params, echo)[0],
@@ -303,12 +317,13 @@ class OpenAIServing:
                 is not None else None))
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name, choices=choices,
-            usage=_usage(outs)).model_dump())
+            usage=_usage(outs, n)).model_dump())
 
 
-def _usage(outs: list[RequestOutput]) -> UsageInfo:
-    """A request's usage: its prompt once, the output tokens of all its choices."""
-    return UsageInfo.of(len(outs[0].prompt_token_ids),
+def _usage(outs: list[RequestOutput], n: int) -> UsageInfo:
+    """A request's usage: each prompt once (``n`` choices each, in order), the output tokens
+    of all its choices."""
+    return UsageInfo.of(sum(len(out.prompt_token_ids) for out in outs[::n]),
                         sum(len(out.outputs[0].token_ids) for out in outs))
 
 

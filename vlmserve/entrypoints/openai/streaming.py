@@ -164,10 +164,11 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
 
 async def completion_events(streams: list[RequestStream], req: CompletionRequest,
                             params: SamplingParams, rid: str, created: int, model: str,
-                            token_texts: TokenTexts, echo: str | None = None
+                            token_texts: TokenTexts, echoes: list[str] | None = None
                             ) -> AsyncIterator[str]:
-    """A completion's SSE events, as `chat_events` (legacy logprobs lists); with ``echo``
-    (the prompt's text) each choice's first chunk starts with it (and its logprobs)."""
+    """A completion's SSE events, as `chat_events` (legacy logprobs lists; a batch's
+    prompts' choices in order, ``n`` each); with ``echoes`` (each choice's prompt text) each
+    choice's first chunk starts with it (and its logprobs)."""
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         data = CompletionResponse(id=rid, created=created, model=model,
@@ -176,12 +177,12 @@ async def completion_events(streams: list[RequestStream], req: CompletionRequest
             data.pop("usage")
         return _sse(data)
 
-    counts: list[tuple[int, int]] = []
+    counts: dict[int, tuple[int, int]] = {}  # by choice: (prompt tokens, output tokens)
 
     async def choice(index: int, stream: RequestStream) -> AsyncIterator[str]:
         token_chunk = _TextChunk(chunk([CompletionChoice(index=index, text=_TextChunk.MARK)]))
         offset = 0  # of the next token's text (in the tokens' texts so far)
-        prefix = echo
+        prefix = None if echoes is None else echoes[index]
         async for out, c, num_tokens in _deltas(stream):
             if c.token_ids and (params.logprobs is not None or prefix is not None):
                 logprobs, offset = completion_choice_logprobs(token_texts, out, params,
@@ -194,12 +195,14 @@ async def completion_events(streams: list[RequestStream], req: CompletionRequest
             if out.finished:
                 yield chunk([CompletionChoice(index=index, text="",
                                               finish_reason=c.finish_reason)])
-                counts.append((len(out.prompt_token_ids), num_tokens))
+                counts[index] = (len(out.prompt_token_ids), num_tokens)
 
     async for event in _merged([choice(i, s) for i, s in enumerate(streams)]):
         yield event
     if req.include_usage and counts:
-        yield chunk([], UsageInfo.of(counts[0][0], sum(n for _, n in counts)))
+        n = req.n or 1  # each prompt counted once
+        yield chunk([], UsageInfo.of(sum(p for i, (p, _) in counts.items() if i % n == 0),
+                                     sum(t for _, t in counts.values())))
     yield _sse("[DONE]")
 
 
