@@ -185,12 +185,12 @@ def compute_prompt_logprobs(
     hidden: torch.Tensor,  # [M, hidden]: the prompt positions asked for
     targets: torch.Tensor,  # [M] int64: the prompt token each position predicts
     k: int,  # the most top tokens any of those requests asked for
-    rows_at_once: int = 512,
+    rows_at_once: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw log-probabilities of prompt tokens: ids and values [M, 1 + k] as
     `compute_logprobs` gives them (column 0 the prompt's token), and that token's rank among
     the vocabulary [M] (1: the most likely). The logits of at most ``rows_at_once`` positions
-    exist at a time (a 2,048-token chunk's would be 1.2 GB at a 152k vocabulary)."""
+    exist at a time (156 MB at a 152k vocabulary; a 2,048-token chunk's would be 1.2 GB)."""
     ids, values, ranks = [], [], []
     for lo in range(0, hidden.shape[0], rows_at_once):
         logprobs = torch.log_softmax(compute_logits(hidden[lo:lo + rows_at_once]).float(), -1)
