@@ -432,6 +432,33 @@ def test_completions_batch_prompts(server: Server, llm: LLM) -> None:
     assert s["num_running"] == s["num_waiting"] == s["num_streams"] == 0
 
 
+def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
+    """vLLM's /tokenize: a text prompt's ids as the tokenizer gives them; a chat's as the
+    engine runs it (chat template, each image expanded to its rows: the exact count a request
+    would take), with the context length; /detokenize back; bad input a 400."""
+    tok = llm.get_tokenizer()
+    got = httpx.post(server.url + "/tokenize", json={"prompt": "Once upon a time",
+                                                     "return_token_strs": True}).json()
+    assert got["tokens"] == tok.encode("Once upon a time") and got["count"] == len(
+        got["tokens"])
+    assert got["max_model_len"] == MAX_MODEL_LEN
+    assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+    messages = user("What is this?", data_url(make_image(84, 56, 3)))
+    chat_ids = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": messages}
+                          ).json()["tokens"]
+    ref = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert chat_ids == ref.prompt_token_ids
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": "Once upon a time"}
+    for path, body, param in (("/tokenize", {}, None),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, None),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens")):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code in (400, 404), r.text
+        assert param is None or r.json()["error"]["param"] == param
+
+
 def test_prompt_logprobs_as_vllm_gives_them(server: Server, llm: LLM) -> None:
     """`prompt_logprobs` (vLLM's extension): per prompt token null (the first) or {token id:
     {logprob, rank, decoded_token}}, the k most likely and the prompt's own token, with the

@@ -40,6 +40,7 @@ from vlmserve.engine.preprocess import (
     preprocess_in_worker,
     send_to_encoders,
     start_pool,
+    tokenize_in_worker,
 )
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming
@@ -186,6 +187,15 @@ class AsyncLLM:
             streams.append(stream)
         return streams
 
+    async def tokenize(self, prompt: PromptInput, image_loader: ImageLoader = load_image
+                       ) -> list[int]:
+        """``prompt``'s token ids as the engine would run them (images expanded to their
+        rows), preprocessed as a request's; its length is not checked."""
+        if self._pool is None:
+            return await asyncio.to_thread(
+                lambda: self.input_processor.process(prompt, image_loader).prompt_token_ids)
+        return await self._in_pool(tokenize_in_worker, prompt, image_loader)
+
     async def _preprocess(self, prompt: PromptInput, params: SamplingParams, rid: str,
                           image_loader: ImageLoader, default_max_tokens: int | None
                           ) -> tuple[str | None, list[int], list]:
@@ -195,10 +205,14 @@ class AsyncLLM:
             return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
                                            self.eos_token_ids, self._encoder, prompt, params,
                                            rid, image_loader, default_max_tokens)
+        return await self._in_pool(preprocess_in_worker, prompt, params, rid, image_loader,
+                                   default_max_tokens)
+
+    async def _in_pool(self, fn, *args):
+        """``fn(*args)`` in a preprocessing process."""
         pool = self._pool
         try:
-            return await asyncio.wrap_future(pool.submit(
-                preprocess_in_worker, prompt, params, rid, image_loader, default_max_tokens))
+            return await asyncio.wrap_future(pool.submit(fn, *args))
         except concurrent.futures.process.BrokenProcessPool:
             # a preprocessing process died (this request's input, or a kill): the request
             # fails, the next ones get a new pool

@@ -108,6 +108,13 @@ def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 
+def tokenize_in_worker(prompt: PromptInput, image_loader: ImageLoader) -> list[int]:
+    """A prompt's token ids as the engine would run them (each image's placeholder expanded
+    to its rows), in a pool process; no limits checked."""
+    assert _worker is not None
+    return _worker[0].process(prompt, image_loader).prompt_token_ids
+
+
 def _ready() -> int:
     return os.getpid()
 

@@ -16,8 +16,12 @@ from vlmserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 _ERROR_STATUSES = {
@@ -40,10 +44,13 @@ def openapi_schema(app: FastAPI, model_name: str) -> dict[str, Any]:
         [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
          (ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
          (ChatCompletionChunk, "serialization"), (ModelList, "serialization"),
-         (ErrorResponse, "serialization")],
+         (ErrorResponse, "serialization"), (TokenizeRequest, "validation"),
+         (DetokenizeRequest, "validation"), (TokenizeResponse, "serialization"),
+         (DetokenizeResponse, "serialization")],
         ref_template="#/components/schemas/{model}")
     components = defs.get("$defs", {})
-    for req in (ChatCompletionRequest, CompletionRequest):  # any other model: 404
+    for req in (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                DetokenizeRequest):  # any other model: 404
         props = components[refs[req, "validation"]["$ref"].rsplit("/", 1)[1]]["properties"]
         props["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}],
                           "title": "Model", "default": None}
@@ -75,6 +82,14 @@ def openapi_schema(app: FastAPI, model_name: str) -> dict[str, Any]:
                            "ending in `data: [DONE]`",
             "content": {**body(resp), **events(chunk)}},
             **errors}
+    for path, req, resp, text in (
+            ("/tokenize", TokenizeRequest, TokenizeResponse,
+             "The prompt's token ids as the engine runs it (images expanded), their count"),
+            ("/detokenize", DetokenizeRequest, DetokenizeResponse, "The tokens' text")):
+        paths[path]["post"]["requestBody"] = {"required": True,
+                                              "content": body(req, "validation")}
+        paths[path]["post"]["responses"] = {"200": {"description": text,
+                                                    "content": body(resp)}, **errors}
     paths["/v1/models"]["get"]["responses"] = {
         "200": {"description": "The served model", "content": body(ModelList)},
         "401": errors["401"]}

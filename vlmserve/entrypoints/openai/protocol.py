@@ -389,6 +389,43 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
+class TokenizeRequest(OpenAIModel):
+    """vLLM's `POST /tokenize`: a text prompt, or chat messages (rendered by the chat template,
+    images expanded to their rows as the engine runs them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # ---- responses ----------------------------------------------------------------------------
 
 

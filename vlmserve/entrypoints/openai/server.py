@@ -48,8 +48,12 @@ from vlmserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     random_id,
 )
@@ -132,7 +136,8 @@ class OpenAIServing:
                 f"the request holds {num_chars} characters of text, more than the limit of "
                 f"{limit} (--max-prompt-chars)")
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest
+                          ) -> dict[str, Any]:
         self.check_prompt_chars(sum(m.num_chars for m in req.messages))
         hf_messages, sources = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
@@ -250,6 +255,38 @@ class OpenAIServing:
         return prompt_logprobs_json(self.token_texts, out.prompt_token_ids,
                                     out.prompt_logprobs, out.prompt_logprob_ranks,
                                     params.prompt_logprobs)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `POST /tokenize`: the token ids a prompt or chat would run as (images
+        expanded), their count and the context length; the length is not checked."""
+        self.check_auth(request)
+        req = TokenizeRequest.model_validate(await self.read_json(request))
+        self.check_model(req.model)
+        if req.prompt is not None:
+            self.check_prompt_chars(len(req.prompt))
+            prompt: dict[str, Any] = {"prompt": req.prompt}
+        else:
+            prompt = await self.chat_prompt(req)
+        tokens = await self.engine.tokenize(prompt, self.image_loader)
+        strs = None
+        if req.return_token_strs:
+            strs = self.token_texts.tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(TokenizeResponse(
+            count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens,
+            token_strs=strs).model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's `POST /detokenize`: token ids back to text (special tokens kept)."""
+        self.check_auth(request)
+        req = DetokenizeRequest.model_validate(await self.read_json(request))
+        self.check_model(req.model)
+        tokenizer = self.token_texts.tokenizer
+        bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise ApiError(400, f"tokens: {bad[0]} is not a token id of this model's "
+                           f"tokenizer (0 to {len(tokenizer) - 1})", "tokens")
+        return JSONResponse(DetokenizeResponse(
+            prompt=tokenizer.decode(req.tokens, skip_special_tokens=False)).model_dump())
 
     def encoded_prompt(self, req: CompletionRequest) -> dict[str, Any]:
         """A completion whose images an encoder server encoded (`multi_modal_embeddings`):
@@ -401,5 +438,7 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
 
     app.post("/v1/chat/completions")(serving.chat)
     app.post("/v1/completions")(serving.completions)
+    app.post("/tokenize")(serving.tokenize)
+    app.post("/detokenize")(serving.detokenize)
     app.openapi = functools.partial(openapi_schema, app, model_name)  # type: ignore[method-assign]
     return app
