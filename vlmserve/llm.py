@@ -13,6 +13,7 @@ from vlmserve.config import EngineConfig
 from vlmserve.engine.chat import parse_chat_messages
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.engine.processor import PromptInput
+from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -73,19 +74,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """OpenAI-style messages (text and image_url parts) through the chat template, with
-        ``tools`` (OpenAI's function definitions) where the template shows them."""
+        ``tools`` (OpenAI's function definitions) where the template shows them; vLLM's
+        ``chat_template`` (a Jinja template instead of the model's), ``add_generation_prompt``,
+        ``continue_final_message`` (the last, assistant message continued) and
+        ``chat_template_kwargs`` (variables for the template)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.chat_prompt(conv, tools) for conv in conversations]
+        options = ChatTemplateOptions(chat_template, add_generation_prompt,
+                                      continue_final_message, chat_template_kwargs or {})
+        prompts = [self.chat_prompt(conv, tools, options) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: list[dict[str, Any]] | None = None,
+                    options: ChatTemplateOptions | None = None) -> dict[str, Any]:
         """The engine prompt (templated text + images) for one conversation."""
         hf_messages, images = parse_chat_messages(messages)
-        text = self.engine.input_processor.model_processor.apply_chat_template(hf_messages,
-                                                                               tools)
+        text = self.engine.input_processor.model_processor.apply_chat_template(
+            hf_messages, tools, options)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def _run(self, todo: deque[tuple[PromptInput, SamplingParams]], use_tqdm: bool

@@ -158,6 +158,18 @@ def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, ca
             main(["--debug", *argv])
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--chat-template", "/nonexistent/template.jinja"], "no such file"),
+    (["--chat-template", "{% for m in messages %}"], "does not parse"),
+    (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["--tool-call-parser", "nope"], "must be one of hermes"),
+])
+def test_serve_option_mistakes_exit_before_loading(flags, words) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "/nonexistent/model", *flags])
+    assert words in str(exit_.value.code)
+
+
 def test_version_and_no_abbreviated_flags(capsys) -> None:
     from importlib.metadata import version
 

@@ -459,6 +459,37 @@ def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
         assert param is None or r.json()["error"]["param"] == param
 
 
+def test_chat_template_options_and_the_servers_own_template(server: Server, llm: LLM,
+                                                             tmp_path: Path) -> None:
+    """vLLM's per-request add_generation_prompt, continue_final_message and
+    chat_template_kwargs give the offline engine's prompt and answer; bad combinations are a
+    400; --chat-template (a file) replaces the model's template."""
+    partial = [{"role": "user", "content": "Count to three."},
+               {"role": "assistant", "content": "One, two,"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    want = llm.chat(partial, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                    use_tqdm=False, **options)[0]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": partial, **options}).json()
+    assert ids["tokens"] == want.prompt_token_ids
+    got = chat(server, partial, 6, extra_body={**options, "ignore_eos": True})
+    assert got.choices[0].message.content == want.outputs[0].text
+    for bad in ({"continue_final_message": True},
+                {"chat_template_kwargs": {"tokenize": True}}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": partial, "max_tokens": 2, **bad})
+        assert r.status_code == 400, r.text
+    from fastapi.testclient import TestClient
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    args = make_parser().parse_args(["serve", MODEL, *ENGINE_FLAGS, "--chat-template",
+                                     str(template)])
+    with TestClient(build_app(server.engine, args)) as client:
+        out = client.post("/tokenize", json={"messages": partial}).json()
+    tok = llm.get_tokenizer()
+    assert out["tokens"] == tok.encode("<Count to three.><One, two,>")
+
+
 def test_prompt_logprobs_as_vllm_gives_them(server: Server, llm: LLM) -> None:
     """`prompt_logprobs` (vLLM's extension): per prompt token null (the first) or {token id:
     {logprob, rank, decoded_token}}, the k most likely and the prompt's own token, with the

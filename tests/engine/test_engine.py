@@ -22,6 +22,7 @@ from vlmserve.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.request import RequestStatus
 
 
@@ -169,6 +170,35 @@ def test_chat_with_data_url_and_file_path(llm, tmp_path):
         outs.append(llm.chat(messages, greedy(), use_tqdm=False)[0].outputs[0].token_ids)
     direct = llm.generate(chat_prompt(llm, "What is this?", [img]), greedy(), use_tqdm=False)
     assert outs[0] == outs[1] == outs[2] == direct[0].outputs[0].token_ids
+
+
+def test_chat_template_options(llm):
+    """vLLM's chat options: no generation prompt; the last, assistant message continued
+    (no end of turn: the answer goes on from its text, as a plain prompt of that text does);
+    another template with variables; contradictory or reserved settings refused."""
+    convo = [{"role": "user", "content": "Count to three."}]
+    plain = llm.chat_prompt(convo)["prompt"]
+    assert plain.endswith("<|im_start|>assistant\n")
+    no_gen = llm.chat_prompt(convo, options=ChatTemplateOptions(add_generation_prompt=False))
+    assert plain.startswith(no_gen["prompt"]) and not no_gen["prompt"].endswith(
+        "assistant\n")
+    partial = [*convo, {"role": "assistant", "content": "One, two,"}]
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    text = llm.chat_prompt(partial, options=options)["prompt"]
+    assert text == plain + "One, two,"
+    got = llm.chat(partial, greedy(), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)
+    assert got[0].outputs[0].token_ids == llm.generate(text, greedy(), use_tqdm=False)[
+        0].outputs[0].token_ids
+    template = ("{% for m in messages %}[{{ m['role'] }}|{{ greeting }}]{{ m['content'] }}"
+                "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    custom = llm.chat(convo, greedy(), use_tqdm=False, chat_template=template,
+                      chat_template_kwargs={"greeting": "hi"})[0]
+    assert custom.prompt == "[user|hi]Count to three.>"
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        ChatTemplateOptions(continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="tokenize"):
+        ChatTemplateOptions(kwargs={"tokenize": True})
 
 
 def test_unsupported_content_part_rejected(llm):

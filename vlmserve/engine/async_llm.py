@@ -44,6 +44,7 @@ from vlmserve.engine.preprocess import (
 )
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming
+from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
@@ -129,9 +130,10 @@ class AsyncLLM:
         """Requests this front end is serving (handed to the core, not finished)."""
         return self.client.num_streams
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> str:
-        return self.input_processor.model_processor.apply_chat_template(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: ChatTemplateOptions | None = None) -> str:
+        return self.input_processor.model_processor.apply_chat_template(messages, tools,
+                                                                        options)
 
     async def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                           request_id: str | None = None, arrival_time: float | None = None,

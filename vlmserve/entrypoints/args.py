@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -116,6 +117,9 @@ class ServerConfig:
         128, "MiB of processed images (content hash, resized pixels) each preprocessing "
         "process keeps by source (data URLs, fetched bytes): a chat that sends the same "
         "images every turn decodes and resizes them once (0: off).")
+    chat_template: str | None = _opt(
+        None, "A Jinja chat template instead of the model's: a file's path, or the template "
+        "itself.")
     enable_auto_tool_choice: bool = _opt(
         False, "Serve tool_choice \"auto\" (the default when a request has tools): the model "
         "decides whether to call tools, and its calls are read from its text by "
@@ -126,6 +130,25 @@ class ServerConfig:
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template's template: the file's text, or the value itself; a missing file
+        or a template that does not parse raises `ValueError` naming it."""
+        value = self.chat_template
+        if value is None:
+            return None
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        elif "{" not in value:  # a path, not a template
+            raise ValueError(f"--chat-template: no such file: {value}")
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(value)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template does not parse: {e}") from None
+        return value
 
     @classmethod
     def from_args(cls, args: Any) -> ServerConfig:

@@ -28,10 +28,12 @@ class ModelInputProcessor(Protocol):
         """Most placeholder tokens (== embedding rows) one image can become: the encoder
         budget is at least this."""
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: Any = None) -> str:
         """HF-style messages (string content or text/image parts) -> prompt text, with the
-        tools (OpenAI's function definitions) where the template shows them."""
+        tools (OpenAI's function definitions) where the template shows them; ``options``:
+        another template, no generation prompt, the last message continued, template
+        variables."""
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image]) -> ProcessedPrompt:

@@ -7,15 +7,47 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlmserve.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+
+# apply_chat_template's own arguments: not template variables a request may set
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "tokenize", "chat_template",
+    "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors"})
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a chat is rendered (vLLM's names): another Jinja template than the model's
+    (`chat_template`), no generation prompt at the end, the last (assistant) message continued
+    instead of closed (`continue_final_message`), variables for the template (`kwargs`).
+    Contradictory or reserved settings raise `InvalidRequestError`."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true (the "
+                "last message is continued: no new one begins)")
+        reserved = sorted(set(self.kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}"
+                                      " (arguments of the rendering itself)")
 
 
 def load_image_processor(path: Path, pil_class: str):
@@ -57,12 +89,17 @@ class HFInputProcessor:
         return json.dumps({"model": str(self.model_path.resolve()), "processor": settings,
                            **more}, sort_keys=True, default=str)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: ChatTemplateOptions | None = None) -> str:
         """Render HF-style messages (string content or text/image parts) as a prompt, with
-        the tools (OpenAI's function definitions) where the template shows them."""
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=True)
+        the tools (OpenAI's function definitions) where the template shows them, under
+        ``options`` (`ChatTemplateOptions`; default: the model's template, a generation
+        prompt at the end)."""
+        o = options or ChatTemplateOptions()
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, chat_template=o.chat_template,
+            add_generation_prompt=o.add_generation_prompt,
+            continue_final_message=o.continue_final_message, **o.kwargs)
 
     def token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The prompt's token ids: ``prompt`` tokenized, or ``prompt_token_ids`` as given."""

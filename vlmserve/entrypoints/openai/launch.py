@@ -273,6 +273,10 @@ def run_server(args: Any) -> None:
     if cfg.tool_call_parser is not None and cfg.tool_call_parser not in TOOL_CALL_PARSERS:
         raise SystemExit(f"error: --tool-call-parser must be one of "
                          f"{', '.join(TOOL_CALL_PARSERS)}, not {cfg.tool_call_parser!r}")
+    try:
+        cfg.chat_template_text()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if cfg.enable_auto_tool_choice and cfg.tool_call_parser is None:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(TOOL_CALL_PARSERS)})")

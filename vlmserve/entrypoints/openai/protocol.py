@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from vlmserve.entrypoints.openai.tool_calls import ToolCall, tool_call_mode, tool_call_schema
 from vlmserve.errors import InvalidSamplingParamsError
+from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 _PART_TYPES = ("text", "image_url")
@@ -309,7 +310,23 @@ class _SamplingRequest(OpenAIModel):
             structured_outputs=self.structured())
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateFields(OpenAIModel):
+    """vLLM's chat-template extensions of a request (`ChatTemplateOptions`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the requests it is part of
+
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self, chat_template: str | None) -> ChatTemplateOptions:
+        """These fields with the server's template (None: the model's)."""
+        return ChatTemplateOptions(chat_template, self.add_generation_prompt is not False,
+                                   bool(self.continue_final_message),
+                                   self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -389,11 +406,9 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's `POST /tokenize`: a text prompt, or chat messages (rendered by the chat template,
     images expanded to their rows as the engine runs them)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None

@@ -98,6 +98,7 @@ class OpenAIServing:
             FetchPolicy.parse_hosts(cfg.allowed_remote_hosts)),
             cfg.remote_image_fetch_workers) if cfg.allow_remote_images else None
         self.token_texts = TokenTexts(engine.input_processor.model_processor.tokenizer)
+        self.chat_template = cfg.chat_template_text()  # None: the model's
 
     def check_auth(self, request: Request) -> None:
         check_bearer(request, self.api_key)
@@ -148,8 +149,9 @@ class OpenAIServing:
         # the engine's preprocessing decodes the images, off the event loop (with
         # `image_loader`, under this server's limits); remote ones are fetched first, here
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        options = req.template_options(self.chat_template)
         try:
-            prompt = self.engine.apply_chat_template(hf_messages, tools)
+            prompt = self.engine.apply_chat_template(hf_messages, tools, options)
         except Exception as e:  # noqa: BLE001 - the template refused these messages
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}") from None
