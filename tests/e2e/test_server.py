@@ -473,6 +473,14 @@ def test_chat_template_options_and_the_servers_own_template(server: Server, llm:
     assert ids["tokens"] == want.prompt_token_ids
     got = chat(server, partial, 6, extra_body={**options, "ignore_eos": True})
     assert got.choices[0].message.content == want.outputs[0].text
+    # vLLM's echo: the continued message comes back whole (streamed: in the first chunk)
+    for stream in (False, True):
+        out = chat(server, partial, 6, stream=stream,
+                   extra_body={**options, "ignore_eos": True, "echo": True})
+        text = ("".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream
+                else out.choices[0].message.content)
+        assert text == "One, two," + want.outputs[0].text
+    assert chat(server, partial[:1], 2, extra_body={"echo": False}).choices[0].message.content
     for bad in ({"continue_final_message": True},
                 {"chat_template_kwargs": {"tokenize": True}}):
         r = httpx.post(server.url + "/v1/chat/completions", json={

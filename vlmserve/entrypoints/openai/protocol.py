@@ -107,9 +107,14 @@ class ChatMessage(OpenAIModel):
     @property
     def num_chars(self) -> int:
         """Characters of text (image URLs not counted)."""
+        return len(self.text)
+
+    @property
+    def text(self) -> str:
+        """The message's text (its text parts joined)."""
         if isinstance(self.content, list):
-            return sum(len(p.text) for p in self.content if isinstance(p, TextPart))
-        return len(self.content or "")
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
+        return self.content or ""
 
     def to_dict(self) -> dict[str, Any]:
         """The message as `parse_chat_messages` takes it."""
@@ -333,6 +338,15 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    echo: bool | None = False  # vLLM's: an assistant message continued comes back whole
+
+    @property
+    def echoed(self) -> str | None:
+        """With `echo`, the text the answer continues: the last message's, when it is the
+        assistant's (`continue_final_message`), as vLLM's."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else None
+
     # set by the server: whether it reads "auto" calls (--enable-auto-tool-choice)
     _auto_tool_choice: bool = PrivateAttr(False)
 

@@ -241,7 +241,7 @@ class OpenAIServing:
                 finish = "tool_calls" if calls and finish == "stop" else finish
             else:
                 calls = None if mode is None else tool_calls_of(mode, c.text)
-                message = (AssistantMessage(content=c.text) if calls is None
+                message = (AssistantMessage(content=(req.echoed or "") + c.text) if calls is None
                            else AssistantMessage(content=None, tool_calls=calls))
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                       finish_reason=finish))

@@ -90,8 +90,8 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
         """The new text: content, or the named function's arguments (its id and name on
         the first chunk)."""
         role = "assistant" if first else None
-        if mode is None:
-            return DeltaMessage(role=role, content=text)
+        if mode is None:  # with echo, the continued message's text first
+            return DeltaMessage(role=role, content=(req.echoed or "") + text if first else text)
         call = {"index": 0, "function": {"arguments": text}}
         if first:
             call = {"index": 0, "id": cid, "type": "function",
