@@ -432,6 +432,15 @@ def test_completions_batch_prompts(server: Server, llm: LLM) -> None:
     assert s["num_running"] == s["num_waiting"] == s["num_streams"] == 0
 
 
+def test_version_and_ping(server: Server) -> None:
+    import vlmserve
+
+    assert httpx.get(server.url + "/version").json() == {"version": vlmserve.__version__}
+    for method in ("GET", "POST"):  # SageMaker's health check, as /health
+        r = httpx.request(method, server.url + "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
 def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
     """vLLM's /tokenize: a text prompt's ids as the tokenizer gives them; a chat's as the
     engine runs it (chat template, each image expanded to its rows: the exact count a request

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from vlmserve import __version__
 from vlmserve.encoder.client import EncoderUnavailableError
 from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
@@ -401,6 +402,12 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     async def _failed(_: Request, e: RequestFailedError) -> JSONResponse:
         return error_response(500, str(e), type="server_error")
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/ping")  # SageMaker's health check (and vLLM's), as /health
+    @app.post("/ping")
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
