@@ -19,6 +19,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 MODELS = {
     "qwen2-vl": ("tiny-qwen2-vl", "Qwen2VLForConditionalGeneration"),
     "qwen2.5-vl": ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3-vl": ("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration"),
 }
 
 

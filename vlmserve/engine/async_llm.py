@@ -45,6 +45,7 @@ from vlmserve.engine.preprocess import (
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming
 from vlmserve.models.processing import ChatTemplateOptions
+from vlmserve.models.registry import image_row_width
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
@@ -87,7 +88,7 @@ class AsyncLLM:
             self.sampling_defaults = sampling_defaults(config, path)
             text = text_config(hf_config)
             self.input_processor = InputProcessor(model_processor, text.vocab_size,
-                                                  text.hidden_size, image_cache_bytes)
+                                                  image_row_width(hf_config), image_cache_bytes)
             self.output_processor = OutputProcessor(model_processor.tokenizer)
             self.model_name: str = config.model_config.model
             self._encoder = Encoder()

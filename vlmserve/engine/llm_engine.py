@@ -11,6 +11,7 @@ from vlmserve.engine.core import EngineCore, sampling_defaults, text_config
 from vlmserve.engine.output import OutputProcessor
 from vlmserve.engine.processor import InputProcessor, PromptInput
 from vlmserve.errors import PromptTooLongError
+from vlmserve.models.registry import image_row_width
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ class LLMEngine:
         self.tokenizer = model_processor.tokenizer
         text = text_config(self.hf_config)
         self.input_processor = InputProcessor(model_processor, text.vocab_size,
-                                              text.hidden_size)
+                                              image_row_width(self.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.config, self.model_path)
         self._ids = itertools.count()

@@ -14,12 +14,13 @@ import torch
 
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
-from vlmserve.engine.core import freeze_startup_heap, load_model_processor, text_config
+from vlmserve.engine.core import freeze_startup_heap, load_model_processor
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
 from vlmserve.executor.uniproc import limit_host_threads
+from vlmserve.models.registry import image_row_width
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -94,7 +95,7 @@ def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
     _, hf_config, model_processor = load_model_processor(model)
-    _worker = (InputProcessor(model_processor, vocab_size, text_config(hf_config).hidden_size,
+    _worker = (InputProcessor(model_processor, vocab_size, image_row_width(hf_config),
                               image_cache_bytes), limits, eos_token_ids, Encoder())
     freeze_startup_heap()
 

@@ -86,7 +86,7 @@ class UniprocExecutor:
         if offload is None:
             offload = sc.enable_chunked_prefill and self.device.type == "cuda"
         self.mm_offload = offload
-        self.bytes_per_embedding_row = model.hidden_size * self.dtype.itemsize
+        self.bytes_per_embedding_row = model.row_width * self.dtype.itemsize
         # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
         self.encoder_cache_rows = int(cc.mm_cache_gb * 2**30) // self.bytes_per_embedding_row
         self.fused_ops = FusedOps.for_device(mc.fused_ops, self.device)

@@ -10,15 +10,25 @@ from torch import nn
 
 
 class MRotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, base: float, mrope_section: list[int] | None) -> None:
+    def __init__(self, head_dim: int, base: float, mrope_section: list[int] | None,
+                 interleaved: bool = False) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.mrope_section = list(mrope_section) if mrope_section else None
         if self.mrope_section:
             assert sum(self.mrope_section) == head_dim // 2, "mrope_section must sum to head_dim/2"
-            # for each frequency, which position row (0=t, 1=h, 2=w) drives it
-            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(self.mrope_section)])
+            # for each frequency, which position row (0=t, 1=h, 2=w) drives it: contiguous
+            # sections (Qwen2-VL), or interleaved t h w t h w ... while each section lasts
+            # (Qwen3-VL: frequency j is h's if j % 3 == 1 and j < 3 * sections[1], w's alike)
+            if interleaved:
+                j = torch.arange(head_dim // 2)
+                rows = torch.zeros_like(j)
+                for r in (1, 2):
+                    rows[(j % 3 == r) & (j < 3 * self.mrope_section[r])] = r
+            else:
+                rows = torch.cat([torch.full((n,), i % 3)
+                                  for i, n in enumerate(self.mrope_section)])
             self.register_buffer("section_rows", rows, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

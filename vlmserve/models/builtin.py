@@ -42,6 +42,8 @@ class BuiltinModel:
     max_pixels: int = 448 * 448
     family: str = "qwen2_vl"  # tokenizer, config and processor recipe: qwen2_vl, llava, llava_next
     image_grid_pinpoints: tuple[tuple[int, int], ...] = ()  # llava_next: (height, width)
+    image_mean: tuple[float, ...] = tuple(QWEN_IMAGE_MEAN)  # Qwen2/2.5-VL's (CLIP's)
+    image_std: tuple[float, ...] = tuple(QWEN_IMAGE_STD)
 
 
 def _text(
@@ -106,6 +108,21 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         ),
         tie_word_embeddings=False,
         tiny=True,
+    ),
+    "tiny-qwen3-vl": BuiltinModel(
+        architecture="Qwen3VLForConditionalGeneration",
+        # head_dim 16: interleaved mRoPE over 8 frequencies (t h w t h w t h)
+        text={**_text(64, 128, 2, 4, 2, None, [2, 3, 3]), "head_dim": 16},
+        vision=dict(hidden_size=32, intermediate_size=64, depth=3, num_heads=2,
+                    out_hidden_size=64, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh",
+                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        tie_word_embeddings=True,
+        tiny=True,
+        min_pixels=64 * 64,
+        max_pixels=512 * 512,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
     ),
     "qwen2-vl-2b-random": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
@@ -241,8 +258,8 @@ def preprocessor_config(name: str) -> dict:
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": QWEN_IMAGE_MEAN,
-        "image_std": QWEN_IMAGE_STD,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
         "do_convert_rgb": True,
         "min_pixels": spec.min_pixels,
         "max_pixels": spec.max_pixels,

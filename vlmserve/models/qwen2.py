@@ -1,6 +1,6 @@
-"""The decoder of Qwen2, Llama and Mistral (the language models of Qwen2-VL, Qwen2.5-VL and
-LLaVA) over a paged KV cache: one block layout, the differences (biases, rotary sections) read
-from the config."""
+"""The decoder of Qwen2, Qwen3, Llama and Mistral (the language models of Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and LLaVA) over a paged KV cache: one block layout, the differences (biases, Qwen3's
+per-head q/k norms, rotary sections, interleaved or not) read from the config."""
 
 from __future__ import annotations
 
@@ -16,12 +16,18 @@ from vlmserve.layers.rotary import MRotaryEmbedding
 
 class Qwen2Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 qkv_bias: bool = True, o_bias: bool = False) -> None:
+                 qkv_bias: bool = True, o_bias: bool = False, qk_norm_eps: float | None = None
+                 ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.qkv_proj = MergedLinear(
             hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=qkv_bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=o_bias)
+        # Qwen3: RMSNorm of each head's q and k before the rotary
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim,
+                                                                               qk_norm_eps)
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
@@ -29,13 +35,30 @@ class Qwen2Attention(nn.Module):
     def forward(self, x, residual, norm: RMSNorm, cos, sin, kv_cache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, residual stream): `norm` (with the residual add), the QKV
-        projection, rotary and the KV-cache write are one op."""
+        projection, rotary and the KV-cache write are one op (with q/k norms, the norms sit
+        between the projection and the rotary)."""
         T = x.shape[0]
-        q, residual = self.ops.rms_norm_qkv_rope(
-            x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
-            self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping)
+        if self.q_norm is None:
+            q, residual = self.ops.rms_norm_qkv_rope(
+                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+                self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping)
+        else:
+            q, residual = self._qk_norm_rope(x, residual, norm, cos, sin, kv_cache, meta)
         o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, -1)), residual
+
+    def _qk_norm_rope(self, x, residual, norm: RMSNorm, cos, sin, kv_cache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        T, d = x.shape[0], self.head_dim
+        qkv, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                 self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = self.ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
+        k = self.ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
+        q = self.ops.rotary_qk_cache(q.view(T, self.heads, d), k.view(T, self.kv_heads, d),
+                                     v.reshape(T, self.kv_heads, d), cos, sin, kv_cache,
+                                     meta.slot_mapping)
+        return q, residual
 
 
 class Qwen2MLP(nn.Module):
@@ -58,8 +81,10 @@ class Qwen2DecoderLayer(nn.Module):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         qkv_bias, o_bias = attention_biases(cfg)
+        qk_norm = str(getattr(cfg, "model_type", "")).startswith("qwen3")
         self.self_attn = Qwen2Attention(cfg.hidden_size, cfg.num_attention_heads,
-                                        cfg.num_key_value_heads, head_dim, qkv_bias, o_bias)
+                                        cfg.num_key_value_heads, head_dim, qkv_bias, o_bias,
+                                        cfg.rms_norm_eps if qk_norm else None)
         self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -85,8 +110,9 @@ def attention_biases(cfg) -> tuple[bool, bool]:
 _ROPE_TYPES = (None, "default", "mrope")
 
 
-def rope_settings(cfg) -> tuple[float, list[int] | None]:
-    """rope_theta and mrope_section from a text config (transformers 4.x or 5.x layout)."""
+def rope_settings(cfg) -> tuple[float, list[int] | None, bool]:
+    """rope_theta, mrope_section and whether the sections interleave (Qwen3-VL's t h w t h w
+    ..., `mrope_interleaved`) from a text config (transformers 4.x or 5.x layout)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     scaling = getattr(cfg, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
@@ -94,7 +120,9 @@ def rope_settings(cfg) -> tuple[float, list[int] | None]:
         raise ValueError(f"rotary scaling {kind!r} is not supported (only plain RoPE and mRoPE)")
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     section = params.get("mrope_section") or scaling.get("mrope_section")
-    return float(theta), section
+    interleaved = bool(params.get("mrope_interleaved") or scaling.get("mrope_interleaved")
+                       or getattr(cfg, "model_type", "") == "qwen3_vl_text")
+    return float(theta), section, interleaved
 
 
 class Qwen2Model(nn.Module):
@@ -108,8 +136,8 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         attn = self.layers[0].self_attn
-        theta, section = rope_settings(cfg)
-        self.rotary = MRotaryEmbedding(attn.head_dim, theta, section)
+        theta, section, interleaved = rope_settings(cfg)
+        self.rotary = MRotaryEmbedding(attn.head_dim, theta, section, interleaved)
 
     def set_attention_backend(self, fn) -> None:
         for layer in self.layers:
@@ -125,11 +153,16 @@ class Qwen2Model(nn.Module):
         positions: torch.Tensor,  # [3, T] or [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``deepstack`` (Qwen3-VL): (the image rows' token indices [R], their DeepStack rows
+        [R, L, hidden]), the l-th added to the output of layer l."""
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         x, residual = inputs_embeds, None
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, cos, sin, cache, meta)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                x = x.index_add(0, deepstack[0], deepstack[1][:, i])
         return self.norm(x, residual)[0]  # [T, hidden]
 
     _STACKED = {  # checkpoint projection -> (merged module attribute, shard index)
@@ -175,8 +208,21 @@ class DecoderVLM(nn.Module):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(token_ids)
 
-    def forward(self, inputs_embeds, positions, kv_caches, meta) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+    def forward(self, inputs_embeds, positions, kv_caches, meta, **extra) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, kv_caches, meta, **extra)
+
+    @classmethod
+    def image_row_width(cls, hf_config) -> int:
+        """Width of an image's embedding rows (what the encoder gives, the store holds and
+        encoder services send): the language model's hidden size."""
+        return (getattr(hf_config, "text_config", None) or hf_config).hidden_size
+
+    def merge_image_rows(self, embeds: torch.Tensor, dest: torch.Tensor,
+                         rows: torch.Tensor) -> dict:
+        """Image rows into the token embeddings at ``dest``; returns what `forward` takes
+        besides (nothing here)."""
+        embeds.index_copy_(0, dest, rows.to(embeds.dtype))
+        return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]
@@ -196,6 +242,11 @@ class DecoderVLM(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.language_model.config.hidden_size
+
+    @property
+    def row_width(self) -> int:
+        """`image_row_width` of this model."""
+        return self.image_row_width(self.config)
 
     @property
     def num_layers(self) -> int:

@@ -9,6 +9,8 @@ _MODELS: dict[str, tuple[str, str]] = {
                                         "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
                                            "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("vlmserve.models.qwen3_vl",
+                                        "Qwen3VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
                                           "LlavaNextForConditionalGeneration"),
@@ -17,6 +19,12 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def image_row_width(hf_config) -> int:
+    """Width of the model's image embedding rows (the language model's hidden size, or wider:
+    `image_row_width` of its class)."""
+    return resolve_model_class(hf_config).image_row_width(hf_config)
 
 
 def resolve_model_class(hf_config) -> type:

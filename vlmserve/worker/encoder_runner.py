@@ -86,7 +86,7 @@ class EncoderRunner:
             if self.tp.rank != 0:
                 self.pixel_bytes_received += sum(p.nbytes for p in pixels)
             own = (self._encode(mine, pixels) if mine else
-                   torch.empty(0, self.model.hidden_size, dtype=self.dtype, device=self.device))
+                   torch.empty(0, self.model.row_width, dtype=self.dtype, device=self.device))
             parts = self.tp.gather_rows(lengths, shares, own)
         for img, part in zip(images, parts, strict=True):
             self.store.put(img.mm_hash, part)

@@ -180,7 +180,7 @@ class ModelRunner:
         model.set_attention_backend(self.attention_fn)
         share = (HostShare(tp.is_host_leader, tp.broadcast_in_host)
                  if tp is not None and tp.host_group is not None else None)
-        self.store = MMEmbeddingStore(device, model.hidden_size, dtype, offload=mm_offload,
+        self.store = MMEmbeddingStore(device, model.row_width, dtype, offload=mm_offload,
                                       buffer_rows=max_num_batched_tokens,
                                       host_rows=encoder_cache_rows, host_share=share)
         self.encoder = EncoderRunner(model, device, dtype, self.store,
@@ -450,15 +450,16 @@ class ModelRunner:
             ids[flat.to(self.device, non_blocking=True)] = self.sampled[
                 rows.to(self.device, non_blocking=True)]
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
-        rows = self.store.gather(spans)  # [len(dest_rows), hidden]
+        rows = self.store.gather(spans)  # [len(dest_rows), row width]
+        extra = {}
         if rows is not None:
             dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            embeds.index_copy_(0, dest, rows.to(embeds.dtype))
+            extra = self.model.merge_image_rows(embeds, dest, rows)
         pos = self.model.position_scheme.build(text_pos, prompt_spans).to(
             self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
-        hidden = self.model(embeds, pos, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(embeds, pos, self.kv_caches, meta, **extra)  # [T, hidden]
         prompt = None
         if scored:
             rows, tokens = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -138,7 +138,7 @@ class _RunnerState:
     @staticmethod
     def scratch(runner, image_rows: int) -> None:
         runner.requests, runner._paused_generators, runner.timeline = {}, {}, None
-        runner.store = MMEmbeddingStore(runner.device, runner.model.hidden_size, runner.dtype,
+        runner.store = MMEmbeddingStore(runner.device, runner.model.row_width, runner.dtype,
                                         offload=runner.store.offload, buffer_rows=image_rows,
                                         host_rows=image_rows)
         runner.encoder = EncoderRunner(runner.model, runner.device, runner.dtype, runner.store)

@@ -49,17 +49,18 @@ class PatchEmbed(nn.Module):
     """
 
     def __init__(
-        self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int
+        self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         kernel = (temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)
         self.embed_dim = embed_dim
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight  # [embed, C, T, P, P]
         x = pixel_values.to(w.dtype).reshape(-1, w[0].numel())  # [num_patches, C*T*P*P]
-        return F.linear(x, w.reshape(self.embed_dim, -1))  # [num_patches, embed]
+        return F.linear(x, w.reshape(self.embed_dim, -1), self.proj.bias)  # [num_patches, embed]
 
 
 class VisionRotary(nn.Module):
