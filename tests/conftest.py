@@ -36,6 +36,12 @@ def tiny_qwen25_vl_path(vlmserve_cache: Path) -> Path:
     return resolve_model("tiny-qwen2.5-vl")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_path(vlmserve_cache: Path) -> Path:
+    """Checkpoint folder of the built-in ``tiny-qwen3-vl``."""
+    return resolve_model("tiny-qwen3-vl")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """How many inputs the fuzz tests tried (they `record_property("fuzz_inputs", n)`), shown
     by `pytest -q` too."""

@@ -12,7 +12,7 @@ from tests.distributed.helpers import one_process, token_ids
 from vlmserve import LLM, SamplingParams, StructuredOutputsParams
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def test_tp2_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)

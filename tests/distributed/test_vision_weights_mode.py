@@ -35,8 +35,8 @@ def _encoder_layer_bytes(model: torch.nn.Module) -> int:
                and ".patch_embed." not in name and ".embeddings." not in name)
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava-1.5",
-                                   "tiny-llava-next"])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
+                                   "tiny-llava-1.5", "tiny-llava-next"])
 def test_tp2_weights_mode_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)

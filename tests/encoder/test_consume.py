@@ -15,7 +15,8 @@ from vlmserve.encoder.consumer_ledger import consumer_ledger
 from vlmserve.errors import InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava-1.5", "tiny-llava-next"]
+MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-llava-1.5",
+          "tiny-llava-next"]
 
 
 def prompts(llm: LLM) -> list[dict]:

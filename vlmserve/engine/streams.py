@@ -68,6 +68,10 @@ def _joined(run: list[RequestOutput]) -> RequestOutput:
     last.token_ids = [t for c in parts for t in c.token_ids]
     if last.logprobs is not None:
         last.logprobs = [lp for c in parts for lp in c.logprobs]
+    first = run[0]  # the prompt's logprobs ride on a request's first output only
+    if first.prompt_logprobs is not None:
+        run[-1].prompt_logprobs = first.prompt_logprobs
+        run[-1].prompt_logprob_ranks = first.prompt_logprob_ranks
     return run[-1]
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding for the language model, with Qwen2-VL's multimodal sections.
+"""Rotary position embedding for the language model, with mRoPE sections (Qwen2-VL, Qwen3-VL).
 
 With mRoPE each token has three positions (temporal, height, width); the rotary frequencies
 are split into `mrope_section` parts and part i takes its angle from position row i % 3.
