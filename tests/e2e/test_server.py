@@ -760,7 +760,7 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
 
 
 def test_token_chunks_from_the_template_are_the_pydantic_bytes() -> None:
-    from vlmserve.entrypoints.openai.protocol import DeltaMessage
+    from vlmserve.entrypoints.openai.responses import DeltaMessage
     from vlmserve.entrypoints.openai.streaming import _chat_chunk, _TextChunk
 
     def built(text: str) -> str:  # the chunk as the role and finish chunks are still made

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
-from vlmserve.entrypoints.openai.protocol import (
+from vlmserve.entrypoints.openai.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

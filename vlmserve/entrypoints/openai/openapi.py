@@ -11,16 +11,18 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from vlmserve.entrypoints.openai.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
-    ModelList,
     TokenizeRequest,
+)
+from vlmserve.entrypoints.openai.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
     TokenizeResponse,
 )
 

@@ -42,21 +42,23 @@ from vlmserve.entrypoints.openai.logprobs import (
 from vlmserve.entrypoints.openai.metrics import ServerMetrics
 from vlmserve.entrypoints.openai.openapi import openapi_schema
 from vlmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    random_id,
+)
+from vlmserve.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
-    random_id,
 )
 from vlmserve.entrypoints.openai.streaming import chat_events, completion_events, event_stream
 from vlmserve.entrypoints.openai.tool_calls import auto_calls_of, tool_calls_of

@@ -19,16 +19,18 @@ from vlmserve.entrypoints.openai.logprobs import (
     completion_choice_logprobs,
 )
 from vlmserve.entrypoints.openai.protocol import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatLogprobs,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+)
+from vlmserve.entrypoints.openai.responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
     UsageInfo,
 )
 from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, call_id
