@@ -21,7 +21,6 @@ request cannot fail its neighbours twice.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
 from vlmserve.core.prefetch_plan import predict_next_rows
 from vlmserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from vlmserve.core.suspects import Suspects
 from vlmserve.request import Request, RequestStatus
 
 
@@ -92,8 +92,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
-        self._suspects: set[str] = set()  # were in a failed step: run alone (`fail_steps`)
-        self._isolate_turn = False
+        self._suspects = Suspects()  # were in a failed step: each runs alone (`fail_step`)
         self.num_failed_steps = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -148,18 +147,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         enc_budget = self.max_num_encoder_tokens
         preempted = False
-        suspect = self._pick_suspect()
-        if suspect is not None:  # a step of its own
-            def eligible(r: Request) -> bool:
-                return r is suspect
-        elif self._suspects:
-            def eligible(r: Request) -> bool:
-                return r.request_id not in self._suspects
-        else:
-            def eligible(r: Request) -> bool:
-                return True
-
-        decoding = any(eligible(r) and r.decodes_next for r in self.running)
+        eligible = self._suspects.eligibility(self.running, self.waiting)
+        capped = (self.max_num_prefill_tokens_while_decoding is not None
+                  or self.max_num_encoder_tokens_while_decoding is not None)
+        decoding = capped and any(eligible(r) and r.decodes_next for r in self.running)
         prefill_budget = self._prefill_budget(budget, decoding)
         # image rows a step with decodes may encode: both caps, but its first image always
         # fits (an image is encoded whole, and must not wait for the decodes to end)
@@ -252,19 +243,6 @@ class Scheduler:
         for req in self.requests.values():  # what they hold now stays unkeyed
             req.num_registered_blocks = req.num_computed_tokens // self.kv.block_size
 
-    def _pick_suspect(self) -> Request | None:
-        """The suspect to run alone this step, or None for a step of the others: suspects
-        get every other step while others have work (a running one first: it holds KV)."""
-        if not self._suspects:
-            return None
-        self._isolate_turn = not self._isolate_turn
-        others = any(r.request_id not in self._suspects
-                     for r in itertools.chain(self.running, self.waiting))
-        if others and not self._isolate_turn:
-            return None
-        return next(r for r in itertools.chain(self.running, self.waiting)
-                    if r.request_id in self._suspects)
-
     def fail_step(self, failed: SchedulerOutput, lost: list[SchedulerOutput],
                   error: str) -> list[Request]:
         """Step `failed` raised in the worker, and the results of the steps `lost` (in flight
@@ -289,7 +267,7 @@ class Scheduler:
                 req.error = error
                 self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
         else:
-            self._suspects.update(req.request_id for req in culprits)
+            self._suspects.ids.update(req.request_id for req in culprits)
         for rid in {rid for so in outs for rid in so.num_scheduled_tokens}:
             req = self.requests.get(rid)
             if req is None:
@@ -474,7 +452,7 @@ class Scheduler:
         if req is None:
             return
         self._preempted_ids.discard(request_id)
-        self._suspects.discard(request_id)
+        self._suspects.ids.discard(request_id)
         if req.status == RequestStatus.PREEMPTED:
             self._finished_ids.add(request_id)  # the worker still holds its paused generator
         if req.status == RequestStatus.RUNNING:

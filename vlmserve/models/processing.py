@@ -103,8 +103,6 @@ class HFInputProcessor:
 
     def token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The prompt's token ids: ``prompt`` tokenized, or ``prompt_token_ids`` as given."""
-        from vlmserve.errors import InvalidRequestError
-
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
         if prompt is None:
