@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.test_server import data_url, greedy, user
 from tests.engine.helpers import make_image
 from vlmserve import LLM
+from vlmserve.entrypoints.openai.launch import bind_sockets
 
 MODEL = "tiny-qwen2-vl"
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
@@ -280,6 +282,29 @@ def test_port_in_use_fails_before_loading(vlmserve_cache: Path) -> None:
     assert r.returncode != 0 and f"127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - start < 30
 
+
+
+def test_front_end_sockets_share_the_port_and_its_connections() -> None:
+    """Each front end's own socket in one reuse-port group: new connections reach every one
+    (one shared socket handed nearly all of them to one process), and the port stays ours."""
+    socks = bind_sockets("127.0.0.1", 0, 3)
+    port = socks[0].getsockname()[1]
+    try:
+        assert {s.getsockname()[1] for s in socks} == {port}
+        seen = set()
+        for _ in range(60):
+            with socket.create_connection(("127.0.0.1", port)):
+                ready, _, _ = select.select(socks, [], [], 5)
+                for s in ready:
+                    s.accept()[0].close()
+                    seen.add(socks.index(s))
+        assert seen == {0, 1, 2}
+        for count in (1, 2):  # neither a plain server nor another group may join it
+            with pytest.raises(SystemExit, match=f"127.0.0.1:{port}.*in use"):
+                bind_sockets("127.0.0.1", port, count)
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_readme_curl_example_with_a_512px_photo(serve, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
     --api-server-count 1 (default)        --api-server-count N
     this process: HTTP front end          this process: supervisor (binds the port, waits)
       '- child: engine core                 |- child: engine core
-                                            '- N children: HTTP front ends, one shared socket
+                                            '- N children: HTTP front ends, a socket each
 
 Under torchrun (`torchrun ... -m vlmserve serve ... --tensor-parallel-size N`), global rank 0
 is this server, whose engine core (a child: it inherits torchrun's variables) is tensor-parallel
@@ -51,11 +51,25 @@ DEAD_EXIT_DELAY_S = 1.0
 _PROM_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound now; a port in use raises `SystemExit` naming it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def bind_sockets(host: str, port: int, count: int = 1) -> list[socket.socket]:
+    """`count` listening sockets on host:port, bound now; a port in use raises `SystemExit`
+    naming it. Several front ends get one socket each in an SO_REUSEPORT group, so the kernel
+    spreads connections over them by address hash (one shared socket hands most of them to
+    whichever process woke last). A plain bind proves the port free first: another server's
+    reuse-port group would otherwise take this one in silently."""
+    sock = _bind(host, port, reuse_port=False)
+    if count == 1:
+        return [sock]
+    port = sock.getsockname()[1]  # port 0: the one the kernel chose, for all of them
+    sock.close()
+    return [_bind(host, port, reuse_port=True) for _ in range(count)]
+
+
+def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -138,7 +152,7 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     from vlmserve.encoder.encoder import MultimodalEncoder
     from vlmserve.entrypoints.openai.encoder_server import build_encoder_app, encoder_kwargs
 
-    sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails now
+    sock, = bind_sockets(cfg.host, cfg.port)  # before the model loads: a busy port fails now
     encoder = MultimodalEncoder(**encoder_kwargs(cfg, kwargs))
     try:
         app = build_encoder_app(encoder, cfg)
@@ -175,7 +189,7 @@ def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
     sys.exit(serve_frontend(config, cfg, sock, core))
 
 
-def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> int:
+def _supervise(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket]) -> int:
     """Start the engine core and `api_server_count` front ends; wait for them. The front ends
     keep their Prometheus metrics in a directory of this process's own (multiprocess mode), so
     each one's `/metrics` shows them all."""
@@ -184,7 +198,7 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
     # a spawned child imports prometheus_client anew and reads this at import time
     os.environ[_PROM_DIR_VAR] = metrics_dir
     try:
-        return _run_processes(config, cfg, sock, metrics_dir)
+        return _run_processes(config, cfg, socks, metrics_dir)
     finally:
         if saved is None:
             os.environ.pop(_PROM_DIR_VAR, None)
@@ -193,16 +207,17 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, sock: socket.socket) -> 
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _run_processes(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
+def _run_processes(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket],
                    metrics_dir: str) -> int:
     ctx = mp.get_context("spawn")
     core_proc, core = start_engine_core(config, cfg.log_level)
     fronts = [ctx.Process(target=_frontend_main, name=f"vlmserve-api-{i}",
                           args=(config, cfg, sock, core))
-              for i in range(cfg.api_server_count)]
+              for i, sock in enumerate(socks)]
     for p in fronts:
         p.start()
-    sock.close()
+    for sock in socks:
+        sock.close()
     stopping = False
     dead: set[int] = set()
 
@@ -291,9 +306,9 @@ def run_server(args: Any) -> None:
         from vlmserve.executor.multiproc import run_torchrun_worker
 
         sys.exit(run_torchrun_worker(config, env))
-    sock = bind_socket(cfg.host, cfg.port)
+    socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)
     if cfg.api_server_count == 1:
-        code = serve_frontend(config, cfg, sock)
+        code = serve_frontend(config, cfg, socks[0])
     else:
-        code = _supervise(config, cfg, sock)
+        code = _supervise(config, cfg, socks)
     sys.exit(code)
