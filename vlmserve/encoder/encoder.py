@@ -31,6 +31,7 @@ from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import iter_safetensors, load_hf_config
+from vlmserve.models.quantization import checkpoint_quantization
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
 
@@ -175,8 +176,9 @@ class MultimodalEncoder:
         torch.manual_seed(mc.seed)
         self.vision = build_encoder(self.hf_config, self.dtype, self.device)
         # only the encoder's tensors are read from disk
-        loaded = self.vision.load_weights(iter_safetensors(self.model_path,
-                                                           model_cls.encoder_prefixes))
+        loaded = self.vision.load_weights(iter_safetensors(
+            self.model_path, model_cls.encoder_prefixes,
+            quant=checkpoint_quantization(self.hf_config)))
         missing = {n for n, _ in self.vision.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {self.model_path} lacks vision weights: "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,47 +29,69 @@ from vlmserve.distributed.tensor_parallel import (
     shard_model,
     shard_vision_encoder,
 )
+from vlmserve.models.quantization import SCALE_SUFFIX, Fp8BlockQuant, checkpoint_quantization
 from vlmserve.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(path: str | Path):
+    """The checkpoint's transformers config; a quantization it cannot load raises
+    `ValueError` naming it (models/quantization.py), before anything loads."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint folder: it has no "
                          "config.json")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    checkpoint_quantization(config)
+    return config
 
 
 def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
-                     slice_for: Callable[[str], TensorSlice | None] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     slice_for: Callable[[str], TensorSlice | None] | None = None,
+                     quant: Fp8BlockQuant | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the checkpoint's weights; with `prefixes`, only the names starting
     with one of them (no other tensor is read from disk). `slice_for(name)`: the part of that
-    tensor to read instead of all of it, or None."""
+    tensor to read instead of all of it, or None. With `quant`, FP8 weights come back
+    dequantized (float32) under their own names and their scales are not given."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    scales = {}  # a quantized weight's scale may sit in another file
+    if quant is not None:
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                scales.update({n: f for n in fh.keys() if n.endswith(SCALE_SUFFIX)})
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if prefixes and not name.startswith(prefixes):
+                if prefixes and not name.startswith(prefixes) or name in scales:
                     continue
                 part = slice_for(name) if slice_for is not None else None
-                if part is None:
+                whole = fh.get_slice(name)
+                if name + SCALE_SUFFIX in scales:  # the whole weight, read back, then its part
+                    with safe_open(str(scales[name + SCALE_SUFFIX]), framework="pt") as sh:
+                        whole = quant.dequantize(whole[:], sh.get_tensor(name + SCALE_SUFFIX))
+                elif part is None:
                     yield name, fh.get_tensor(name)
                     continue
-                whole = fh.get_slice(name)
-                if part.blocks > 1:  # a fused q/k/v: the rows of each third
-                    n = whole.get_shape()[0] // part.blocks
-                    t = torch.cat([whole[b * n + part.start:b * n + part.stop]
-                                   for b in range(part.blocks)])
-                elif part.dim == 0:
-                    t = whole[part.start:part.stop]
-                else:
-                    t = whole[:, part.start:part.stop]
-                if part.dim == 0 and t.shape[0] < part.size:  # the last vocabulary shard
-                    pad = torch.zeros((part.size - t.shape[0], *t.shape[1:]), dtype=t.dtype)
-                    t = torch.cat([t, pad])
-                yield name, t
+                yield name, whole if part is None else _part(whole, part)
+
+
+def _part(whole, part: TensorSlice) -> torch.Tensor:
+    """`part` of a tensor, or of a safetensors slice (only that part read from disk)."""
+    shape = whole.get_shape() if hasattr(whole, "get_shape") else whole.shape
+    if part.blocks > 1:  # a fused q/k/v: the rows of each third
+        n = shape[0] // part.blocks
+        t = torch.cat([whole[b * n + part.start:b * n + part.stop]
+                       for b in range(part.blocks)])
+    elif part.dim == 0:
+        t = whole[part.start:part.stop]
+    else:
+        t = whole[:, part.start:part.stop]
+    if part.dim == 0 and t.shape[0] < part.size:  # the last vocabulary shard
+        pad = torch.zeros((part.size - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+        t = torch.cat([t, pad])
+    return t
 
 
 _META_LOCK = threading.Lock()
@@ -192,7 +215,11 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
                 return plan.slice_for(name)
             return None if vision_plan is None else vision_plan.slice_for(name)
 
-    loaded = model.load_weights(iter_safetensors(path, slice_for=slice_for))
+    quant = checkpoint_quantization(hf_config)
+    if quant is not None:
+        logger.warning("%s holds FP8 weights: they are read back to %s as they load (no FP8 "
+                       "kernels here), so the model takes that dtype's memory", path, dtype)
+    loaded = model.load_weights(iter_safetensors(path, slice_for=slice_for, quant=quant))
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
