@@ -29,6 +29,11 @@ class ModelConfig:
         "model's generation_config.json: its temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_new_tokens, as vLLM does), vllm (none of it: "
         "SamplingParams' own defaults), or a folder holding a generation_config.json.")
+    mm_processor_kwargs: dict[str, Any] | None = _opt(
+        None, "Image processor options (vLLM's; JSON on the command line): for the Qwen "
+        "models min_pixels and max_pixels (or size: {shortest_edge, longest_edge}), the pixel "
+        "range every image is resized into, which decides its token count; LLaVA's take "
+        "none. A request may give its own (mm_processor_kwargs) for its images.")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "

@@ -78,16 +78,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """OpenAI-style messages (text and image_url parts) through the chat template, with
         ``tools`` (OpenAI's function definitions) where the template shows them; vLLM's
         ``chat_template`` (a Jinja template instead of the model's), ``add_generation_prompt``,
-        ``continue_final_message`` (the last, assistant message continued) and
-        ``chat_template_kwargs`` (variables for the template)."""
+        ``continue_final_message`` (the last, assistant message continued),
+        ``chat_template_kwargs`` (variables for the template) and ``mm_processor_kwargs``
+        (the image processor's options for these images: min_pixels / max_pixels for the
+        Qwen models)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         options = ChatTemplateOptions(chat_template, add_generation_prompt,
                                       continue_final_message, chat_template_kwargs or {})
         prompts = [self.chat_prompt(conv, tools, options) for conv in conversations]
+        if mm_processor_kwargs:
+            prompts = [{**p, "mm_processor_kwargs": mm_processor_kwargs} for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages: list[dict[str, Any]],

@@ -59,16 +59,20 @@ def test_engine_options_parse_to_typed_kwargs() -> None:
     args = make_parser().parse_args([
         "serve", "some-model", "--max-num-seqs", "3", "--max-model-len", "100",
         "--no-enable-chunked-prefill", "--mm-embedding-offload", "--gpu-memory-utilization",
-        "0.5", "--port", "9000", "--allow-remote-images"])
+        "0.5", "--port", "9000", "--allow-remote-images",
+        "--mm-processor-kwargs", '{"max_pixels": 3136}'])
     assert engine_kwargs(args) == {
         "max_num_seqs": 3, "max_model_len": 100, "enable_chunked_prefill": False,
-        "mm_embedding_offload": True, "gpu_memory_utilization": 0.5}
+        "mm_embedding_offload": True, "gpu_memory_utilization": 0.5,
+        "mm_processor_kwargs": {"max_pixels": 3136}}
     config = EngineConfig.from_kwargs(model="some-model", **engine_kwargs(args))
     assert config.scheduler_config.max_num_seqs == 3 and config.model_config.max_model_len == 100
     server = ServerConfig.from_args(args)
     assert server.port == 9000 and server.allow_remote_images and server.limit_mm_per_prompt == 8
-    with pytest.raises(SystemExit):
-        make_parser().parse_args(["serve", "--max-num-seqs", "many"])
+    for flags in (["--max-num-seqs", "many"], ["--mm-processor-kwargs", "{max_pixels: 1}"],
+                  ["--mm-processor-kwargs", "[1]"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["serve", *flags])
 
 
 def test_generate_prints_the_answer(vlmserve_cache: Path, tmp_path: Path) -> None:
@@ -138,6 +142,8 @@ def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None
     (["generate", "--device", "cuda", "hi"], "no CUDA GPU"),
     (["generate", "--no-enable-chunked-prefill", "--max-num-prefill-tokens-while-decoding",
       "64", "hi"], "needs chunked prefill"),
+    (["generate", "--mm-processor-kwargs", '{"max_pixel": 1}', "--dtype", "float32", "hi"],
+     "unknown option(s) ['max_pixel']"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, capsys, argv,
                                                     words) -> None:

@@ -468,6 +468,28 @@ def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
         assert param is None or r.json()["error"]["param"] == param
 
 
+def test_mm_processor_kwargs_resize_a_requests_images(server: Server, llm: LLM) -> None:
+    """vLLM's `mm_processor_kwargs` of a chat request: its images resized into that pixel
+    range, as `LLM.chat` given the same; the same image without them is another image (its
+    own cache entry); bad options are a 400 naming the problem."""
+    messages = user("What is this?", data_url(make_image(224, 168, 5)))
+    small = {"max_pixels": 56 * 56}
+    expected = llm.chat(messages, greedy(8), use_tqdm=False, mm_processor_kwargs=small)[0]
+    plain = llm.chat(messages, greedy(8), use_tqdm=False)[0]
+    assert len(expected.prompt_token_ids) < len(plain.prompt_token_ids)
+    for kw, ref in ((small, expected), (None, plain), (small, expected)):
+        extra = {"ignore_eos": True} | ({"mm_processor_kwargs": kw} if kw else {})
+        resp = chat(server, messages, 8, extra_body=extra)
+        assert resp.choices[0].message.content == ref.outputs[0].text
+        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    counted = httpx.post(server.url + "/tokenize", json={
+        "messages": messages, "mm_processor_kwargs": small}).json()["count"]
+    assert counted == len(expected.prompt_token_ids)
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 2, "mm_processor_kwargs": {"max_pixels": "big"}})
+    assert r.status_code == 400 and "max_pixels must be a positive integer" in r.text
+
+
 def test_chat_template_options_and_the_servers_own_template(server: Server, llm: LLM,
                                                              tmp_path: Path) -> None:
     """vLLM's per-request add_generation_prompt, continue_final_message and

@@ -130,6 +130,27 @@ def test_same_image_twice_in_a_prompt_and_across_requests(setup):
     assert stats["num_images_encoded"] == 2  # a and b, once each
 
 
+def test_mm_processor_kwargs_per_request_and_per_engine(setup):
+    """One image processed two ways (a request's own `mm_processor_kwargs`, and the
+    engine's), in one batch, twice: two encodes, neither output taking the other's rows
+    (prefix cache, encoder cache), each equal to transformers; an engine given the options
+    itself answers as the request that gave them."""
+    name, llm, oracle = setup
+    img = make_image(224, 196, 7)
+    base = chat_prompt(llm, "Describe it.", [img])
+    small = {**base, "mm_processor_kwargs": {"max_pixels": 112 * 112}}
+    assert (len(llm.engine.input_processor.process(small).prompt_token_ids)
+            < len(llm.engine.input_processor.process(base).prompt_token_ids))
+    engine = check(llm, oracle, [base, small, small, base], max_num_batched_tokens=64).engine
+    assert engine.get_stats()["num_images_encoded"] == 2
+    check(llm, oracle, [small, base])  # the second time from the caches
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    capped = LLM(name, dtype="float32", device=DEVICE,
+                 mm_processor_kwargs={"max_pixels": 112 * 112})
+    assert ([o.outputs[0].token_ids for o in capped.generate([base], params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in llm.generate([small], params, use_tqdm=False)])
+
+
 def test_everything_at_once(setup):
     """Chunking through images, few sequences, preemption, offload and the cache together."""
     _, llm, oracle = setup

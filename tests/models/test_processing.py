@@ -281,3 +281,47 @@ def test_chat_template_gets_tools_and_tool_messages(processor) -> None:
         tok.chat_template = saved
     assert text.replace("\n", "") == ("TOOL weatheruser: Weather?assistant:  CALL weather"
                                       "tool: sunny FOR c1")
+
+
+@pytest.mark.parametrize("kwargs", [{"max_pixels": 112 * 112}, {"min_pixels": 224 * 224},
+                                    {"size": {"shortest_edge": 84 * 84,
+                                              "longest_edge": 168 * 168}}])
+def test_mm_processor_kwargs_resize_as_hf_does(model_and_processor, kwargs) -> None:
+    """A request's `mm_processor_kwargs` (and the engine's) resize its images as the HF
+    processor given the same options: the same grids and pixel values, bit for bit; the
+    images hash apart from the engine's way of processing them."""
+    path, model, proc = model_and_processor
+    images = [random_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+    options = proc.image_options(kwargs)
+    out = proc.process(proc.apply_chat_template(chat(3)), None, images, options)
+    hf_kwargs = dict(kwargs)
+    if "size" not in hf_kwargs:  # transformers takes them as its size
+        hf_kwargs = {"size": {"shortest_edge": kwargs.get("min_pixels", proc.min_pixels),
+                              "longest_edge": kwargs.get("max_pixels", proc.max_pixels)}}
+    hf = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt",
+                                                 **hf_kwargs)
+    assert [i.encoder_meta for i in out.images] == [tuple(g) for g in
+                                                    hf["image_grid_thw"].tolist()]
+    assert torch.equal(pixel_values(out.images), hf["pixel_values"])
+    plain = proc.process(proc.apply_chat_template(chat(3)), None, images)
+    assert [i.encoder_meta for i in plain.images] != [i.encoder_meta for i in out.images]
+    assert not {i.mm_hash for i in plain.images} & {i.mm_hash for i in out.images}
+    engine = Qwen2VLInputProcessor(path, model.config, kwargs)  # the engine's own options
+    same = engine.process(engine.apply_chat_template(chat(3)), None, images)
+    assert [i.encoder_meta for i in same.images] == [i.encoder_meta for i in out.images]
+    if "max_pixels" in kwargs:
+        unit = proc.patch_size * proc.merge_size
+        assert engine.max_image_tokens == kwargs["max_pixels"] // unit**2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_pixel": 5}, r"unknown option\(s\) \['max_pixel'\]"),
+    ({"max_pixels": 0}, "max_pixels must be a positive integer"),
+    ({"min_pixels": "1"}, "min_pixels must be a positive integer"),
+    ({"min_pixels": 9000, "max_pixels": 100}, "min_pixels 9000 exceeds max_pixels 100"),
+    ({"size": {"height": 3}}, "size must be an object"),
+    ([1], "must be an object"),
+])
+def test_mm_processor_kwargs_errors_name_the_problem(processor, kwargs, message) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        processor.image_options(kwargs)

@@ -190,7 +190,8 @@ class MultimodalEncoder:
         self.vision.set_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device,
                                          self.dtype))
-        self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config)
+        self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config,
+                                                             mc.mm_processor_kwargs)
         text = getattr(self.hf_config, "text_config", None) or self.hf_config
         self.input_processor = InputProcessor(self.model_processor, text.vocab_size)
 

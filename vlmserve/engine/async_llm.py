@@ -84,7 +84,8 @@ class AsyncLLM:
             self._proc, core = start_engine_core(config, log_level)
         self.core = core
         try:
-            path, hf_config, model_processor = load_model_processor(config.model_config.model)
+            path, hf_config, model_processor = load_model_processor(
+                config.model_config.model, config.model_config.mm_processor_kwargs)
             self.sampling_defaults = sampling_defaults(config, path)
             text = text_config(hf_config)
             self.input_processor = InputProcessor(model_processor, text.vocab_size,
@@ -281,7 +282,7 @@ class AsyncLLM:
             self._kill_core()
 
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
-        return start_pool(self._preprocess_workers, self.config.model_config.model,
+        return start_pool(self._preprocess_workers, self.config.model_config,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
                            wait, self.image_cache_bytes, self._preprocess_threads)
 

@@ -94,12 +94,13 @@ def sampling_defaults(config: EngineConfig, model_path: str | Path) -> dict[str,
     return defaults
 
 
-def load_model_processor(model: str):
-    """(checkpoint path, HF config, the model's input processor) for a model name or folder."""
+def load_model_processor(model: str, mm_processor_kwargs: dict | None = None):
+    """(checkpoint path, HF config, the model's input processor with the engine's
+    `mm_processor_kwargs`) for a model name or folder."""
     path = resolve_model(model)
     hf_config = load_hf_config(path)
     model_cls = resolve_model_class(hf_config)
-    return path, hf_config, model_cls.input_processor_cls(path, hf_config)
+    return path, hf_config, model_cls.input_processor_cls(path, hf_config, mm_processor_kwargs)
 
 
 class StepTrace:
@@ -163,7 +164,8 @@ class EngineCore:
         config = with_sized_limits(config, device.type, memory, serving)
         self.config = config
         mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
-        self.model_path, self.hf_config, processor = load_model_processor(mc.model)
+        self.model_path, self.hf_config, processor = load_model_processor(
+            mc.model, mc.mm_processor_kwargs)
         self.model_processor = model_processor or processor
         self.max_model_len = mc.max_model_len or text_config(
             self.hf_config).max_position_embeddings

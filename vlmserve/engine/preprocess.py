@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from vlmserve.config import ModelConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.core import freeze_startup_heap, load_model_processor
@@ -88,13 +89,13 @@ def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
                          consumer_rows=limits.encoder_cache_rows) if urls else None
 
 
-def _init_worker(model: str, vocab_size: int, limits: AdmissionLimits,
+def _init_worker(mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...], image_cache_bytes: int = 0,
                  threads: int = 1) -> None:
     global _worker
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
-    _, hf_config, model_processor = load_model_processor(model)
+    _, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
     _worker = (InputProcessor(model_processor, vocab_size, image_row_width(hf_config),
                               image_cache_bytes), limits, eos_token_ids, Encoder())
     freeze_startup_heap()
@@ -120,16 +121,16 @@ def _ready() -> int:
     return os.getpid()
 
 
-def start_pool(workers: int, model: str, vocab_size: int, limits: AdmissionLimits,
+def start_pool(workers: int, mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
                 image_cache_bytes: int = 0, threads: int = 1
                 ) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
     threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
-    first requests do not pay for it)."""
+    first requests do not pay for it); `mc`: the model and its processor's options."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(model, vocab_size, limits, eos_token_ids, image_cache_bytes, threads))
+        initargs=(mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads))
     if not wait:
         return pool
     pids: set[int] = set()

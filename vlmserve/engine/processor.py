@@ -108,13 +108,15 @@ class InputProcessor:
         self.image_cache = (PreparedImageCache(image_cache_bytes) if image_cache_bytes > 0
                             and hasattr(model_processor, "prepare") else None)
 
-    def _images(self, prompt: dict[str, Any], load: ImageLoader) -> list:
+    def _images(self, prompt: dict[str, Any], load: ImageLoader, options: Any) -> list:
         """The prompt's images, loaded; from the cache of processed images when every one
         of them is there (the request's pixel limit still checked), else all loaded (each
-        then processed and kept)."""
+        then processed with ``options``, the model processor's `image_options`, and kept)."""
         cache = self.image_cache
         sources = _image_sources(prompt)
         keys = [_source_key(src) for src in sources] if cache is not None else []
+        if options is not None:  # processed otherwise than the engine's way: another entry
+            keys = [k and f"{k} {options}" for k in keys]
         if cache is None or not sources or None in keys:
             return _images_of(prompt, load)
         found = cache.get_all(keys)
@@ -126,7 +128,8 @@ class InputProcessor:
                     f"the request's {len(found)} images hold {total} pixels in all, which "
                     f"exceeds the limit of {limit} (--max-request-pixels)")
             return found
-        prepared = [self.model_processor.prepare(img) for img in _images_of(prompt, load)]
+        prepared = [self.model_processor.prepare(img, options)
+                    for img in _images_of(prompt, load)]
         for key, p in zip(keys, prepared, strict=True):
             cache.put(key, p)
         return prepared
@@ -172,27 +175,30 @@ class InputProcessor:
     def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
         """Validate and preprocess; `load` turns each image source into a decoded image (a
         server passes one with its limits on paths, URLs and sizes)."""
+        options = None
         if isinstance(prompt, str):
             text, token_ids, images = prompt, None, []
         elif isinstance(prompt, dict) and "multi_modal_embeddings" in prompt:
             return self._checked(self._encoded(prompt))
         elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data",
+                                     "mm_processor_kwargs"}
             if unknown:
                 raise InvalidRequestError(f"unknown prompt field(s): {sorted(unknown)}")
+            options = self.model_processor.image_options(prompt.get("mm_processor_kwargs"))
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if (text is None) == (token_ids is None):
                 raise InvalidRequestError("give exactly one of 'prompt' and 'prompt_token_ids'")
             if token_ids is not None and (not isinstance(token_ids, (list, tuple)) or not all(
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
-            images = self._images(prompt, load)
+            images = self._images(prompt, load, options)
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt must be a string")
         return self._checked(self.model_processor.process(
-            text, list(token_ids) if token_ids is not None else None, images))
+            text, list(token_ids) if token_ids is not None else None, images, options))
 
     def check_sampling(self, params: SamplingParams) -> None:
         """`params.validate()`, its logit biases name tokens of the vocabulary, and its

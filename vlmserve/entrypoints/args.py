@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 from collections.abc import Iterable
@@ -157,11 +158,27 @@ class ServerConfig:
         return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object given on the command line (`--mm-processor-kwargs '{"max_pixels": 1}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_json_object.__name__ = "json"  # the metavar: --mm-processor-kwargs JSON
+
+
 def _field_type(f: dataclasses.Field) -> type:
     """The non-None type of a field annotated `X` or `X | None` (annotations may be strings)."""
     t = f.type
     if isinstance(t, str):
         names = [p.strip() for p in t.split("|") if p.strip() != "None"]
+        if len(names) == 1 and names[0].startswith("dict"):
+            return _json_object
         return _TYPES.get(names[0], str) if len(names) == 1 else str
     if get_origin(t) in (Union, types.UnionType):
         args = [a for a in get_args(t) if a is not type(None)]

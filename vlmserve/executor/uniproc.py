@@ -136,8 +136,8 @@ class UniprocExecutor:
         (its steps run the same collectives on each)."""
         start = time.perf_counter()
         if processor is None:
-            processor = type(self.runner.model).input_processor_cls(self.model_path,
-                                                                    self.hf_config)
+            processor = type(self.runner.model).input_processor_cls(
+                self.model_path, self.hf_config, self.config.model_config.mm_processor_kwargs)
         sc = self.config.scheduler_config
         image_rows = processor.max_image_tokens  # as the engine core's encoder budget
         limits = Limits(

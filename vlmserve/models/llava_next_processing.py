@@ -103,8 +103,9 @@ class LlavaNextInputProcessor(HFInputProcessor):
 
     PIL_IMAGE_PROCESSOR = "LlavaNextImageProcessorPil"
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
-        super().__init__(model_path, hf_config)
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
+                 mm_processor_kwargs: dict | None = None) -> None:
+        super().__init__(model_path, hf_config, mm_processor_kwargs)
         hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         if hf_config.vision_feature_select_strategy != "default":
@@ -139,7 +140,7 @@ class LlavaNextInputProcessor(HFInputProcessor):
         return num_image_tokens(height, width, self.pinpoints, self.tile, self.patches)
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                images: Sequence[Image.Image]) -> ProcessedPrompt:
+                images: Sequence[Image.Image], options: None = None) -> ProcessedPrompt:
         """Tokenize, tile the images, expand each ``<image>`` placeholder to its image's count.
 
         The prompt holds one ``<image>`` token per image (as the chat template renders it), or

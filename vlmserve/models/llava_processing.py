@@ -58,8 +58,9 @@ class LlavaInputProcessor(HFInputProcessor):
 
     PIL_IMAGE_PROCESSOR = "CLIPImageProcessorPil"
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
-        super().__init__(model_path, hf_config)
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
+                 mm_processor_kwargs: dict | None = None) -> None:
+        super().__init__(model_path, hf_config, mm_processor_kwargs)
         hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         self.num_image_tokens = tokens_per_image(hf_config)
@@ -81,7 +82,7 @@ class LlavaInputProcessor(HFInputProcessor):
         return self.num_image_tokens
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                images: Sequence[Image.Image]) -> ProcessedPrompt:
+                images: Sequence[Image.Image], options: None = None) -> ProcessedPrompt:
         """Tokenize, resize and crop the images, expand each ``<image>`` placeholder.
 
         The prompt holds one ``<image>`` token per image (as the chat template renders it), or

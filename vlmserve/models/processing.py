@@ -67,7 +67,8 @@ class HFInputProcessor:
 
     PIL_IMAGE_PROCESSOR = ""
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = Path(model_path)
@@ -80,6 +81,16 @@ class HFInputProcessor:
         self.tokenizer.model_max_length = 1 << 62
         self._tokenizer_lock = threading.Lock()
         self.image_processor = load_image_processor(self.model_path, self.PIL_IMAGE_PROCESSOR)
+        # the engine's own (`mm_processor_kwargs`): a subclass that takes options applies them
+        self.image_options(mm_processor_kwargs)
+
+    def image_options(self, kwargs: dict[str, Any] | None) -> Any:
+        """A request's `mm_processor_kwargs`, checked, as the options its images are
+        processed with (None: the engine's). This model's image processor takes none."""
+        if kwargs:
+            raise InvalidRequestError(f"mm_processor_kwargs: this model's image processor "
+                                      f"takes no options, got {sorted(kwargs)}")
+        return None
 
     def hash_extra(self, **more: Any) -> str:
         """What decides an image's embedding besides its pixels: the model, the image

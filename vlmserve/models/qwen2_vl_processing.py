@@ -93,7 +93,8 @@ class Qwen2VLInputProcessor(HFInputProcessor):
 
     PIL_IMAGE_PROCESSOR = "Qwen2VLImageProcessorPil"
 
-    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None) -> None:
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
+                 mm_processor_kwargs: dict | None = None) -> None:
         super().__init__(model_path, hf_config)
         hf_config = self.hf_config
         self.image_token_id: int = hf_config.image_token_id
@@ -105,30 +106,74 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                 else lambda k: getattr(ip.size, k, None))
         self.min_pixels: int = edge("shortest_edge") or ip.min_pixels
         self.max_pixels: int = edge("longest_edge") or ip.max_pixels
+        self.min_pixels, self.max_pixels = (self.image_options(mm_processor_kwargs)
+                                            or (self.min_pixels, self.max_pixels))
         self._smart_resize = _smart_resize()
         self.pixel_transform = Qwen2VLPixels(
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
-        self._hash_extra = self.hash_extra()
+        self._hash_extras: dict[tuple[int, int] | None, str] = {}
+
+    def image_options(self, kwargs: dict | None) -> tuple[int, int] | None:
+        """A request's `mm_processor_kwargs` as the (min_pixels, max_pixels) its images are
+        resized into (None: the engine's): ``min_pixels``, ``max_pixels``, or transformers'
+        ``size`` ({shortest_edge, longest_edge}), each a positive number of pixels."""
+        if not kwargs:
+            return None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequestError("mm_processor_kwargs must be an object")
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "size"})
+        if unknown:
+            raise InvalidRequestError(f"mm_processor_kwargs: unknown option(s) {unknown}; "
+                                      "this model's image processor takes min_pixels, "
+                                      "max_pixels and size")
+        size = kwargs.get("size") or {}
+        if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
+            raise InvalidRequestError("mm_processor_kwargs: size must be an object of "
+                                      "shortest_edge and longest_edge")
+        lo = kwargs.get("min_pixels", size.get("shortest_edge", self.min_pixels))
+        hi = kwargs.get("max_pixels", size.get("longest_edge", self.max_pixels))
+        for name, v in (("min_pixels", lo), ("max_pixels", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 40:
+                raise InvalidRequestError(f"mm_processor_kwargs: {name} must be a positive "
+                                          f"integer, got {v!r}")
+        if lo > hi:
+            raise InvalidRequestError(f"mm_processor_kwargs: min_pixels {lo} exceeds "
+                                      f"max_pixels {hi}")
+        return None if (lo, hi) == (self.min_pixels, self.max_pixels) else (lo, hi)
+
+    def _hash_extra(self, options: tuple[int, int] | None) -> str:
+        """What an image's hash adds to its pixels: the processor's settings and the pixel
+        range it is resized into."""
+        extra = self._hash_extras.get(options)
+        if extra is None:
+            if len(self._hash_extras) > 64:  # requests' own ranges: a few, usually
+                self._hash_extras.clear()
+            extra = self._hash_extras[options] = self.hash_extra(
+                pixels=list(options or (self.min_pixels, self.max_pixels)))
+        return extra
 
     def num_image_tokens(self, grid_thw: Sequence[int]) -> int:
         """Placeholder tokens (== embedding rows) of an image with patch grid ``grid_thw``."""
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size**2
 
-    def prepare(self, image: Image.Image) -> PreparedImage:
+    def prepare(self, image: Image.Image, options: tuple[int, int] | None = None
+                ) -> PreparedImage:
         """The host part of the image processor for one image: its content hash and its
-        resized pixels (what a cache of processed images keeps)."""
+        resized pixels (what a cache of processed images keeps); ``options``: the pixel range
+        of `image_options` (None: the engine's)."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         array = np.array(rgb)  # writable: torch.from_numpy shares it
-        return PreparedImage(hash_image(array, self._hash_extra), self._resize(rgb, array),
-                             image.width * image.height)
+        return PreparedImage(hash_image(array, self._hash_extra(options)),
+                             self._resize(rgb, array, options), image.width * image.height)
 
     def process(
         self,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
         images: Sequence[Image.Image | PreparedImage],
+        options: tuple[int, int] | None = None,
     ) -> ProcessedPrompt:
         """Tokenize, run the image processor, expand placeholders, compute mRoPE positions.
 
@@ -150,7 +195,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                 prompt, ids, images=[], prompt_positions=positions, position_offset=delta
             )
 
-        prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
+        prepared = [img if isinstance(img, PreparedImage) else self.prepare(img, options)
                     for img in images]
         hashes = [p.mm_hash for p in prepared]
         resized = [p.pixels for p in prepared]
@@ -197,7 +242,8 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         unit = self.patch_size * self.merge_size
         return max(int(self.max_pixels) // (unit * unit), 1)
 
-    def _resize(self, image: Image.Image, array: np.ndarray) -> torch.Tensor:
+    def _resize(self, image: Image.Image, array: np.ndarray,
+                options: tuple[int, int] | None = None) -> torch.Tensor:
         """The image at the size the HF processor gives it, ``[H, W, 3]`` uint8, resized (only
         when the size changes) by the same library as the HF backend in use."""
         ip = self.image_processor
@@ -208,10 +254,10 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                 raise InvalidImageError(f"image of {width}x{height} pixels: without resizing, "
                                         f"both sides must be multiples of {factor}")
             return torch.from_numpy(array)
+        lo, hi = options or (self.min_pixels, self.max_pixels)
         try:
             new_h, new_w = self._smart_resize(height, width, factor=factor,
-                                              min_pixels=self.min_pixels,
-                                              max_pixels=self.max_pixels)
+                                              min_pixels=lo, max_pixels=hi)
         except ValueError as e:  # e.g. an aspect ratio the resizer refuses
             raise InvalidImageError(f"image processor rejected an image: {e}") from e
         if (new_h, new_w) == (height, width):

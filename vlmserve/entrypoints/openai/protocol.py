@@ -315,14 +315,17 @@ class _SamplingRequest(OpenAIModel):
             structured_outputs=self.structured())
 
 
-class _ChatTemplateFields(OpenAIModel):
-    """vLLM's chat-template extensions of a request (`ChatTemplateOptions`)."""
+class _ChatFields(OpenAIModel):
+    """vLLM's extensions of a chat request: the chat template's (`ChatTemplateOptions`) and
+    the image processor's options for its images (`mm_processor_kwargs`: for the Qwen
+    models min_pixels / max_pixels)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # as the requests it is part of
 
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def template_options(self, chat_template: str | None) -> ChatTemplateOptions:
         """These fields with the server's template (None: the model's)."""
@@ -331,7 +334,7 @@ class _ChatTemplateFields(OpenAIModel):
                                    self.chat_template_kwargs or {})
 
 
-class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
+class ChatCompletionRequest(_SamplingRequest, _ChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -420,7 +423,7 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
-class TokenizeRequest(_ChatTemplateFields):
+class TokenizeRequest(_ChatFields):
     """vLLM's `POST /tokenize`: a text prompt, or chat messages (rendered by the chat template,
     images expanded to their rows as the engine runs them)."""
 

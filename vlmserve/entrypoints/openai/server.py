@@ -158,7 +158,11 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the template refused these messages
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}") from None
-        return {"prompt": prompt, "multi_modal_data": {"image": await self.fetch_remote(sources)}}
+        images = await self.fetch_remote(sources)
+        if req.mm_processor_kwargs:
+            return {"prompt": prompt, "multi_modal_data": {"image": images},
+                    "mm_processor_kwargs": req.mm_processor_kwargs}
+        return {"prompt": prompt, "multi_modal_data": {"image": images}}
 
     async def fetch_remote(self, sources: list) -> list:
         """`sources` with each http(s) URL replaced by its fetched bytes (with
