@@ -169,6 +169,7 @@ def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, ca
     (["--chat-template", "{% for m in messages %}"], "does not parse"),
     (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
     (["--tool-call-parser", "nope"], "must be one of hermes"),
+    (["--reasoning-parser", "nope"], "must be one of qwen3, deepseek_r1"),
 ])
 def test_serve_option_mistakes_exit_before_loading(flags, words) -> None:
     with pytest.raises(SystemExit) as exit_:

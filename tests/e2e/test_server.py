@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import socket
@@ -71,24 +72,32 @@ def server(vlmserve_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # images decoded and prompts tokenized in a preprocessing process, as `vlmserve serve` does
     engine = AsyncLLM(EngineConfig.from_kwargs(**engine_kwargs(args) | {"model": MODEL}),
                       preprocess_workers=1)
+    with serving(build_app(engine, args)) as url:
+        yield Server(engine, url, media)
+    engine.shutdown()
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a thread, at the URL given, until the block ends."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, args), log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     for _ in range(200):
         try:
             if httpx.get(url + "/health").status_code == 200:
                 break
         except httpx.TransportError:
             time.sleep(0.05)
-    yield Server(engine, url, media)
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
-    sock.close()
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,10 @@ class ServerConfig:
     tool_call_parser: str | None = _opt(
         None, "The model's tool-call format, for --enable-auto-tool-choice: hermes "
         "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2-VL, Qwen2.5-VL).")
+    reasoning_parser: str | None = _opt(
+        None, "A reasoning model's thinking apart from its answer: qwen3 or deepseek_r1 (one "
+        "rule for both: the text in <think>...</think>, or from a <think> the chat template "
+        "opened, goes to the message's reasoning and reasoning_content fields).")
     shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")

@@ -42,6 +42,7 @@ from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, sta
 from vlmserve.engine.core import freeze_startup_heap
 from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
+from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.executor.uniproc import limit_host_threads
@@ -292,6 +293,9 @@ def run_server(args: Any) -> None:
         cfg.chat_template_text()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
+        raise SystemExit(f"error: --reasoning-parser must be one of "
+                         f"{', '.join(REASONING_PARSERS)}, not {cfg.reasoning_parser!r}")
     if cfg.enable_auto_tool_choice and cfg.tool_call_parser is None:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(TOOL_CALL_PARSERS)})")

@@ -352,6 +352,9 @@ class ChatCompletionRequest(_SamplingRequest, _ChatFields):
 
     # set by the server: whether it reads "auto" calls (--enable-auto-tool-choice)
     _auto_tool_choice: bool = PrivateAttr(False)
+    # and, with --reasoning-parser, whether the answer starts inside the prompt's <think>
+    # (None: no thinking read out of it)
+    _reasoning: bool | None = PrivateAttr(None)
 
     @property
     def tool_call_mode(self) -> str | FunctionDefinition | None:

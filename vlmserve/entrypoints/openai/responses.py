@@ -26,6 +26,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # a reasoning model's thinking (--reasoning-parser): vLLM's field, and its older name
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -83,6 +86,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {...}}
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

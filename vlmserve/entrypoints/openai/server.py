@@ -48,6 +48,7 @@ from vlmserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     random_id,
 )
+from vlmserve.entrypoints.openai.reasoning import prompt_opens_thinking, split_reasoning
 from vlmserve.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
@@ -228,6 +229,11 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params(self.engine.sampling_defaults)
         prompt = await self.chat_prompt(req)
+        if self.cfg.reasoning_parser is not None and req.tool_call_mode in (None, "auto"):
+            # under a grammar the answer is what the grammar lets it write: thinking only
+            # where it opens <think> itself
+            req._reasoning = (params.structured_outputs is None
+                              and prompt_opens_thinking(prompt["prompt"]))
         rid, created = random_id("chatcmpl"), int(time.time())
         streams = await self.engine.add_requests(prompt, params, rid, req.n or 1, arrival,
                                                  self.image_loader, self.default_max_tokens)
@@ -241,15 +247,21 @@ class OpenAIServing:
             c = out.outputs[0]
             logprobs = None if params.logprobs is None else chat_logprobs(
                 self.token_texts, c.token_ids, c.logprobs, params.logprobs)
-            finish = c.finish_reason
+            finish, text, reasoning = c.finish_reason, c.text, None
+            if req._reasoning is not None:  # the thinking apart (--reasoning-parser)
+                reasoning, text = split_reasoning(text, req._reasoning)
             if mode == "auto":  # the model's own calls, if it made any
-                content, calls = auto_calls_of(c.text)
+                content, calls = auto_calls_of(text or "")
+                if req.echoed:  # the continued message's text first, as streamed
+                    content = req.echoed + (content or "")
                 message = AssistantMessage(content=content, tool_calls=calls or None)
                 finish = "tool_calls" if calls and finish == "stop" else finish
             else:
-                calls = None if mode is None else tool_calls_of(mode, c.text)
-                message = (AssistantMessage(content=(req.echoed or "") + c.text) if calls is None
-                           else AssistantMessage(content=None, tool_calls=calls))
+                calls = None if mode is None else tool_calls_of(mode, text)
+                message = (AssistantMessage(content=(req.echoed or "") + text
+                                            if text is not None else req.echoed)
+                           if calls is None else AssistantMessage(content=None, tool_calls=calls))
+            message.reasoning = message.reasoning_content = reasoning
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                       finish_reason=finish))
         return JSONResponse(ChatCompletionResponse(

@@ -24,6 +24,7 @@ from vlmserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
 )
+from vlmserve.entrypoints.openai.reasoning import ReasoningSplitter
 from vlmserve.entrypoints.openai.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -105,8 +106,8 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
             async for event in _required_calls(index, stream):
                 yield event
             return
-        if mode == "auto":  # content, and the model's own calls as they close
-            async for event in _auto_calls(index, stream):
+        if mode == "auto" or req._reasoning is not None:  # thinking, content, own calls
+            async for event in _parsed(index, stream):
                 yield event
             return
         first = True  # the role rides on the first token's chunk
@@ -141,20 +142,35 @@ async def chat_events(streams: list[RequestStream], req: ChatCompletionRequest,
                 yield chunk(DeltaMessage(), finish=c.finish_reason, index=index)
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
-    async def _auto_calls(index: int, stream: RequestStream) -> AsyncIterator[str]:
-        calls = HermesCalls()
+    async def _parsed(index: int, stream: RequestStream) -> AsyncIterator[str]:
+        """The text read as it grows: the thinking apart (--reasoning-parser), and in "auto"
+        mode the model's own calls out of the rest as they close."""
+        split = None if req._reasoning is None else ReasoningSplitter(req._reasoning)
+        calls = HermesCalls() if mode == "auto" else None
         first = True
         async for out, c, num_tokens in _deltas(stream):
-            content, deltas = calls.feed(c.text, final=out.finished)
-            if content or deltas or (first and c.token_ids):
+            thought, content = (("", c.text) if split is None
+                                else split.feed(c.text, final=out.finished))
+            deltas = None
+            if calls is not None:
+                content, deltas = calls.feed(content, final=out.finished)
+            if first and req.echoed:  # the continued message's text first
+                content = req.echoed + content
+            if thought or content or deltas or (c.token_ids and (
+                    first or params.logprobs is not None)):  # no token's logprobs lost
+                logprobs = None if params.logprobs is None or not c.token_ids else (
+                    chat_logprobs(token_texts, c.token_ids, c.logprobs, params.logprobs))
                 yield chunk(DeltaMessage(role="assistant" if first else None,
-                                         content=content or None, tool_calls=deltas or None),
-                            index=index)
+                                         content=content or None, tool_calls=deltas or None,
+                                         reasoning=thought or None,
+                                         reasoning_content=thought or None),
+                            logprobs=logprobs, index=index)
                 first = False
             if out.finished:
                 finish = c.finish_reason
                 yield chunk(DeltaMessage(), index=index, finish="tool_calls"
-                            if calls.count and finish == "stop" else finish)
+                            if calls is not None and calls.count and finish == "stop"
+                            else finish)
                 counts.append((len(out.prompt_token_ids), num_tokens))
 
     async for event in _merged([choice(i, s) for i, s in enumerate(streams)]):
