@@ -54,6 +54,9 @@
 #             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
 #             time-slicing the GPU); skipped with a message where MPS cannot start
+#   fp8     : FP8 weights (quantization=fp8: the 2B's projections quantized to 128x128 blocks as
+#             they load) against bfloat16: the FP8 kernel tests and CUDA parity, decode at
+#             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)
 #   pack    : last: everything under $OUT (plots left out) as one $OUT/all.tgz (the device tool
 #             brings back at most 8 files a call)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
@@ -129,6 +132,18 @@ w1)
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend both \
     --hf-batch-size 64 --max-num-seqs 512 --max-num-batched-tokens 16384 --repeats 3 \
     --out "$OUT/w1.json" ;;
+fp8)
+  step fp8_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_triton_fp8.py tests/gpu/test_fp8_cuda.py
+  for q in fp8 none; do
+    step "speed_2b_$q" 200 $B.kernels --model qwen2-vl-2b-random --decode-batches 1,64,256 \
+      --decode-only --profile --quantization $q --out "$OUT/speed_2b_$q.json"
+  done
+  for q in fp8 none; do
+    step "w1_$q" 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
+      --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
+      --max-num-seqs 256 --quantization $q --out "$OUT/w1_$q.json"
+  done ;;
 w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \

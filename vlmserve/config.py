@@ -34,6 +34,12 @@ class ModelConfig:
         "models min_pixels and max_pixels (or size: {shortest_edge, longest_edge}), the pixel "
         "range every image is resized into, which decides its token count; LLaVA's take "
         "none. A request may give its own (mm_processor_kwargs) for its images.")
+    quantization: str = _opt(
+        "auto", "Weights of the language model's projections: auto (a block-wise FP8 "
+        "checkpoint's held as FP8, computed by FP8 kernels on CUDA; without tensor "
+        "parallelism), none (an FP8 checkpoint's read back to dtype as they load), fp8 (an "
+        "unquantized checkpoint's quantized to block-wise FP8, 128x128, as they load).",
+        choices=("auto", "none", "fp8"))
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "
@@ -177,10 +183,14 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        modes = _choices(ParallelConfig, "mm_encoder_tp_mode")
-        if self.parallel_config.mm_encoder_tp_mode not in modes:
-            raise ValueError(f"mm_encoder_tp_mode must be one of {', '.join(modes)}, got "
-                             f"{self.parallel_config.mm_encoder_tp_mode!r}")
+        for section, name in ((ParallelConfig, "mm_encoder_tp_mode"),
+                              (ModelConfig, "quantization")):
+            modes, value = _choices(section, name), getattr(self._section(section), name)
+            if value not in modes:
+                raise ValueError(f"{name} must be one of {', '.join(modes)}, got {value!r}")
+
+    def _section(self, section: type) -> Any:
+        return next(getattr(self, n) for n, cls in _SECTIONS.items() if cls is section)
 
 
 def _choices(section: type, name: str) -> tuple[str, ...]:

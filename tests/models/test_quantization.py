@@ -39,22 +39,59 @@ def fp8(request, vlmserve_cache, tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_greedy_output_identical_to_transformers_on_the_fp8_checkpoint(fp8):
+    """Held as FP8 (the default) and read back (quantization="none"): the same greedy
+    tokens as transformers on the FP8 checkpoint, with chunks of 40 tokens cutting through
+    the images; held, the language model's projections are FP8 and take less memory."""
     path, arch = fp8
-    llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=40)
     oracle = HFOracle(path, arch)  # transformers dequantizes it (no GPU): our reference
-    prompts = [chat_prompt(llm, "What is this?", [make_image(112, 84, 1)]),
-               chat_prompt(llm, "Compare them.", [make_image(56, 56, 2), make_image(84, 140, 3)]),
-               chat_prompt(llm, "A haiku, please.", [])]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        processed = llm.engine.input_processor.process(prompt)
-        assert out.outputs[0].token_ids == oracle.generate(processed, 10)
-    # and the weights are transformers' own, the vision tower's too (chunks of 40 tokens
-    # cut through the images: the output above is not only a short prefill)
-    ours = dict(llm.engine.executor.runner.model.named_parameters())
-    theirs = dict(oracle.model.named_parameters())
-    q = [n for n in ours if n.endswith("q_proj.weight") or n.endswith("qkv.weight")]
-    assert q and all(any(torch.equal(ours[n], t) for t in theirs.values()) for n in q)
+    sizes = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=40,
+                  quantization=quantization)
+        prompts = [chat_prompt(llm, "What is this?", [make_image(112, 84, 1)]),
+                   chat_prompt(llm, "Compare them.", [make_image(56, 56, 2),
+                                                      make_image(84, 140, 3)]),
+                   chat_prompt(llm, "A haiku, please.", [])]
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            processed = llm.engine.input_processor.process(prompt)
+            assert out.outputs[0].token_ids == oracle.generate(processed, 10)
+        model = llm.engine.executor.runner.model
+        mlp = model.language_model.layers[0].mlp
+        held = quantization == "auto"
+        assert (mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn) == held
+        assert (mlp.down_proj.weight.dtype == torch.float8_e4m3fn) == held
+        assert all(p.dtype == torch.float32 for n, p in model.named_parameters()
+                   if n.startswith("visual."))  # the tower's FP8 weights: read back
+        sizes[quantization] = llm.engine.executor.load_stats.weight_bytes
+        theirs = dict(oracle.model.named_parameters())  # the same weights as transformers'
+        down = theirs[next(n for n in theirs if n.endswith("layers.0.mlp.down_proj.weight"))]
+        ours = mlp.down_proj.w
+        assert torch.equal(ours.dequantize(torch.float32) if held else ours, down)
+    assert sizes["auto"] < 0.8 * sizes["none"]
+
+
+def test_unquantized_checkpoint_quantized_as_it_loads(vlmserve_cache, tmp_path):
+    """quantization="fp8": the projections that can take 128x128 blocks (all but the tiny
+    q/k/v, whose k does not start on a block) quantized at load, as the same weights in an
+    FP8 checkpoint, and the same tokens as transformers on that checkpoint."""
+    online = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", quantization="fp8")
+    layer = online.engine.executor.runner.model.language_model.layers[0]
+    for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert module.weight.dtype == torch.float8_e4m3fn
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float32
+    path = quantize_fp8_checkpoint(
+        resolve_model("tiny-qwen2-vl"), tmp_path, block=(128, 128),
+        include=lambda n, t: n.endswith(("o_proj.weight", "down_proj.weight",
+                                         "gate_proj.weight", "up_proj.weight")))
+    oracle = HFOracle(path, "Qwen2VLForConditionalGeneration")
+    prompt = chat_prompt(online, "What is this?", [make_image(112, 84, 1)])
+    out = online.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == oracle.generate(
+        online.engine.input_processor.process(prompt), 10)
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, fp8"):
+        LLM("tiny-qwen2-vl", dtype="float32", device="cpu", quantization="int4")
 
 
 def test_read_back_weights_are_the_blocks_times_their_scales(fp8):

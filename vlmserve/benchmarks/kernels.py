@@ -320,6 +320,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
     ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
+    ap.add_argument("--quantization", default="auto",
+                    help="our engine's quantization: auto, none, fp8 (the projections' weights "
+                         "quantized to block-wise FP8 as they load)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="tokens in a step (the prefill chunk)")
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
@@ -342,7 +345,7 @@ def main(args: argparse.Namespace | None = None) -> None:
     llm = LLM(path, dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              fused_ops=args.fused_ops,
+              fused_ops=args.fused_ops, quantization=args.quantization,
               vision_attention_backend=args.vision_attention_backend)
     results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
 

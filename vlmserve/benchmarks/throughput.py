@@ -331,6 +331,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="no decode CUDA graphs in our engine")
     ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
     ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
+    ap.add_argument("--quantization", default="auto",
+                    help="our engine's quantization: auto, none, fp8 (the projections' weights "
+                         "quantized to block-wise FP8 as they load)")
     ap.add_argument("--out", default=None,
                     help="write the full results (every counter, profiles) as JSON here")
 
@@ -389,7 +392,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
             model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend),
+            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend,
+            quantization=args.quantization),
             more, profiled, device_profiled))
     if args.backend in ("hf", "both"):
         dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (

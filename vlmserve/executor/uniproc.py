@@ -76,7 +76,8 @@ class UniprocExecutor:
         resolve_model_class(hf_config)  # imported before the load is measured
         with peak_rss_delta() as rss:  # a tensor-parallel rank reads and holds its share
             model = load_model(model_path, hf_config, self.dtype, self.device, tp,
-                               shard_vision=config.parallel_config.mm_encoder_tp_mode == "weights")
+                               shard_vision=config.parallel_config.mm_encoder_tp_mode == "weights",
+                               quantization=mc.quantization)
         self.load_stats = LoadStats(weight_bytes(model), rss[0])
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
             model, config, max_model_len)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.layers.attention import triton_available, write_kv
+from vlmserve.layers.fp8 import linear as fp8_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,11 +139,11 @@ class FusedOps:
                "add_layer_norm": add_layer_norm, "silu_mul": silu_mul,
                "rotary_qk_cache": rotary_qk_cache,
                "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu,
-               "linear": F.linear}
+               "linear": fp8_linear}  # F.linear, an FP8 weight read back first
         for name, fn in fns.items():
             if impl is not None:
                 fn = getattr(impl, name)
-            elif kind == "compile" and fn is not F.linear:
+            elif kind == "compile" and name != "linear":
                 fn = torch.compile(fn, dynamic=True, fullgraph=True)
             setattr(self, name, fn)
         if kind == "compile":  # each engine (and its start-up warm-up) adds a few guards'

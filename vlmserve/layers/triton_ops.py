@@ -17,7 +17,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vlmserve.layers.fp8 import Fp8Weight
 from vlmserve.layers.fused import compose_rms_norm_linear, compose_rms_norm_qkv_rope
+from vlmserve.layers.triton_fp8 import fp8_linear
 
 
 @triton.jit
@@ -165,9 +167,10 @@ def _gemv_config(K: int) -> tuple[int, int, int]:
 _GEMV_MAX_OUT = 65536  # wider outputs (lm_head) stay on cuBLAS, which streams them at ~4 TB/s
 
 
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One token, contiguous rows, an output narrow enough for the GEMV."""
-    return (x.numel() == x.shape[-1] and weight.shape[0] <= _GEMV_MAX_OUT
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
+    """One token, contiguous rows, an output narrow enough for the GEMV (of a tensor)."""
+    return (not isinstance(weight, Fp8Weight)
+            and x.numel() == x.shape[-1] and weight.shape[0] <= _GEMV_MAX_OUT
             and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
@@ -185,9 +188,12 @@ def _gemv(x, weight, bias, n_out, residual=None, norm_weight=None, eps=0.0, gate
     return y, total
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`F.linear`, through the GEMV above for a single token (a decode step at batch 1)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the GEMV above for a single token (a decode step at batch 1); an
+    FP8 weight through `triton_fp8.fp8_linear`."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
     if not _gemv_fits(x, weight):
         return F.linear(x, weight, bias)
     return _gemv(x, weight, bias, weight.shape[0])[0]

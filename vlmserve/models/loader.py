@@ -29,7 +29,14 @@ from vlmserve.distributed.tensor_parallel import (
     shard_model,
     shard_vision_encoder,
 )
-from vlmserve.models.quantization import SCALE_SUFFIX, Fp8BlockQuant, checkpoint_quantization
+from vlmserve.layers.fp8 import hold_fp8
+from vlmserve.layers.linear import Linear, MergedLinear
+from vlmserve.models.quantization import (
+    SCALE_SUFFIX,
+    Fp8BlockQuant,
+    checkpoint_quantization,
+    quantize_fp8_block,
+)
 from vlmserve.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -48,11 +55,14 @@ def load_hf_config(path: str | Path):
 
 def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
                      slice_for: Callable[[str], TensorSlice | None] | None = None,
-                     quant: Fp8BlockQuant | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     quant: Fp8BlockQuant | None = None, raw: frozenset[str] = frozenset()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the checkpoint's weights; with `prefixes`, only the names starting
     with one of them (no other tensor is read from disk). `slice_for(name)`: the part of that
     tensor to read instead of all of it, or None. With `quant`, FP8 weights come back
-    dequantized (float32) under their own names and their scales are not given."""
+    dequantized (float32) under their own names and their scales are not given, except
+    those named in `raw`: they and their scales come as they are (for a model that holds
+    them as FP8)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -64,7 +74,12 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if prefixes and not name.startswith(prefixes) or name in scales:
+                if prefixes and not name.startswith(prefixes) or name in scales and (
+                        name[:-len(SCALE_SUFFIX)] not in raw):
+                    continue
+                if name in raw or name in scales:  # held as FP8: weight, then scale
+                    yield name, (quant.scales(fh.get_tensor(name)) if name in scales
+                                 else fh.get_tensor(name))
                     continue
                 part = slice_for(name) if slice_for is not None else None
                 whole = fh.get_slice(name)
@@ -173,8 +188,10 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
 
 
 def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None,
-           vision: bool) -> tuple[torch.nn.Module, VisionShardPlan | None]:
-    """`build_model`, and the image encoder's plan when it is split."""
+           vision: bool, before_alloc: Callable[[nn.Module], None] | None = None
+           ) -> tuple[torch.nn.Module, VisionShardPlan | None]:
+    """`build_model`, and the image encoder's plan when it is split; `before_alloc(model)`
+    runs while the parameters are still on the meta device."""
     cls = resolve_model_class(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -189,6 +206,8 @@ def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParall
                     shard_vision_encoder(model, vision_plan, tp)
     finally:
         torch.set_default_dtype(old)
+    if before_alloc is not None:
+        before_alloc(model)
     _materialize(model, device)
     return model.eval(), vision_plan
 
@@ -199,13 +218,28 @@ def _shard_plan(hf_config, tp: TensorParallel) -> ShardPlan:
 
 
 def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel | None = None, shard_vision: bool = False
-               ) -> torch.nn.Module:
+               tp: TensorParallel | None = None, shard_vision: bool = False,
+               quantization: str = "auto") -> torch.nn.Module:
     """The model with the checkpoint's weights; with `tp` (more than one rank), only this
     rank's share of the language model is read and held, and with `shard_vision`
-    (`mm_encoder_tp_mode="weights"`) only its share of the image encoder."""
+    (`mm_encoder_tp_mode="weights"`) only its share of the image encoder. `quantization`:
+    "auto" holds a block-wise FP8 checkpoint's weights as FP8 in the language model's
+    projections that can take them (`_hold_fp8`; not under tensor parallelism), "none" reads
+    them all back to `dtype`, "fp8" quantizes an unquantized checkpoint's projections to
+    block-wise FP8 as they load."""
     tp = tp if tp is not None and tp.world_size > 1 else None
-    model, vision_plan = _build(hf_config, dtype, device, tp, shard_vision)
+    quant = checkpoint_quantization(hf_config)
+    online = quantization == "fp8" and quant is None
+    if online:
+        quant = Fp8BlockQuant(FP8_BLOCK)
+    raw: frozenset[str] = frozenset()
+
+    def hold_fp8(model: nn.Module) -> None:
+        nonlocal raw
+        if quant is not None and quantization != "none" and tp is None:
+            raw = _hold_fp8(model, path, quant, online)
+
+    model, vision_plan = _build(hf_config, dtype, device, tp, shard_vision, hold_fp8)
     slice_for = None
     if tp is not None:
         plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
@@ -215,15 +249,68 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
                 return plan.slice_for(name)
             return None if vision_plan is None else vision_plan.slice_for(name)
 
-    quant = checkpoint_quantization(hf_config)
-    if quant is not None:
-        logger.warning("%s holds FP8 weights: they are read back to %s as they load (no FP8 "
-                       "kernels here), so the model takes that dtype's memory", path, dtype)
-    loaded = model.load_weights(iter_safetensors(path, slice_for=slice_for, quant=quant))
+    weights = iter_safetensors(path, slice_for=slice_for, quant=None if online else quant,
+                               raw=raw)
+    if online:
+        weights = _quantized(weights, raw, quant.block)
+    if quant is not None and not online:
+        logger.info("%s: FP8 weights, %d of them held as FP8, the rest read back to %s%s",
+                    path, len(raw), dtype, " (tensor parallelism: all read back)"
+                    if tp is not None else "")
+    loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
     return model
+
+
+FP8_BLOCK = (128, 128)  # the blocks of weights quantized as they load (quantization="fp8")
+
+
+def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: bool
+              ) -> frozenset[str]:
+    """Turn the language model's `Linear`s whose weights come from FP8 checkpoint tensors
+    alone (`online`: from any 2-D weight) into FP8 holders (`fp8.hold_fp8`); the checkpoint
+    names to read as they are. Which parameter a checkpoint tensor fills is asked of the
+    model's own `load_weights`, on meta tensors, before any memory exists."""
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            shapes.update({n: fh.get_slice(n).get_shape() for n in fh.keys()})
+    if online:
+        sources = {n for n, shape in shapes.items() if n.endswith(".weight") and len(shape) == 2}
+    else:
+        sources = {n[:-len(SCALE_SUFFIX)] for n in shapes if n.endswith(SCALE_SUFFIX)}
+
+    def filled(names) -> set[str]:
+        return model.load_weights((n, torch.empty(shapes[n], device="meta")) for n in names)
+
+    always = filled([])  # what it reports whatever it is given (a tied lm_head)
+    owner = {n: filled([n]) - always for n in sources}
+    others = filled(n for n in shapes if n not in sources and not n.endswith(SCALE_SUFFIX))
+    modules = dict(model.named_modules())
+    held = set()
+    for param in set().union(*owner.values()) - others:
+        name = param.removesuffix(".weight")
+        module = modules.get(name)
+        if (param.endswith(".weight") and name.startswith("language_model.")
+                and type(module) in (Linear, MergedLinear)
+                and (not isinstance(module, MergedLinear) or module.fp8_rows_ok(quant.block[0]))):
+            hold_fp8(module, quant.block)
+            held.add(param)
+    return frozenset(n for n, params in owner.items() if params and params <= held)
+
+
+def _quantized(weights: Iterator[tuple[str, torch.Tensor]], names: frozenset[str],
+               block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with those in ``names`` quantized to block-wise FP8 (and their scales)."""
+    for name, tensor in weights:
+        if name in names:
+            q, scale = quantize_fp8_block(tensor, block)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale
+        else:
+            yield name, tensor
 
 
 @dataclass(frozen=True)

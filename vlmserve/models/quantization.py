@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from vlmserve.layers.fp8 import Fp8Weight
+
 logger = logging.getLogger(__name__)
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -47,10 +49,14 @@ class Fp8BlockQuant:
         if tuple(scale.shape) != grid:
             raise ValueError(f"a weight of {rows}x{cols} in blocks of {br}x{bc} has "
                              f"{grid[0]}x{grid[1]} scales, not {scale.shape[0]}x{scale.shape[1]}")
-        if scale.dtype == torch.uint8:  # E8M0 exponents: 2 ** (byte - 127)
-            scale = (scale.float() - 127.0).exp2()
-        full = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        return weight.float() * full
+        return Fp8Weight(weight, self.scales(scale), self.block).dequantize(torch.float32)
+
+    @staticmethod
+    def scales(scale: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's scales as float32 (E8M0 bytes: 2 ** (byte - 127))."""
+        if scale.dtype == torch.uint8:
+            return (scale.float() - 127.0).exp2()
+        return scale.float()
 
 
 def checkpoint_quantization(hf_config) -> Fp8BlockQuant | None:
@@ -102,7 +108,7 @@ def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, 
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy2(f, dst / f.name)
-    quantized = []
+    quantized, kept = [], []
     for f in sorted(src.glob("*.safetensors")):
         out = {}
         for name, t in load_file(str(f)).items():
@@ -111,6 +117,8 @@ def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, 
                 quantized.append(name)
             else:
                 out[name] = t.contiguous()
+                if t.dim() == 2 and name.endswith(".weight"):
+                    kept.append(name.removesuffix(".weight").split("model.", 1)[-1])
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
     index = dst / "model.safetensors.index.json"
     if index.is_file():  # the scales live beside their weights
@@ -118,9 +126,12 @@ def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, 
         meta["weight_map"].update({n + SCALE_SUFFIX: meta["weight_map"][n] for n in quantized})
         index.write_text(json.dumps(meta, indent=2))
     config = json.loads((src / "config.json").read_text())
+    # the matrices left as they are, named so that transformers' loader (a suffix of its
+    # module names) leaves them too
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+                                     "weight_block_size": list(block),
+                                     "modules_to_not_convert": sorted(kept)}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     if not quantized:
         raise ValueError(f"no weight of {src} was chosen for FP8")

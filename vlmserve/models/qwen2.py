@@ -40,7 +40,7 @@ class Qwen2Attention(nn.Module):
         T = x.shape[0]
         if self.q_norm is None:
             q, residual = self.ops.rms_norm_qkv_rope(
-                x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias,
+                x, residual, norm.weight, norm.eps, self.qkv_proj.w, self.qkv_proj.bias,
                 self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping)
         else:
             q, residual = self._qk_norm_rope(x, residual, norm, cos, sin, kv_cache, meta)
@@ -51,7 +51,7 @@ class Qwen2Attention(nn.Module):
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         T, d = x.shape[0], self.head_dim
         qkv, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                                 self.qkv_proj.weight, self.qkv_proj.bias)
+                                                 self.qkv_proj.w, self.qkv_proj.bias)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = self.ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
         k = self.ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
@@ -72,7 +72,7 @@ class Qwen2MLP(nn.Module):
         """(MLP output, residual stream): `norm` (with the residual add), the gate/up
         projection and SiLU-and-mul are one op."""
         act, residual = self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                                 self.gate_up_proj.weight, gated_silu=True)
+                                                 self.gate_up_proj.w, gated_silu=True)
         return self.down_proj(act), residual
 
 
@@ -181,7 +181,7 @@ class Qwen2Model(nn.Module):
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 target, shard = self._STACKED[parts[-2]]
                 module_name = ".".join(parts[:-2] + [target])
-                modules[module_name].load_shard(shard, tensor, is_bias=parts[-1] == "bias")
+                modules[module_name].load_shard(shard, tensor, parts[-1])
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue
             if name not in params:

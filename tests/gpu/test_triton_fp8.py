@@ -1,0 +1,70 @@
+"""The FP8 product (`triton_fp8.fp8_linear`) and read-back kernel against the eager path
+(`Fp8Weight.dequantize` then `F.linear`): every row-count bucket of the GEMM, the dequantize
+path for large inputs, partial blocks, bias, and through the Triton ops (CUDA, or CPU
+through `TRITON_INTERPRET=1`, whose bfloat16 products are wrong: float16 there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
+from vlmserve.layers import fused, triton_ops
+from vlmserve.layers.fp8 import Fp8Weight
+from vlmserve.layers.triton_fp8 import _DEQUANT_MIN_ROWS, dequantize, fp8_linear
+from vlmserve.models.quantization import quantize_fp8_block
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+# (rows of the weight, its columns, block): whole blocks, partial last blocks, narrow ones
+SHAPES = ([(1536, 1536, (128, 128)), (8960 * 2, 1536, (128, 128)), (1536, 8960, (128, 128)),
+           (200, 300, (128, 128))] if ON_GPU else
+          [(96, 80, (32, 32)), (70, 45, (32, 16)), (64, 256, (64, 128))])
+ROWS = [1, 7, 64, 300, _DEQUANT_MIN_ROWS + 3] if ON_GPU else [1, 17, 65]
+
+
+def _weight(n: int, k: int, block: tuple[int, int], seed: int = 0) -> Fp8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.05, block)
+    return Fp8Weight(q.to(DEVICE), s.to(DEVICE), block)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_equals_the_read_back_product(shape, rows, bias):
+    n, k, block = shape
+    w = _weight(n, k, block)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, k, generator=g).to(DTYPE).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DTYPE).to(DEVICE) if bias else None
+    ref = F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float())
+    got = fp8_linear(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    # three dimensions in, three out (a batch of token rows)
+    torch.testing.assert_close(fp8_linear(x.view(1, rows, k), w, b).view(rows, n), got)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_kernel_is_exact(shape):
+    w = _weight(*shape)
+    assert torch.equal(dequantize(w, DTYPE), w.dequantize(DTYPE))
+
+
+def test_triton_ops_take_fp8_weights():
+    """The ops a decoder layer calls (`linear`, `rms_norm_linear` with SiLU-and-mul): an FP8
+    weight goes through the FP8 product, one token included (no tensor GEMV for it)."""
+    n, k, block = SHAPES[0]
+    w = _weight(2 * n, k, block)
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=g).to(DTYPE).to(DEVICE)
+        norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DTYPE).to(DEVICE)
+        torch.testing.assert_close(triton_ops.linear(x, w), fused.EAGER_OPS.linear(x, w),
+                                   atol=2e-2, rtol=2e-2)
+        got, _ = triton_ops.rms_norm_linear(x, None, norm, 1e-6, w, gated_silu=True)
+        ref, _ = fused.compose_rms_norm_linear(fused.EAGER_OPS, x, None, norm, 1e-6, w, None,
+                                               True)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
