@@ -309,7 +309,14 @@ def run_server(args: Any) -> None:
     if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
         from vlmserve.executor.multiproc import run_torchrun_worker
 
-        sys.exit(run_torchrun_worker(config, env))
+        code = run_torchrun_worker(config, env)
+        # out without the interpreter's teardown: a gloo thread may still be releasing the
+        # last broadcast's tensors, and a release that needs the interpreter while it
+        # finalizes aborts the process (std::terminate), so torchrun would see a failure
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)
     if cfg.api_server_count == 1:
         code = serve_frontend(config, cfg, socks[0])
