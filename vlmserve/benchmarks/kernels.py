@@ -22,14 +22,18 @@ from vlmserve.benchmarks.datasets import random_mm
 from vlmserve.multimodal.inputs import pixel_values
 
 
-def lm_weights(model) -> tuple[int, int]:
-    """(parameters of the language model's layers and final norm, parameters of lm_head).
-    The token embedding is neither: a step reads one row of it per token, unless it is tied
-    to lm_head (then it counts once, as lm_head)."""
+def lm_weights(model, nbytes: bool = False) -> tuple[int, int]:
+    """(parameters of the language model's layers and final norm, parameters of lm_head),
+    or with `nbytes` their bytes (FP8 weights and their scales as they are held). The token
+    embedding is neither: a step reads one row of it per token, unless it is tied to lm_head
+    (then it counts once, as lm_head)."""
+    def size(p: torch.Tensor) -> int:
+        return p.numel() * (p.element_size() if nbytes else 1)
+
     named = dict(model.named_parameters())  # a tied weight appears once
-    total = sum(p.numel() for n, p in named.items() if not n.startswith("visual."))
-    head = model.lm_head.weight.numel()
-    embed = model.language_model.embed_tokens.weight.numel()
+    total = sum(size(p) for n, p in named.items() if not n.startswith("visual."))
+    head = size(model.lm_head.weight)
+    embed = size(model.language_model.embed_tokens.weight)
     return total - embed - (0 if model.tie_word_embeddings else head), head
 
 
@@ -59,7 +63,7 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
     runner = llm.engine.executor.runner
     model = runner.model
     itemsize = llm.engine.executor.dtype.itemsize
-    weight_bytes = sum(lm_weights(model)) * itemsize  # every layer, and lm_head
+    weight_bytes = sum(lm_weights(model, nbytes=True))  # every layer, and lm_head
     cache = runner.kv_caches[0]
     kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
     kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
