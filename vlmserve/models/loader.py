@@ -253,10 +253,11 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
                                raw=raw)
     if online:
         weights = _quantized(weights, raw, quant.block)
-    if quant is not None and not online:
-        logger.info("%s: FP8 weights, %d of them held as FP8, the rest read back to %s%s",
-                    path, len(raw), dtype, " (tensor parallelism: all read back)"
-                    if tp is not None else "")
+    if quant is not None and quantization != "none":
+        logger.info("%s: %d weights held as FP8%s, the rest in %s%s", path, len(raw),
+                    " (quantized as they load)" if online else "", dtype,
+                    " (not under tensor parallelism yet: all of them)" if tp is not None
+                    else "")
     loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
