@@ -36,9 +36,10 @@ class ModelConfig:
         "none. A request may give its own (mm_processor_kwargs) for its images.")
     quantization: str = _opt(
         "auto", "Weights of the language model's projections: auto (a block-wise FP8 "
-        "checkpoint's held as FP8, computed by FP8 kernels on CUDA; without tensor "
-        "parallelism), none (an FP8 checkpoint's read back to dtype as they load), fp8 (an "
-        "unquantized checkpoint's quantized to block-wise FP8, 128x128, as they load).",
+        "checkpoint's held as FP8, computed by FP8 kernels on CUDA; under tensor "
+        "parallelism where a rank's part starts on a block), none (an FP8 checkpoint's "
+        "read back to dtype as they load), fp8 (an unquantized checkpoint's quantized to "
+        "block-wise FP8, 128x128, as they load; without tensor parallelism).",
         choices=("auto", "none", "fp8"))
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(
@@ -188,6 +189,13 @@ class EngineConfig:
             modes, value = _choices(section, name), getattr(self._section(section), name)
             if value not in modes:
                 raise ValueError(f"{name} must be one of {', '.join(modes)}, got {value!r}")
+
+        if (self.model_config.quantization == "fp8"
+                and self.parallel_config.tensor_parallel_size > 1):
+            raise ValueError("quantization='fp8' (quantizing as the weights load) does not run "
+                             "under tensor parallelism; quantize the checkpoint once with "
+                             "vlmserve.models.quantization.quantize_fp8_checkpoint and load "
+                             "that (quantization='auto')")
 
     def _section(self, section: type) -> Any:
         return next(getattr(self, n) for n, cls in _SECTIONS.items() if cls is section)

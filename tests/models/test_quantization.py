@@ -138,3 +138,30 @@ def test_other_quantizations_refused_by_name(vlmserve_cache, tmp_path, qconfig, 
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
     with pytest.raises(ValueError, match=f"quantized with {named}.*loads fp8"):
         LLM(str(tmp_path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("mode", ["data", "weights"])
+def test_tensor_parallel_ranks_hold_their_fp8_parts(fp8, mode):
+    """TP=2 (gloo, two processes): each rank holds FP8 parts of the projections whose split
+    starts on a block (o_proj's and down_proj's input halves, gate/up's row halves) and reads
+    the rest back (the tiny k/v halves start inside a block); the same tokens as one process.
+    Quantizing as the weights load is refused under tensor parallelism, by name."""
+    path, _ = fp8
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
+    one = LLM(str(path), **kw)
+    prompts = [chat_prompt(one, "What?", [make_image(112, 84, 1)]), chat_prompt(one, "Hi", [])]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(str(path), tensor_parallel_size=2, mm_encoder_tp_mode=mode, **kw)
+    try:
+        layer = tp.engine.executor.runner.model.language_model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float32
+        for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert module.weight.dtype == torch.float8_e4m3fn
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        tp.engine.shutdown()
+    if mode == "data":
+        with pytest.raises(Exception, match="does not run under tensor parallelism"):
+            LLM("tiny-qwen2-vl", tensor_parallel_size=2, quantization="fp8", **kw)

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.distributed.parallel_state import TensorParallel
+from vlmserve.layers.fp8 import HoldsFp8
 from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import MergedLinear
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HoldsFp8, nn.Module):
     """`y = all_reduce(x_shard @ W_shard.T) + b`: this rank's slice of the input features;
     the bias (whole, e.g. a Llama o_proj with `attention_bias`) added once, after the sum."""
 
@@ -40,7 +41,7 @@ class RowParallelLinear(nn.Module):
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.ops.linear(x, self.weight))
+        y = self.tp.all_reduce(self.ops.linear(x, self.w))
         return y if self.bias is None else y + self.bias
 
 

@@ -37,6 +37,19 @@ class Fp8Weight:
         return (self.q.float() * full).to(dtype)
 
 
+class HoldsFp8:
+    """A projection whose `weight` may be FP8 (`hold_fp8` sets `fp8_block`); `w` is the
+    weight as the ops take it: the tensor, or FP8 values with their scales."""
+
+    fp8_block: tuple[int, int] | None = None
+
+    @property
+    def w(self) -> torch.Tensor | Fp8Weight:
+        if self.fp8_block is None:
+            return self.weight
+        return Fp8Weight(self.weight, self.weight_scale_inv, self.fp8_block)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, an `Fp8Weight` read back to ``x``'s dtype first (the eager path)."""

@@ -5,25 +5,16 @@ optionally holding an FP8 checkpoint's weight as it is (`layers/fp8.py`)."""
 import torch
 from torch import nn
 
-from vlmserve.layers.fp8 import Fp8Weight
+from vlmserve.layers.fp8 import HoldsFp8
 from vlmserve.layers.fused import EAGER_OPS
 
 
-class Linear(nn.Linear):
+class Linear(HoldsFp8, nn.Linear):
     """`nn.Linear` whose product is `self.ops.linear` (set with the model's fused ops)."""
-
-    fp8_block: tuple[int, int] | None = None  # set by `fp8.hold_fp8`
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.ops = EAGER_OPS
-
-    @property
-    def w(self) -> torch.Tensor | Fp8Weight:
-        """The weight as the ops take it: the tensor, or FP8 values with their scales."""
-        if self.fp8_block is None:
-            return self.weight
-        return Fp8Weight(self.weight, self.weight_scale_inv, self.fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.w, self.bias)

@@ -29,8 +29,8 @@ from vlmserve.distributed.tensor_parallel import (
     shard_model,
     shard_vision_encoder,
 )
-from vlmserve.layers.fp8 import hold_fp8
-from vlmserve.layers.linear import Linear, MergedLinear
+from vlmserve.layers.fp8 import HoldsFp8, hold_fp8
+from vlmserve.layers.linear import MergedLinear
 from vlmserve.models.quantization import (
     SCALE_SUFFIX,
     Fp8BlockQuant,
@@ -78,8 +78,7 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
                         name[:-len(SCALE_SUFFIX)] not in raw):
                     continue
                 if name in raw or name in scales:  # held as FP8: weight, then scale
-                    yield name, (quant.scales(fh.get_tensor(name)) if name in scales
-                                 else fh.get_tensor(name))
+                    yield name, _raw_part(fh, name, slice_for, quant)
                     continue
                 part = slice_for(name) if slice_for is not None else None
                 whole = fh.get_slice(name)
@@ -90,6 +89,25 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
                     yield name, fh.get_tensor(name)
                     continue
                 yield name, whole if part is None else _part(whole, part)
+
+
+def _raw_part(fh, name: str, slice_for, quant: Fp8BlockQuant) -> torch.Tensor:
+    """An FP8 weight, or its scale (as float32), as this rank holds it: the weight's part,
+    and the scale's blocks of that part (`_fp8_part`)."""
+    is_scale = name.endswith(SCALE_SUFFIX)
+    part = slice_for(name.removesuffix(SCALE_SUFFIX)) if slice_for is not None else None
+    if part is None:
+        t = fh.get_tensor(name)
+    else:
+        t = _part(fh.get_slice(name), _fp8_part(part, quant.block) if is_scale else part)
+    return quant.scales(t) if is_scale else t
+
+
+def _fp8_part(part: TensorSlice, block: tuple[int, int]) -> TensorSlice:
+    """The scale blocks of a weight's part (which starts on a block: `_hold_fp8`)."""
+    b = block[part.dim]
+    return TensorSlice(part.dim, part.start // b, -(-part.stop // b),
+                       -(-(part.stop - part.start) // b))
 
 
 def _part(whole, part: TensorSlice) -> torch.Tensor:
@@ -188,10 +206,10 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
 
 
 def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None,
-           vision: bool, before_alloc: Callable[[nn.Module], None] | None = None
-           ) -> tuple[torch.nn.Module, VisionShardPlan | None]:
-    """`build_model`, and the image encoder's plan when it is split; `before_alloc(model)`
-    runs while the parameters are still on the meta device."""
+           vision: bool, before_alloc: Callable[[nn.Module, VisionShardPlan | None], None]
+           | None = None) -> tuple[torch.nn.Module, VisionShardPlan | None]:
+    """`build_model`, and the image encoder's plan when it is split; `before_alloc(model,
+    that plan)` runs while the parameters are still on the meta device."""
     cls = resolve_model_class(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -207,7 +225,7 @@ def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParall
     finally:
         torch.set_default_dtype(old)
     if before_alloc is not None:
-        before_alloc(model)
+        before_alloc(model, vision_plan)
     _materialize(model, device)
     return model.eval(), vision_plan
 
@@ -224,7 +242,7 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
     rank's share of the language model is read and held, and with `shard_vision`
     (`mm_encoder_tp_mode="weights"`) only its share of the image encoder. `quantization`:
     "auto" holds a block-wise FP8 checkpoint's weights as FP8 in the language model's
-    projections that can take them (`_hold_fp8`; not under tensor parallelism), "none" reads
+    projections that can take them (`_hold_fp8`), "none" reads
     them all back to `dtype`, "fp8" quantizes an unquantized checkpoint's projections to
     block-wise FP8 as they load."""
     tp = tp if tp is not None and tp.world_size > 1 else None
@@ -233,31 +251,30 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
     if online:
         quant = Fp8BlockQuant(FP8_BLOCK)
     raw: frozenset[str] = frozenset()
-
-    def hold_fp8(model: nn.Module) -> None:
-        nonlocal raw
-        if quant is not None and quantization != "none" and tp is None:
-            raw = _hold_fp8(model, path, quant, online)
-
-    model, vision_plan = _build(hf_config, dtype, device, tp, shard_vision, hold_fp8)
     slice_for = None
-    if tp is not None:
-        plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
 
-        def slice_for(name: str) -> TensorSlice | None:
-            if not name.startswith(vision):
-                return plan.slice_for(name)
-            return None if vision_plan is None else vision_plan.slice_for(name)
+    def hold_fp8(model: nn.Module, vision_plan: VisionShardPlan | None) -> None:
+        nonlocal raw, slice_for
+        if tp is not None:
+            plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
+
+            def slice_for(name: str) -> TensorSlice | None:
+                if not name.startswith(vision):
+                    return plan.slice_for(name)
+                return None if vision_plan is None else vision_plan.slice_for(name)
+
+        if quant is not None and quantization != "none":
+            raw = _hold_fp8(model, path, quant, online, slice_for)
+
+    model, _ = _build(hf_config, dtype, device, tp, shard_vision, hold_fp8)
 
     weights = iter_safetensors(path, slice_for=slice_for, quant=None if online else quant,
                                raw=raw)
     if online:
         weights = _quantized(weights, raw, quant.block)
     if quant is not None and quantization != "none":
-        logger.info("%s: %d weights held as FP8%s, the rest in %s%s", path, len(raw),
-                    " (quantized as they load)" if online else "", dtype,
-                    " (not under tensor parallelism yet: all of them)" if tp is not None
-                    else "")
+        logger.info("%s: %d weights held as FP8%s, the rest in %s", path, len(raw),
+                    " (quantized as they load)" if online else "", dtype)
     loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
@@ -268,16 +285,27 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
 FP8_BLOCK = (128, 128)  # the blocks of weights quantized as they load (quantization="fp8")
 
 
-def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: bool
+def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: bool,
+              slice_for: Callable[[str], TensorSlice | None] | None = None
               ) -> frozenset[str]:
-    """Turn the language model's `Linear`s whose weights come from FP8 checkpoint tensors
+    """Turn the language model's projections whose weights come from FP8 checkpoint tensors
     alone (`online`: from any 2-D weight) into FP8 holders (`fp8.hold_fp8`); the checkpoint
     names to read as they are. Which parameter a checkpoint tensor fills is asked of the
-    model's own `load_weights`, on meta tensors, before any memory exists."""
+    model's own `load_weights`, on meta tensors (of this rank's part of each: `slice_for`),
+    before any memory exists. Under tensor parallelism a rank's part must start on a block
+    (and end on one, or at the tensor's end), else that weight is read back."""
     shapes: dict[str, list[int]] = {}
+    aligned: set[str] = set()
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            shapes.update({n: fh.get_slice(n).get_shape() for n in fh.keys()})
+            for n in fh.keys():
+                shape = list(fh.get_slice(n).get_shape())
+                part = slice_for(n) if slice_for is not None else None
+                if part is None or _on_blocks(part, shape, quant.block):
+                    aligned.add(n)
+                if part is not None:
+                    shape[part.dim] = part.size
+                shapes[n] = shape
     if online:
         sources = {n for n, shape in shapes.items() if n.endswith(".weight") and len(shape) == 2}
     else:
@@ -291,15 +319,23 @@ def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: 
     others = filled(n for n in shapes if n not in sources and not n.endswith(SCALE_SUFFIX))
     modules = dict(model.named_modules())
     held = set()
-    for param in set().union(*owner.values()) - others:
+    misaligned = set().union(*(owner[n] for n in sources - aligned))
+    for param in set().union(*owner.values()) - others - misaligned:
         name = param.removesuffix(".weight")
         module = modules.get(name)
         if (param.endswith(".weight") and name.startswith("language_model.")
-                and type(module) in (Linear, MergedLinear)
+                and isinstance(module, HoldsFp8)
                 and (not isinstance(module, MergedLinear) or module.fp8_rows_ok(quant.block[0]))):
             hold_fp8(module, quant.block)
             held.add(param)
     return frozenset(n for n, params in owner.items() if params and params <= held)
+
+
+def _on_blocks(part: TensorSlice, shape: list[int], block: tuple[int, int]) -> bool:
+    """Whether a rank's part of a weight starts on a block and ends on one (or at the end)."""
+    b = block[part.dim]
+    return (part.blocks == 1 and part.start % b == 0
+            and (part.stop % b == 0 or part.stop == shape[part.dim]))
 
 
 def _quantized(weights: Iterator[tuple[str, torch.Tensor]], names: frozenset[str],
