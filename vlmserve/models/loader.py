@@ -4,7 +4,9 @@ The model is built with its parameters on the meta device (its buffers computed 
 device), so that a tensor-parallel rank can swap in modules of its shard size before any
 weight exists; then every parameter is allocated once, at its final size, and filled from the
 checkpoint, a tensor-parallel rank reading only its slices of the split tensors (the image
-encoder's too with `shard_vision`: `mm_encoder_tp_mode="weights"`)."""
+encoder's too with `shard_vision`: `mm_encoder_tp_mode="weights"`). A block-wise FP8
+checkpoint's projections are made FP8 holders before that allocation (`_hold_fp8`), and its
+other FP8 weights are read back as they load (models/quantization.py)."""
 
 from __future__ import annotations
 
