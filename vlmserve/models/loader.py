@@ -255,7 +255,7 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
     raw: frozenset[str] = frozenset()
     slice_for = None
 
-    def hold_fp8(model: nn.Module, vision_plan: VisionShardPlan | None) -> None:
+    def before_alloc(model: nn.Module, vision_plan: VisionShardPlan | None) -> None:
         nonlocal raw, slice_for
         if tp is not None:
             plan, vision = _shard_plan(hf_config, tp), tuple(model.encoder_prefixes)
@@ -268,7 +268,7 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
         if quant is not None and quantization != "none":
             raw = _hold_fp8(model, path, quant, online, slice_for)
 
-    model, _ = _build(hf_config, dtype, device, tp, shard_vision, hold_fp8)
+    model, _ = _build(hf_config, dtype, device, tp, shard_vision, before_alloc)
 
     weights = iter_safetensors(path, slice_for=slice_for, quant=None if online else quant,
                                raw=raw)

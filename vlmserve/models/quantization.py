@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmserve.layers.fp8 import Fp8Weight
+from vlmserve.layers.fp8 import FP8_DTYPE, Fp8Weight, scale_grid
 
 logger = logging.getLogger(__name__)
 SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED = "fp8 (block-wise: weight_block_size, as Qwen's -FP8 checkpoints)"
 
 
@@ -45,7 +43,7 @@ class Fp8BlockQuant:
             raise ValueError(f"a block-wise FP8 weight and its scale are matrices, not "
                              f"{tuple(weight.shape)} and {tuple(scale.shape)}")
         (rows, cols), (br, bc) = weight.shape, self.block
-        grid = (math.ceil(rows / br), math.ceil(cols / bc))
+        grid = scale_grid(weight.shape, self.block)
         if tuple(scale.shape) != grid:
             raise ValueError(f"a weight of {rows}x{cols} in blocks of {br}x{bc} has "
                              f"{grid[0]}x{grid[1]} scales, not {scale.shape[0]}x{scale.shape[1]}")
@@ -81,14 +79,14 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]
     largest magnitude maps to e4m3's largest finite value, 448)."""
     rows, cols = weight.shape
     br, bc = block
-    gr, gc = math.ceil(rows / br), math.ceil(cols / bc)
+    gr, gc = scale_grid(weight.shape, block)
     padded = torch.zeros(gr * br, gc * bc, dtype=torch.float32)
     padded[:rows, :cols] = weight.float()
     blocks = padded.view(gr, br, gc, bc)
-    scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+    scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(FP8_DTYPE).max
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (blocks / scale[:, None, :, None]).view(gr * br, gc * bc)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    return q.to(FP8_DTYPE).contiguous(), scale.contiguous()
 
 
 def _default_include(name: str, tensor: torch.Tensor) -> bool:
