@@ -7,13 +7,16 @@ next; bad input to /v1/encode is a 400."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import httpx
 import msgspec
 import pytest
 
 from tests.e2e.test_server import data_url, greedy, user
-from tests.e2e.test_server_procs import MODEL, ServeProc, _free_port, _stream
+from tests.e2e.test_server_procs import MODEL, ServeProc, _alive, _free_port, _stream
 from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import make_image
 from vlmserve import LLM
@@ -81,7 +84,7 @@ def test_epd_answers_like_one_process_and_frees_every_handle(epd) -> None:
     ledger = httpx.get(enc.url + "/stats").json()["ledger"]
     assert ledger["exported"] == ledger["released"] == 3 and ledger["reclaimed"] == 0
     assert ledger["double_opens"] == 0
-    assert segments(f"vlms-{enc.proc.pid}x") == []
+    assert segments(f"vlms-{stats['core_pid']}x") == []
     core = llm.stats()
     assert core["encoder_handles_opened"] == core["encoder_handles_released"] == 3
     # where an encode's time goes: the front end's round trips, the server's side of them
@@ -306,3 +309,59 @@ def test_n_choices_through_the_encoder_server(epd) -> None:
     core = llm.stats()
     assert core["encoder_handles_opened"] == core["encoder_handles_released"]
     assert core["encoder_handles_live"] == 0
+
+
+def _encode_body() -> dict:
+    return {"images": [data_url(IMAGES[0])], "transport": "bytes"}
+
+
+def test_encoder_core_death_is_a_503_and_the_server_exits_1(vlmserve_cache) -> None:
+    """The tower runs in a process of its own (not on the HTTP server's interpreter); when
+    it dies, /health and /v1/encode answer 503 and the server exits 1 within 5 s."""
+    enc = ServeProc("--role", "encoder")
+    try:
+        assert httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=60).is_success
+        core = enc.stats()["core_pid"]
+        assert core != enc.proc.pid and _alive(core)
+        os.kill(core, signal.SIGKILL)
+        killed, seen = time.monotonic(), set()
+        while enc.proc.poll() is None and time.monotonic() - killed < 5:
+            try:
+                if httpx.get(enc.url + "/health", timeout=1).status_code == 503:
+                    seen.add("health")
+                    r = httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=5)
+                    assert r.status_code == 503, r.text
+                    assert "encoder core" in r.json()["error"]["message"]
+                    seen.add("encode")
+            except httpx.TransportError:  # it is closing
+                pass
+            time.sleep(0.05)
+        assert enc.wait(max(0.1, 5 - (time.monotonic() - killed))) == 1
+        assert seen == {"health", "encode"}
+    finally:
+        enc.kill()
+
+
+def test_encoder_server_stops_cleanly_and_never_leaves_its_core(vlmserve_cache) -> None:
+    """SIGTERM: exit 0, the core gone with every handle reclaimed (no segment left). SIGKILL
+    of the HTTP process alone: the core follows it."""
+    enc = ServeProc("--role", "encoder", "--encoder-lease", "600")
+    try:
+        r = httpx.post(enc.url + "/v1/encode", json={**_encode_body(), "transport": "shm"},
+                       timeout=60)  # a handle nobody opens: live until the core stops
+        assert r.is_success and enc.stats()["ledger"]["live_handles"] == 1
+        core = enc.stats()["core_pid"]
+        assert len(segments(f"vlms-{core}x")) == 1
+        os.kill(enc.proc.pid, signal.SIGTERM)
+        assert enc.wait(30) == 0
+        assert wait_until(lambda: not _alive(core), 5)
+        assert segments(f"vlms-{core}x") == []
+    finally:
+        enc.kill()
+    enc = ServeProc("--role", "encoder")
+    try:
+        core = enc.stats()["core_pid"]
+        os.kill(enc.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: not _alive(core), 5)
+    finally:
+        enc.kill()

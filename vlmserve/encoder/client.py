@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, PixelImage
+from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, pixel_image
 from vlmserve.multimodal.inputs import ImageInput
 
 if TYPE_CHECKING:
@@ -144,12 +144,9 @@ class EncoderClient:
         errors = []
         for k in range(len(self.urls)):
             i = (start + k) % len(self.urls)
-            body = self._encoder.encode(EncodeRequest(images=[
-                PixelImage(mm_hash=img.mm_hash, encoder_meta=tuple(img.encoder_meta),
-                           length=img.length, shape=tuple(img.pixels.shape),
-                           pixels=img.pixels.contiguous().numpy().tobytes())
-                for img in images], transport=self.transports[i], consumer=self.consumer,
-                consumer_rows=self.consumer_rows))
+            body = self._encoder.encode(EncodeRequest(
+                images=[pixel_image(img) for img in images], transport=self.transports[i],
+                consumer=self.consumer, consumer_rows=self.consumer_rows))
             began = time.perf_counter()
             try:
                 r = self._http.post(self.urls[i] + "/v1/encode", content=body,

@@ -87,6 +87,16 @@ class EncoderStats:
     ranks: list[EncoderStats] = field(default_factory=list)
 
 
+def encoder_input_processor(model_path: str, hf_config, mm_processor_kwargs=None
+                            ) -> InputProcessor:
+    """The engine's admission preprocessing for the checkpoint at ``model_path`` (tokenizer
+    and image processor; no weights): what an encoder and its server's front end share."""
+    model_processor = resolve_model_class(hf_config).input_processor_cls(
+        model_path, hf_config, mm_processor_kwargs)
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return InputProcessor(model_processor, text.vocab_size)
+
+
 def build_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model class's image encoder alone (`build_encoder`: a vision tower, or a tower and
     its projector), uninitialised, on ``device``."""
@@ -190,10 +200,9 @@ class MultimodalEncoder:
         self.vision.set_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device,
                                          self.dtype))
-        self.model_processor = model_cls.input_processor_cls(self.model_path, self.hf_config,
-                                                             mc.mm_processor_kwargs)
-        text = getattr(self.hf_config, "text_config", None) or self.hf_config
-        self.input_processor = InputProcessor(self.model_processor, text.vocab_size)
+        self.input_processor = encoder_input_processor(self.model_path, self.hf_config,
+                                                       mc.mm_processor_kwargs)
+        self.model_processor = self.input_processor.model_processor
 
     @property
     def delivers(self) -> bool:

@@ -118,6 +118,13 @@ class PixelImage(msgspec.Struct, kw_only=True):
     pixels: bytes
 
 
+def pixel_image(img: Any) -> PixelImage:
+    """A preprocessed `ImageInput` as the encoder receives it."""
+    return PixelImage(mm_hash=img.mm_hash, encoder_meta=tuple(img.encoder_meta),
+                      length=img.length, shape=tuple(img.pixels.shape),
+                      pixels=img.pixels.contiguous().numpy().tobytes())
+
+
 class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``images``: image URLs (``data:`` URLs; http(s) and local paths where the encoder
     server allows them) or `PixelImage`s. ``transport``: the handle kind, ``auto`` (CUDA IPC on
@@ -155,13 +162,17 @@ class EncoderOutputWire(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     position_offset: int = 0
 
 
-def output_to_wire(out: Any) -> EncoderOutputWire:
-    """`EncoderOutput` -> `EncoderOutputWire` (its handles must exist: a delivering rank)."""
+def output_to_wire(out: Any, handles: Sequence[HandleWire] | None = None
+                   ) -> EncoderOutputWire:
+    """`EncoderOutput` -> `EncoderOutputWire` (its handles must exist: a delivering rank);
+    or a `ProcessedPrompt` with its images' ``handles`` (wire form, in order)."""
+    if handles is None:
+        handles = [to_wire(i.handle) for i in out.images]
     return EncoderOutputWire(
         prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
-        images=[EncodedImageWire(mm_hash=i.mm_hash, length=i.length, encoder_meta=i.encoder_meta,
-                                 handle=to_wire(i.handle), offset=i.offset)
-                for i in out.images],
+        images=[EncodedImageWire(mm_hash=i.mm_hash, length=i.length,
+                                 encoder_meta=tuple(i.encoder_meta), handle=h, offset=i.offset)
+                for i, h in zip(out.images, handles, strict=True)],
         prompt_positions=(None if out.prompt_positions is None
                           else out.prompt_positions.tolist()),
         position_offset=out.position_offset)

@@ -82,13 +82,11 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn with our shutdown: the first SIGTERM/SIGINT drains (in-flight requests get
-    `shutdown_timeout` seconds, then an error), and the process exits 0, not by the signal."""
+    """uvicorn that exits with our code, not by re-raising the signal that stopped it: 0
+    after SIGTERM/SIGINT, 1 once `core_died` (the engine or encoder core is gone)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, serving: Any,
-                 shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        self.engine, self.serving, self.shutdown_timeout = engine, serving, shutdown_timeout
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -101,17 +99,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # exit with our code, not by re-raising the signal
         if first and self._loop is not None:
-            logger.info("shutting down: in-flight requests have %.0f s to finish",
-                        self.shutdown_timeout)
-            self.serving.draining = True
-            self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout,
-                                            self._end_the_rest)
+            self.draining()
 
-    def _end_the_rest(self) -> None:
-        self.engine.fail_all(EngineDeadError(
-            f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)"))
+    def draining(self) -> None:
+        """The first SIGTERM/SIGINT's hook (uvicorn stops accepting and waits for requests)."""
 
-    def core_died(self, error: BaseException) -> None:  # on the engine's I/O thread
+    def core_died(self, error: BaseException) -> None:  # any thread
         """In-flight requests have been ended with the error; /health answers 503 for
         `DEAD_EXIT_DELAY_S` (so probes see why), then the server exits 1."""
         logger.error("%s: the server exits", error)
@@ -121,6 +114,27 @@ class _Server(uvicorn.Server):
                                             setattr, self, "should_exit", True)
         else:
             self.should_exit = True
+
+
+class _FrontEndServer(_Server):
+    """An LLM front end: the first SIGTERM/SIGINT drains (in-flight requests get
+    `shutdown_timeout` seconds, then an error)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, serving: Any,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.serving, self.shutdown_timeout = engine, serving, shutdown_timeout
+
+    def draining(self) -> None:
+        logger.info("shutting down: in-flight requests have %.0f s to finish",
+                    self.shutdown_timeout)
+        self.serving.draining = True
+        self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_timeout,
+                                        self._end_the_rest)
+
+    def _end_the_rest(self) -> None:
+        self.engine.fail_all(EngineDeadError(
+            f"the server is shutting down (--shutdown-timeout {self.shutdown_timeout:g} s)"))
 
 
 def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
@@ -135,7 +149,7 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
                       image_cache_bytes=cfg.processed_image_cache_mb << 20)
     try:
         app = build_app(engine, cfg)
-        server = _Server(
+        server = _FrontEndServer(
             uvicorn.Config(app, log_level=cfg.log_level,
                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
             engine, app.state.serving, cfg.shutdown_timeout)
@@ -149,25 +163,38 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
 
 def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     """`vlmserve serve --role encoder`: the vision tower behind POST /v1/encode, until
-    SIGTERM or Ctrl-C; every live handle is reclaimed as it stops."""
-    from vlmserve.encoder.encoder import MultimodalEncoder
+    SIGTERM or Ctrl-C (exit 0; every live handle is reclaimed as the core stops) or the
+    encoder core's death (exit 1). This process is the HTTP front end; the encoder core is
+    a child (`encoder/service.py`)."""
+    from vlmserve.encoder.encoder import encoder_input_processor
+    from vlmserve.encoder.service import EncoderCoreClient, start_encoder_core
     from vlmserve.entrypoints.openai.encoder_server import build_encoder_app, encoder_kwargs
+    from vlmserve.models.builtin import resolve_model
+    from vlmserve.models.loader import load_hf_config
 
     sock, = bind_sockets(cfg.host, cfg.port)  # before the model loads: a busy port fails now
-    encoder = MultimodalEncoder(**encoder_kwargs(cfg, kwargs))
     try:
-        app = build_encoder_app(encoder, cfg)
+        proc, address = start_encoder_core(encoder_kwargs(cfg, kwargs), cfg.log_level)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
+        processor = encoder_input_processor(model_path, load_hf_config(model_path),
+                                            kwargs.get("mm_processor_kwargs"))
+        server = _Server(uvicorn.Config(None, log_level=cfg.log_level))
+        core = EncoderCoreClient(address, proc.pid, on_dead=server.core_died)
+        server.config.app = build_encoder_app(core, processor, cfg)
         freeze_startup_heap()
         logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
                     kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
                     cfg.encoder_lease)
-        try:
-            uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level)).run(sockets=[sock])
-        finally:
-            app.state.batcher.close()
-        return 0
+        server.run(sockets=[sock])
+        return server.exit_code
     finally:
-        encoder.shutdown()
+        proc.join(30)  # the core stops on the front end's Stop (or dies with it)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def preprocess_threads(cfg: ServerConfig) -> int:

@@ -1,0 +1,360 @@
+"""The encoder server's core process: the `MultimodalEncoder` (tower, ledger, delivered images)
+with nothing else on its interpreter, behind a zmq ROUTER socket.
+
+The HTTP front end (`entrypoints/openai/encoder_server.py`) reads and checks requests, decodes
+image URLs and turns every image into pixels (`PixelImage`); this process batches the images
+of every job that waits into tower forwards, exports a handle per image and answers each job
+with its handles (wire form). In one process with the HTTP event loop, the tower's launch lost
+the interpreter lock to the loop on nearly every torch call (each call releases and takes it
+back): 4 images took 17 times as long on the CPU beside one busy Python thread
+(`benchmarks/encoder_forward.py`).
+
+    front end --EncodeJob / StatsCall / Stop--> core
+    front end <--JobDone / StatsReply---------- core      (msgspec msgpack over ipc://)
+
+The core dies with its parent (PR_SET_PDEATHSIG, and a check of the parent pid while idle);
+the front end checks the core's pid every 0.2 s and, if it is gone, fails what waits and
+answers 503 (`EncoderCoreDead`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from vlmserve.encoder.wire import HandleWire, PixelImage, to_wire
+from vlmserve.engine.core_proc import IDLE_POLL_MS, die_with_parent, pid_alive
+from vlmserve.executor.uniproc import limit_host_threads
+from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+
+logger = logging.getLogger("vlmserve.encoder_core")
+WATCH_S = 0.2  # how often the front end checks that the core lives
+
+
+class EncodeJob(msgspec.Struct, tag=True):
+    """One request's images to encode (pixels checked by the front end)."""
+    job_id: int
+    transport: str
+    images: list[PixelImage]
+    consumer: str | None = None  # images it holds are answered None, not encoded
+    consumer_rows: int | None = None
+    sent_at: float = 0.0  # time.monotonic() at the front end (one clock per host)
+
+
+class JobDone(msgspec.Struct, tag=True):
+    job_id: int
+    handles: list[HandleWire | None]  # per image; None: the consumer holds it
+    error: str | None = None
+
+
+class StatsCall(msgspec.Struct, tag=True):
+    call_id: int
+
+
+class StatsReply(msgspec.Struct, tag=True):
+    call_id: int
+    stats: dict[str, Any]
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+ToCore = EncodeJob | StatsCall | Stop
+FromCore = JobDone | StatsReply
+
+
+class EncoderCoreDead(RuntimeError):
+    """The encoder core process is gone."""
+
+
+@dataclasses.dataclass
+class ServerTimes:
+    """Where a job's time goes in the core (seconds, summed): its wait from the front end's
+    send to its forward (`queue_s`), and the forwards (`forward_s`: the host's time in
+    `encode`, launch and export; the export waits for the device)."""
+    jobs: int = 0
+    queue_s: float = 0.0
+    forwards: int = 0
+    forward_s: float = 0.0
+    max_jobs_per_forward: int = 0
+
+    def summary(self) -> dict[str, float]:
+        def ms(total: float, n: int) -> float:
+            return round(1e3 * total / n, 3) if n else 0.0
+        return {**dataclasses.asdict(self), "mean_queue_ms": ms(self.queue_s, self.jobs),
+                "mean_forward_ms": ms(self.forward_s, self.forwards)}
+
+
+def forwards(jobs: list[EncodeJob], max_rows: int) -> list[list[EncodeJob]]:
+    """The waiting jobs as tower forwards, in arrival order: one per handle kind asked, each
+    of at most ``max_rows`` image rows (a job larger than that alone), so a burst of
+    requests is neither one unbounded forward nor one forward per request."""
+    out: list[list[EncodeJob]] = []
+    for transport in dict.fromkeys(j.transport for j in jobs):
+        group: list[EncodeJob] = []
+        rows = 0
+        for job in (j for j in jobs if j.transport == transport):
+            n = sum(img.length for img in job.images)
+            if group and rows + n > max_rows:
+                out.append(group)
+                group, rows = [], 0
+            group.append(job)
+            rows += n
+        out.append(group)
+    return out
+
+
+class EncoderCoreProc:
+    """The loop of the core process around one `MultimodalEncoder`: read every waiting
+    message, encode the jobs among them, answer; block while idle."""
+
+    def __init__(self, encoder: Any, address: str, parent_pid: int) -> None:
+        self.encoder = encoder
+        self.parent_pid = parent_pid
+        self.transform = encoder.model_processor.pixel_transform
+        self.times = ServerTimes()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.bind(address)
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(ToCore)
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            if not self.sock.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.error("the server process is gone; the encoder core exits")
+                    return
+                continue
+            jobs: list[tuple[bytes, EncodeJob]] = []
+            while True:
+                try:
+                    identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = self.dec.decode(frame)
+                if isinstance(msg, EncodeJob):
+                    jobs.append((identity, msg))
+                elif isinstance(msg, StatsCall):
+                    self._send(identity, StatsReply(msg.call_id, self.stats()))
+                else:
+                    self.stopping = True
+            who = {id(job): identity for identity, job in jobs}
+            for group in forwards([job for _, job in jobs], self.encoder.max_rows_per_forward):
+                for job, done in zip(group, self._encode(group), strict=True):
+                    self._send(who[id(job)], done)
+
+    def _encode(self, group: list[EncodeJob]) -> list[JobDone]:
+        """One tower forward for the group's images its consumers do not hold."""
+        enc, t = self.encoder, self.times
+        began = time.monotonic()
+        t.jobs += len(group)
+        t.queue_s += sum(max(0.0, began - job.sent_at) for job in group)
+        held = [enc.delivered.known(job.consumer, job.consumer_rows,
+                                    [img.mm_hash for img in job.images])
+                if job.consumer is not None else set() for job in group]
+        prompts = [ProcessedPrompt(None, [], [self._image(img) for img in job.images
+                                             if img.mm_hash not in known])
+                   for job, known in zip(group, held, strict=True)]
+        try:
+            outputs = enc.encode(prompts, transport=group[0].transport)
+        except Exception as e:  # noqa: BLE001 - each waiting request is told
+            logger.exception("encoding failed")
+            return [JobDone(job.job_id, [], f"{type(e).__name__}: {e}") for job in group]
+        finally:
+            t.forwards += 1
+            t.forward_s += time.monotonic() - began
+            t.max_jobs_per_forward = max(t.max_jobs_per_forward, len(group))
+        done = []
+        for job, known, out in zip(group, held, outputs, strict=True):
+            if job.consumer is not None:
+                enc.delivered.exported(job.consumer, [(e.handle.handle_id, e.mm_hash, e.length)
+                                                      for e in out.images])
+            handles = iter(out.images)
+            done.append(JobDone(job.job_id, [None if img.mm_hash in known
+                                             else to_wire(next(handles).handle)
+                                             for img in job.images]))
+        return done
+
+    def _image(self, img: PixelImage) -> ImageInput:
+        pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
+        return ImageInput(img.mm_hash, 0, img.length, pixels, tuple(img.encoder_meta),
+                          self.transform)
+
+    def stats(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.encoder.get_stats()), "server": self.times.summary(),
+                "core_pid": os.getpid()}
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        self.sock.send_multipart([identity, self.enc.encode(msg)], copy=False)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _exit(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_encoder_core(kwargs: dict[str, Any], address: str, parent_pid: int, conn: Any,
+                     log_level: str = "info") -> None:
+    """The core process's entry point (a `multiprocessing` spawn target): it loads the
+    encoder, says ("ready", pid) or ("error", why) on ``conn``, then serves until `Stop`,
+    SIGTERM or its parent's death; every live handle is reclaimed as it ends."""
+    from vlmserve.encoder.encoder import MultimodalEncoder
+
+    die_with_parent()
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
+    signal.signal(signal.SIGTERM, _exit)
+    encoder = proc = None
+    try:
+        encoder = MultimodalEncoder(**kwargs)
+        if encoder.device.type == "cuda":
+            limit_host_threads()  # the tower runs on the device; the host only feeds it
+        proc = EncoderCoreProc(encoder, address, parent_pid)
+        conn.send(("ready", os.getpid()))
+        proc.run()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logger.exception("the encoder core failed")
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise
+    finally:
+        if proc is not None:
+            proc.close()
+        if encoder is not None:
+            encoder.shutdown()
+
+
+def start_encoder_core(kwargs: dict[str, Any], log_level: str = "info",
+                       timeout_s: float = 1800.0) -> tuple[mp.process.BaseProcess, str]:
+    """Spawn the core process (it dies with this one) and wait for its encoder to load;
+    raises `RuntimeError` with the core's own error if it fails to start."""
+    address = f"ipc://{tempfile.gettempdir()}/vlmserve-encoder-{uuid.uuid4().hex[:12]}"
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_encoder_core, name="vlmserve-encoder-core",
+                       args=(kwargs, address, os.getpid(), theirs, log_level), daemon=False)
+    proc.start()
+    theirs.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ours.poll(0.2):
+            try:
+                kind, value = ours.recv()
+            except EOFError:
+                break
+            if kind == "ready":
+                return proc, address
+            proc.join(5)
+            raise RuntimeError(f"the encoder core failed to start: {value}")
+        if not proc.is_alive():
+            break
+    proc.kill()
+    proc.join(5)
+    raise RuntimeError(f"the encoder core did not start (exit code {proc.exitcode})")
+
+
+class EncoderCoreClient:
+    """The front end's side, on its event loop: jobs and stats calls to the core, answers
+    matched by id; `dead` once the core is gone (everything waiting fails with
+    `EncoderCoreDead`, and ``on_dead`` is called once)."""
+
+    def __init__(self, address: str, pid: int,
+                 on_dead: Callable[[EncoderCoreDead], None] | None = None) -> None:
+        self.address, self.pid, self.on_dead = address, pid, on_dead
+        self.dead: EncoderCoreDead | None = None
+        self._ids = itertools.count()
+        self._waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(FromCore)
+        self._tasks: list[asyncio.Task] = []
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def encode(self, images: list[PixelImage], transport: str,
+                     consumer: str | None = None, consumer_rows: int | None = None
+                     ) -> list[HandleWire | None]:
+        """Each image's handle (None: ``consumer`` holds it); `RuntimeError` if the forward
+        failed, `EncoderCoreDead` if the core is gone."""
+        job_id = next(self._ids)
+        done = await self._call(("job", job_id), EncodeJob(
+            job_id, transport, images, consumer, consumer_rows, time.monotonic()))
+        if done.error is not None:
+            raise RuntimeError(f"the encoder failed: {done.error}")
+        return done.handles
+
+    async def stats(self) -> dict[str, Any]:
+        call_id = next(self._ids)
+        return (await self._call(("stats", call_id), StatsCall(call_id))).stats
+
+    async def _call(self, key: tuple[str, int], msg: Any) -> Any:
+        if self.dead is not None:
+            raise self.dead
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[key] = fut
+        try:
+            await self._sock.send(self._enc.encode(msg), copy=False)
+            return await fut
+        finally:
+            self._waiting.pop(key, None)
+
+    async def _receive(self) -> None:
+        while True:
+            msg = self._dec.decode(await self._sock.recv())
+            key = ("job", msg.job_id) if isinstance(msg, JobDone) else ("stats", msg.call_id)
+            fut = self._waiting.get(key)
+            if fut is not None and not fut.done():  # else its client left
+                fut.set_result(msg)
+
+    async def _watch(self) -> None:
+        while pid_alive(self.pid):
+            await asyncio.sleep(WATCH_S)
+        self.dead = EncoderCoreDead("the encoder core process is gone")
+        logger.error("%s", self.dead)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(self.dead)
+        if self.on_dead is not None:
+            self.on_dead(self.dead)
+
+    async def close(self, stop_core: bool = True) -> None:
+        if stop_core and self.dead is None and self._sock is not None:
+            await self._sock.send(self._enc.encode(Stop()))
+        for task in self._tasks:
+            task.cancel()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
