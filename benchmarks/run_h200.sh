@@ -53,10 +53,13 @@
 #             the LLM server's step trace per mode (trace_MODE.jsonl, summarized in .txt);
 #             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
-#             time-slicing the GPU); skipped with a message where MPS cannot start
+#             time-slicing the GPU); skipped with a message where MPS cannot start;
+#             EPD_LLM_SM_PCT=N: under MPS the LLM server's kernels use at most N% of the SMs
 #   fp8     : FP8 weights (quantization=fp8: the 2B's projections quantized to 128x128 blocks as
 #             they load) against bfloat16: the FP8 kernel tests and CUDA parity, decode at
 #             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)
+#   encfwd  : a MultimodalEncoder forward (benchmarks/encoder_forward.py): host launch, device
+#             and export ms for 1 / 4 / 13 W1 images, alone and beside a busy Python thread
 #   pack    : last: everything under $OUT (plots left out) as one $OUT/all.tgz (the device tool
 #             brings back at most 8 files a call)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
@@ -340,7 +343,10 @@ epdserve)
       enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server_$mode.log"
       extra="--encoder-url http://127.0.0.1:8003"
     fi
-    VLMSERVE_STEP_TRACE=$OUT/trace_$mode.jsonl PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve \
+    sm=""  # under MPS, EPD_LLM_SM_PCT caps the SMs the LLM server's kernels may use
+    [ "$mode" != epdmps ] || [ -z "${EPD_LLM_SM_PCT:-}" ] \
+      || sm="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$EPD_LLM_SM_PCT"
+    env $sm VLMSERVE_STEP_TRACE=$OUT/trace_$mode.jsonl PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve \
       serve /tmp/q2vl2b --port 8001 $A $extra > "$OUT/llm_$mode.log" 2>&1 &
     pid=$!; up 8001 $pid && bench "$mode" || tail -5 "$OUT/llm_$mode.log"
     curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
@@ -370,6 +376,9 @@ device='cuda')"
       PYTHONPATH=$PWD/benchmarks/vllm_compat:/tmp/vsite:/tmp/deps \
       step llnext_vllm 400 python3 "$S" vllm /tmp/llnext 512
   fi ;;
+encfwd)
+  TAIL=8 step encoder_forward 200 python benchmarks/encoder_forward.py --model qwen2-vl-2b-random \
+    --batches 1,4,13 --out "$OUT/encoder_forward.json" ;;
 pack)
   (cd "$OUT" && find . -name "*.png" -delete && tar czf /tmp/all.tgz . \
     && find . -mindepth 1 -delete && mv /tmp/all.tgz . && ls -l all.tgz) ;;

@@ -118,15 +118,15 @@ def test_only_delivering_ranks_export(vlmserve_cache):
 def test_encoder_server_forwards_are_bounded_in_rows_and_keep_arrival_order() -> None:
     """The encoder server's waiting jobs go to the tower in forwards of at most the budget's
     image rows (a larger job alone), one handle kind per forward, in arrival order."""
-    from types import SimpleNamespace
+    from vlmserve.encoder.service import EncodeJob, forwards
+    from vlmserve.encoder.wire import PixelImage
 
-    from vlmserve.entrypoints.openai.encoder_server import _forwards
-
-    def job(name: str, *lengths: int, transport: str = "shm") -> tuple:
-        images = [SimpleNamespace(length=n) for n in lengths]
-        return (SimpleNamespace(name=name, images=images), transport, None, None)
+    def job(name: str, *lengths: int, transport: str = "shm") -> EncodeJob:
+        images = [PixelImage(mm_hash=name, encoder_meta=(), length=n, shape=(1, 1, 3),
+                             pixels=b"abc") for n in lengths]
+        return EncodeJob(ord(name), transport, images)
 
     jobs = [job("a", 300, 200), job("b", 400), job("c", 2000), job("d", 100, transport="bytes"),
             job("e", 100), job("f"), job("g", 500)]
-    got = [[j[0].name for j in g] for g in _forwards(jobs, 1000)]
+    got = [[chr(j.job_id) for j in g] for g in forwards(jobs, 1000)]
     assert got == [["a", "b"], ["c"], ["e", "f", "g"], ["d"]]

@@ -24,6 +24,15 @@ SHAPES = ([(1536, 1536, (128, 128)), (8960 * 2, 1536, (128, 128)), (1536, 8960, 
 ROWS = [1, 7, 64, 300, _DEQUANT_MIN_ROWS + 3] if ON_GPU else [1, 17, 65]
 
 
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal to 16-bit precision at the output's scale: the products round their inputs and
+    outputs to 16 bits and cuBLAS may reduce in bfloat16 (PyTorch's default), so an entry
+    that cancels to near zero carries the error of the largest ones (on the H100: 0.05 beside
+    entries of about 5 with K = 8,960 rows, and after SiLU-and-mul)."""
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2,
+                               atol=max(2e-2, 1e-2 * ref.abs().amax().item()))
+
+
 def _weight(n: int, k: int, block: tuple[int, int], seed: int = 0) -> Fp8Weight:
     g = torch.Generator().manual_seed(seed)
     q, s = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.05, block)
@@ -42,7 +51,7 @@ def test_fp8_linear_equals_the_read_back_product(shape, rows, bias):
     ref = F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float())
     got = fp8_linear(x, w, b)
     assert got.shape == (rows, n) and got.dtype == DTYPE
-    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    _close(got, ref)
     # three dimensions in, three out (a batch of token rows)
     torch.testing.assert_close(fp8_linear(x.view(1, rows, k), w, b).view(rows, n), got)
 
@@ -62,9 +71,8 @@ def test_triton_ops_take_fp8_weights():
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=g).to(DTYPE).to(DEVICE)
         norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DTYPE).to(DEVICE)
-        torch.testing.assert_close(triton_ops.linear(x, w), fused.EAGER_OPS.linear(x, w),
-                                   atol=2e-2, rtol=2e-2)
+        _close(triton_ops.linear(x, w), fused.EAGER_OPS.linear(x, w))
         got, _ = triton_ops.rms_norm_linear(x, None, norm, 1e-6, w, gated_silu=True)
         ref, _ = fused.compose_rms_norm_linear(fused.EAGER_OPS, x, None, norm, 1e-6, w, None,
                                                True)
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        _close(got, ref)
