@@ -76,3 +76,18 @@ def test_triton_ops_take_fp8_weights():
         ref, _ = fused.compose_rms_norm_linear(fused.EAGER_OPS, x, None, norm, 1e-6, w, None,
                                                True)
         _close(got, ref)
+
+
+def test_small_inputs_split_k_so_every_sm_reads():
+    """At one token the 2B's narrow projections (qkv, o, down: 24-64 column tiles) split K
+    until the SMs have about two programs each; gate_up (560 tiles) does not; every split
+    has columns to read and together they cover K."""
+    from vlmserve.layers.triton_fp8 import _config
+
+    sms = 132
+    for n, k, splits in ((2048, 1536, 4), (1536, 1536, 4), (1536, 8960, 5), (17920, 1536, 1)):
+        bm, bn, bk, _, _, split, per_split = _config(1, n, k, 128, sms)
+        assert split == splits, (n, k, split)
+        assert per_split % bk == 0 and (split - 1) * per_split < k <= split * per_split
+        assert split == 1 or split * (n // bn) <= 2 * sms
+    assert _config(300, 2048, 1536, 128, sms)[5] == 1  # compute-bound: no split
