@@ -365,3 +365,26 @@ def test_encoder_server_stops_cleanly_and_never_leaves_its_core(vlmserve_cache) 
         assert wait_until(lambda: not _alive(core), 5)
     finally:
         enc.kill()
+
+
+def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
+    """`--role encoder --api-server-count 2`: two HTTP front ends on one port over one
+    encoder core; an LLM server through it answers as one process does; SIGKILL of the core
+    makes the whole encoder server exit 1 within 5 s."""
+    enc = ServeProc("--role", "encoder", "--api-server-count", "2")
+    try:
+        llm = ServeProc("--encoder-url", enc.url, "--preprocess-workers", "0")
+        try:
+            convs = _conversations()
+            assert _streamed_together(llm, convs, 8) == _single_process(convs, 8)
+            stats = enc.stats()
+            assert stats["encoded_images"] == 3 and stats["server"]["jobs"] >= 2
+            assert wait_until(lambda: enc.stats()["ledger"]["live_handles"] == 0, 10)
+        finally:
+            llm.kill()
+        core = stats["core_pid"]
+        assert core != enc.proc.pid
+        os.kill(core, signal.SIGKILL)
+        assert enc.wait(5) == 1
+    finally:
+        enc.kill()

@@ -284,11 +284,14 @@ def start_encoder_core(kwargs: dict[str, Any], log_level: str = "info",
 class EncoderCoreClient:
     """The front end's side, on its event loop: jobs and stats calls to the core, answers
     matched by id; `dead` once the core is gone (everything waiting fails with
-    `EncoderCoreDead`, and ``on_dead`` is called once)."""
+    `EncoderCoreDead`, and ``on_dead`` is called once). Several front ends may share a core:
+    each connects a socket of its own."""
 
     def __init__(self, address: str, pid: int,
-                 on_dead: Callable[[EncoderCoreDead], None] | None = None) -> None:
+                 on_dead: Callable[[EncoderCoreDead], None] | None = None,
+                 owns_core: bool = True) -> None:
         self.address, self.pid, self.on_dead = address, pid, on_dead
+        self.owns_core = owns_core  # `close` stops the core (else its supervisor does)
         self.dead: EncoderCoreDead | None = None
         self._ids = itertools.count()
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
@@ -350,8 +353,8 @@ class EncoderCoreClient:
         if self.on_dead is not None:
             self.on_dead(self.dead)
 
-    async def close(self, stop_core: bool = True) -> None:
-        if stop_core and self.dead is None and self._sock is not None:
+    async def close(self) -> None:
+        if self.owns_core and self.dead is None and self._sock is not None:
             await self._sock.send(self._enc.encode(Stop()))
         for task in self._tasks:
             task.cancel()

@@ -17,6 +17,8 @@ image gets an embedding handle recorded in the core's ledger until its consumer 
 server started with `--encoder-url`) opens and releases it, or its lease runs out; images
 whose handles the request's consumer opened and released recently are not encoded again
 (handle null). If the core dies, requests get a 503, `/health` too, and the server exits 1.
+With `--api-server-count N`, N front ends share the port and the one core (`/stats`'s
+`server.requests` and `request_s` are the answering front end's own).
 """
 
 from __future__ import annotations

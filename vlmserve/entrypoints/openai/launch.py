@@ -164,37 +164,60 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
 def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     """`vlmserve serve --role encoder`: the vision tower behind POST /v1/encode, until
     SIGTERM or Ctrl-C (exit 0; every live handle is reclaimed as the core stops) or the
-    encoder core's death (exit 1). This process is the HTTP front end; the encoder core is
-    a child (`encoder/service.py`)."""
-    from vlmserve.encoder.encoder import encoder_input_processor
-    from vlmserve.encoder.service import EncoderCoreClient, start_encoder_core
-    from vlmserve.entrypoints.openai.encoder_server import build_encoder_app, encoder_kwargs
-    from vlmserve.models.builtin import resolve_model
-    from vlmserve.models.loader import load_hf_config
+    encoder core's death (exit 1). The encoder core is a child (`encoder/service.py`); this
+    process is the HTTP front end, or with `--api-server-count N` the supervisor of N."""
+    from vlmserve.encoder.service import start_encoder_core
+    from vlmserve.entrypoints.openai.encoder_server import encoder_kwargs
 
-    sock, = bind_sockets(cfg.host, cfg.port)  # before the model loads: a busy port fails now
+    socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)  # a busy port fails now
     try:
         proc, address = start_encoder_core(encoder_kwargs(cfg, kwargs), cfg.log_level)
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
+    if len(socks) > 1:
+        ctx = mp.get_context("spawn")
+        fronts = [ctx.Process(target=_encoder_frontend_main, name=f"vlmserve-encoder-api-{i}",
+                              args=(cfg, kwargs, sock, address, proc.pid))
+                  for i, sock in enumerate(socks)]
+        return _run_processes(proc, fronts, socks, cfg)
     try:
-        model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
-        processor = encoder_input_processor(model_path, load_hf_config(model_path),
-                                            kwargs.get("mm_processor_kwargs"))
-        server = _Server(uvicorn.Config(None, log_level=cfg.log_level))
-        core = EncoderCoreClient(address, proc.pid, on_dead=server.core_died)
-        server.config.app = build_encoder_app(core, processor, cfg)
-        freeze_startup_heap()
-        logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
-                    kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
-                    cfg.encoder_lease)
-        server.run(sockets=[sock])
-        return server.exit_code
+        return serve_encoder_frontend(cfg, kwargs, socks[0], address, proc.pid, owns_core=True)
     finally:
         proc.join(30)  # the core stops on the front end's Stop (or dies with it)
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: socket.socket,
+                           address: str, core_pid: int, owns_core: bool) -> int:
+    """One encoder front end on `sock` over the encoder core at `address`; its exit code.
+    `owns_core`: it stops the core as it stops (the only front end)."""
+    from vlmserve.encoder.encoder import encoder_input_processor
+    from vlmserve.encoder.service import EncoderCoreClient
+    from vlmserve.entrypoints.openai.encoder_server import build_encoder_app
+    from vlmserve.models.builtin import resolve_model
+    from vlmserve.models.loader import load_hf_config
+
+    model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
+    processor = encoder_input_processor(model_path, load_hf_config(model_path),
+                                        kwargs.get("mm_processor_kwargs"))
+    server = _Server(uvicorn.Config(None, log_level=cfg.log_level))
+    core = EncoderCoreClient(address, core_pid, on_dead=server.core_died, owns_core=owns_core)
+    server.config.app = build_encoder_app(core, processor, cfg)
+    freeze_startup_heap()
+    logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
+                kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
+                cfg.encoder_lease)
+    server.run(sockets=[sock])
+    return server.exit_code
+
+
+def _encoder_frontend_main(cfg: ServerConfig, kwargs: dict[str, Any], sock: socket.socket,
+                           address: str, core_pid: int) -> None:
+    die_with_parent()
+    _setup_logging(cfg)
+    sys.exit(serve_encoder_frontend(cfg, kwargs, sock, address, core_pid, owns_core=False))
 
 
 def preprocess_threads(cfg: ServerConfig) -> int:
@@ -226,7 +249,7 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socke
     # a spawned child imports prometheus_client anew and reads this at import time
     os.environ[_PROM_DIR_VAR] = metrics_dir
     try:
-        return _run_processes(config, cfg, socks, metrics_dir)
+        return _run_llm(config, cfg, socks, metrics_dir)
     finally:
         if saved is None:
             os.environ.pop(_PROM_DIR_VAR, None)
@@ -235,13 +258,22 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socke
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _run_processes(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket],
-                   metrics_dir: str) -> int:
+def _run_llm(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket],
+             metrics_dir: str) -> int:
     ctx = mp.get_context("spawn")
     core_proc, core = start_engine_core(config, cfg.log_level)
     fronts = [ctx.Process(target=_frontend_main, name=f"vlmserve-api-{i}",
                           args=(config, cfg, sock, core))
               for i, sock in enumerate(socks)]
+    return _run_processes(core_proc, fronts, socks, cfg, metrics_dir)
+
+
+def _run_processes(core_proc: mp.process.BaseProcess, fronts: list[mp.process.BaseProcess],
+                   socks: list[socket.socket], cfg: ServerConfig,
+                   metrics_dir: str | None = None) -> int:
+    """Start the front ends (not yet started) over the running core and wait: SIGTERM or
+    SIGINT drains them all; the core's death or a front end's failure stops the rest; the
+    core is stopped last. The exit code: 1 after a failure, else 0."""
     for p in fronts:
         p.start()
     for sock in socks:
@@ -250,6 +282,8 @@ def _run_processes(config: EngineConfig, cfg: ServerConfig, socks: list[socket.s
     dead: set[int] = set()
 
     def mark_dead() -> None:  # its "live" gauges (its stream count) leave the sums
+        if metrics_dir is None:
+            return
         for p in fronts:
             if p.pid is not None and p.exitcode is not None and p.pid not in dead:
                 dead.add(p.pid)
@@ -275,7 +309,7 @@ def _run_processes(config: EngineConfig, cfg: ServerConfig, socks: list[socket.s
             if failed or stopping:
                 continue
             if not core_proc.is_alive():  # each front end tells its clients and exits 1
-                logger.error("the engine core died (exit code %s)", core_proc.exitcode)
+                logger.error("%s died (exit code %s)", core_proc.name, core_proc.exitcode)
                 failed = True
             elif gone := [p for p in fronts if p.exitcode not in (None, 0)]:
                 logger.error("%s exited with %s; the server stops", gone[0].name,
