@@ -54,7 +54,8 @@
 #             EPD_MODES="epd single epdmps": epdmps runs epd with both servers as clients of
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
 #             time-slicing the GPU); skipped with a message where MPS cannot start;
-#             EPD_LLM_SM_PCT=N: under MPS the LLM server's kernels use at most N% of the SMs
+#             EPD_LLM_SM_PCT=N: under MPS the LLM server's kernels use at most N% of the SMs;
+#             EPD_ENCODER_ARGS: more options of the encoder server (--api-server-count 2)
 #   fp8     : FP8 weights (quantization=fp8: the 2B's projections quantized to 128x128 blocks as
 #             they load) against bfloat16: the FP8 kernel tests and CUDA parity, decode at
 #             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)
@@ -339,7 +340,7 @@ epdserve)
     if [ "$mode" = epdmps ]; then mps_start || continue; fi
     if [ "$mode" != single ]; then
       PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve serve /tmp/q2vl2b --role encoder --port 8003 \
-        > "$OUT/encoder_server_$mode.log" 2>&1 &
+        ${EPD_ENCODER_ARGS:-} > "$OUT/encoder_server_$mode.log" 2>&1 &
       enc=$!; up 8003 $enc || tail -5 "$OUT/encoder_server_$mode.log"
       extra="--encoder-url http://127.0.0.1:8003"
     fi
