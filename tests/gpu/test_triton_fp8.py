@@ -62,20 +62,48 @@ def test_dequantize_kernel_is_exact(shape):
     assert torch.equal(dequantize(w, DTYPE), w.dequantize(DTYPE))
 
 
-def test_triton_ops_take_fp8_weights():
-    """The ops a decoder layer calls (`linear`, `rms_norm_linear` with SiLU-and-mul): an FP8
-    weight goes through the FP8 product, one token included (no tensor GEMV for it)."""
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_ops_take_fp8_weights(residual, gated):
+    """The ops a decoder layer calls (`linear`, `rms_norm_linear` with the residual and
+    SiLU-and-mul): one token through the GEMV with FP8 values and block scales (the norm
+    folded in), more through the FP8 product; equal to reading the weight back."""
     n, k, block = SHAPES[0]
-    w = _weight(2 * n, k, block)
+    w = _weight(2 * n if gated else n, k, block)
     g = torch.Generator().manual_seed(2)
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=g).to(DTYPE).to(DEVICE)
+        r = torch.randn(rows, k, generator=g).to(DTYPE).to(DEVICE) if residual else None
         norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DTYPE).to(DEVICE)
         _close(triton_ops.linear(x, w), fused.EAGER_OPS.linear(x, w))
-        got, _ = triton_ops.rms_norm_linear(x, None, norm, 1e-6, w, gated_silu=True)
-        ref, _ = fused.compose_rms_norm_linear(fused.EAGER_OPS, x, None, norm, 1e-6, w, None,
-                                               True)
+        got, total = triton_ops.rms_norm_linear(x, r, norm, 1e-6, w, gated_silu=gated)
+        ref, ref_total = fused.compose_rms_norm_linear(fused.EAGER_OPS, x, r, norm, 1e-6, w,
+                                                       None, gated)
         _close(got, ref)
+        torch.testing.assert_close(total, ref_total)
+
+
+def test_fp8_qkv_rope_takes_the_composed_path():
+    """The fused one-token QKV + rotary kernel reads 16-bit weights only: an FP8 weight goes
+    through `rms_norm_linear` (its GEMV) and the rotary kernel, equal to the eager ops."""
+    from vlmserve.layers.rotary import MRotaryEmbedding
+
+    heads, kv_heads, d = 4, 2, 32 if not ON_GPU else 128
+    k = SHAPES[0][1]
+    w = _weight((heads + 2 * kv_heads) * d, k, SHAPES[0][2])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, k, generator=g).to(DTYPE).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DTYPE).to(DEVICE)
+    rope = MRotaryEmbedding(d, 1e6, [d // 8, 3 * d // 16, d // 2 - d // 8 - 3 * d // 16]
+                            ).to(DEVICE)
+    cos, sin = rope.cos_sin(torch.randint(0, 5000, (3, 1), generator=g).to(DEVICE), DTYPE)
+    slots = torch.tensor([5], device=DEVICE)
+    caches = [torch.zeros(2, 2, 8, kv_heads, d, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    args = (nw, 1e-6, w, None, heads, kv_heads, cos, sin)
+    q_ref, _ = fused.compose_rms_norm_qkv_rope(fused.EAGER_OPS, x, None, *args, caches[0], slots)
+    q, _ = triton_ops.rms_norm_qkv_rope(x, None, *args, caches[1], slots)
+    _close(q, q_ref)
+    _close(caches[1], caches[0])
 
 
 def test_small_inputs_split_k_so_every_sm_reads():

@@ -2,8 +2,8 @@
 stores them: float8 (e4m3) values and one float32 scale per block of rows x columns (the
 weight is their product). A `Linear` holding them hands its ops an `Fp8Weight` instead of a
 tensor; the eager ops read it back to the activations' dtype for each product, the Triton
-ops multiply with it directly (`triton_fp8.fp8_linear`: FP8 tiles converted in registers,
-half the bytes of a bfloat16 weight read from memory).
+ops multiply with it directly (one token: the GEMV of `triton_ops`; more: `triton_fp8`'s
+GEMM; FP8 values converted in registers, half the bytes of a bfloat16 weight read).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, store_sum, HAS_RES: tl.co
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
              ).to(x_ptr.dtype.element_ty)
-        tl.store(s_ptr + ks, x, mask=k_ok & store_sum)
+        if store_sum:  # (a scalar branch: Triton's interpreter takes no scalar in a mask)
+            tl.store(s_ptr + ks, x, mask=k_ok)
     x = x.to(tl.float32)
     sq = x * x
     if NORM:
@@ -106,10 +107,11 @@ def _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, store_sum, HAS_RES: tl.co
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, eps,
-                 K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, ws_ptr, N, stride_w,
+                 stride_ws, eps, K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, NUM_K: tl.constexpr):
+                 BK: tl.constexpr, NUM_K: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr):
     """y[n] = sum_k w[n, k] x[k] (+ b[n]) for BN rows; the K loop is unrolled so that every
     load of the row is in flight at once.
 
@@ -119,7 +121,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, 
     to the activation dtype, as the input is) to s. HAS_RES needs NORM. Unlike the separate
     kernels, the normed input is not rounded to the activation dtype before the product
     (bf16: about a unit in the last place; the GPU tests bound it). GATED: rows n and N + n
-    are gate and up, y[n] = silu(gate) * up, each rounded as the separate kernels do."""
+    are gate and up, y[n] = silu(gate) * up, each rounded as the separate kernels do. FP8:
+    w holds float8 values, each block of BR rows x BC columns times its scale in ws (half
+    the bytes of a 16-bit weight read; the products in float32)."""
     dt = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_ok = rows < N
@@ -131,16 +135,23 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, stride_w, 
         ks = i * BK + tl.arange(0, BK)
         k_ok = ks < K
         w_ok = r_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         if GATED:
-            w_up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0)
+            w_up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0
+                           ).to(tl.float32)
+        if FP8:
+            w *= tl.load(ws_ptr + (rows // BR)[:, None] * stride_ws + (ks // BC)[None, :],
+                         mask=w_ok, other=0.0)
+            if GATED:
+                w_up *= tl.load(ws_ptr + ((rows + N) // BR)[:, None] * stride_ws
+                                + (ks // BC)[None, :], mask=w_ok, other=0.0)
         x, x2 = _gemv_input(x_ptr, r_ptr, nw_ptr, s_ptr, ks, k_ok, tl.program_id(0) == 0,
                             HAS_RES, NORM)
         if NORM:
             sq += x2
-        acc += w.to(tl.float32) * x[None, :]
+        acc += w * x[None, :]
         if GATED:
-            acc_up += w_up.to(tl.float32) * x[None, :]
+            acc_up += w_up * x[None, :]
     y = tl.sum(acc, axis=1)
     if NORM:
         inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -168,34 +179,36 @@ _GEMV_MAX_OUT = 65536  # wider outputs (lm_head) stay on cuBLAS, which streams t
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
-    """One token, contiguous rows, an output narrow enough for the GEMV (of a tensor)."""
-    return (not isinstance(weight, Fp8Weight)
-            and x.numel() == x.shape[-1] and weight.shape[0] <= _GEMV_MAX_OUT
-            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+    """One token, contiguous rows, an output narrow enough for the GEMV."""
+    w = weight.q if isinstance(weight, Fp8Weight) else weight
+    return (x.numel() == x.shape[-1] and w.shape[0] <= _GEMV_MAX_OUT
+            and x.stride(-1) == 1 and w.stride(-1) == 1)
 
 
 def _gemv(x, weight, bias, n_out, residual=None, norm_weight=None, eps=0.0, gated=False):
-    K = weight.shape[1]
+    fp8 = isinstance(weight, Fp8Weight)
+    w, scale = (weight.q, weight.scale) if fp8 else (weight, weight)
+    br, bc = weight.block if fp8 else (1, 1)
+    K = w.shape[1]
     y = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else x
     bn, bk, warps = _gemv_config(K)
     _gemv_kernel[(triton.cdiv(n_out, bn),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None
-        else weight, weight, bias if bias is not None else weight, y, total, n_out,
-        weight.stride(0), eps, K=K, NORM=norm_weight is not None, HAS_RES=residual is not None,
+        else x, w, bias if bias is not None else x, y, total, scale, n_out, w.stride(0),
+        scale.stride(0), eps, K=K, NORM=norm_weight is not None, HAS_RES=residual is not None,
         HAS_BIAS=bias is not None, GATED=gated, BN=bn, BK=bk, NUM_K=triton.cdiv(K, bk),
-        num_warps=warps)
+        FP8=fp8, BR=br, BC=bc, num_warps=warps)
     return y, total
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the GEMV above for a single token (a decode step at batch 1); an
-    FP8 weight through `triton_fp8.fp8_linear`."""
-    if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias)
+    """`F.linear`, through the GEMV above for a single token (a decode step at batch 1);
+    more tokens with an FP8 weight through `triton_fp8.fp8_linear`."""
     if not _gemv_fits(x, weight):
-        return F.linear(x, weight, bias)
+        return fp8_linear(x, weight, bias) if isinstance(weight, Fp8Weight) else F.linear(
+            x, weight, bias)
     return _gemv(x, weight, bias, weight.shape[0])[0]
 
 
@@ -281,11 +294,13 @@ def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
                       kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: torch.Tensor, slots: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused.rms_norm_qkv_rope`: for a single token and a narrow input one launch (norm,
-    QKV GEMV, rotary, KV write); otherwise `rms_norm_linear` and the rotary kernel."""
+    """`fused.rms_norm_qkv_rope`: for a single token and a narrow 16-bit input one launch
+    (norm, QKV GEMV, rotary, KV write); otherwise `rms_norm_linear` (an FP8 weight's GEMV at
+    one token) and the rotary kernel."""
     n_out, K = weight.shape
     d = n_out // (heads + 2 * kv_heads)
-    if K > _NORM_GEMV_MAX_IN or not _gemv_fits(x, weight) or x.shape[0] != 1 or d % 2 \
+    if K > _NORM_GEMV_MAX_IN or isinstance(weight, Fp8Weight) or not _gemv_fits(x, weight) \
+            or x.shape[0] != 1 or d % 2 \
             or (residual is not None and residual.stride(-1) != 1) \
             or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not kv_cache.is_contiguous():
         return compose_rms_norm_qkv_rope(sys.modules[__name__], x, residual, norm_weight, eps,
