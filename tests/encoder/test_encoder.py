@@ -130,3 +130,24 @@ def test_encoder_server_forwards_are_bounded_in_rows_and_keep_arrival_order() ->
             job("e", 100), job("f"), job("g", 500)]
     got = [[chr(j.job_id) for j in g] for g in forwards(jobs, 1000)]
     assert got == [["a", "b"], ["c"], ["e", "f", "g"], ["d"]]
+
+
+def test_launched_forwards_finish_in_any_interleaving(vlmserve_cache):
+    """`launch` queues a forward and `finish` exports it, so the encoder server launches the
+    next forward before exporting the last: two launched, then finished in order, give the
+    rows `encode` gives each alone."""
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", mm_embedding_offload=False)
+    first, second = _prompts(llm)[0], _prompts(llm)[2]
+    with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu") as enc:
+        want = [[img.handle.open() for img in enc.encode([p])[0].images]
+                for p in (first, second)]
+        a, b = enc.launch([first]), enc.launch([second], transport="bytes")
+        got = [[img.handle.open() for img in enc.finish(work)[0].images] for work in (a, b)]
+        assert [len(rows) for rows in got] == [2, 3]
+        for rows, ref in zip(got, want, strict=True):
+            assert all(torch.equal(r, w) for r, w in zip(rows, ref, strict=True))
+        handles = [img.handle for img in enc.finish(enc.launch([first], transport="bytes"))[0]
+                   .images]
+        assert all(isinstance(h, BytesHandle) for h in handles)
+        assert all(torch.equal(h.open(), w) for h, w in zip(handles, want[0], strict=True))
+        assert wait_until(lambda: enc.get_stats().ledger.live_handles == 0, 5)

@@ -13,6 +13,7 @@ exports handles.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,18 @@ from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.quantization import checkpoint_quantization
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
+
+
+@dataclass
+class Launched:
+    """A forward `MultimodalEncoder.launch` queued: its requests, rows by content hash
+    (still being computed on a GPU) and the event recorded behind them (None on the CPU)."""
+
+    processed: list[ProcessedPrompt]
+    transport: str
+    export: bool
+    rows: dict[str, torch.Tensor]
+    done: torch.cuda.Event | None
 
 
 @dataclass
@@ -177,6 +190,7 @@ class MultimodalEncoder:
                                    serving=False)[1])
         self.export_only_delivered = export_only_delivered
         self._stats = EncoderStats()
+        self._export_stream: torch.cuda.Stream | None = None
 
     def _load(self, mc) -> None:
         self.model_path = resolve_model(mc.model)
@@ -231,28 +245,59 @@ class MultimodalEncoder:
         its share; the other ranks' ``export`` is their default); a rank that died or stopped
         answering raises `EncoderRankError`.
         """
+        return self.finish(self.launch(requests, transport, export))
+
+    @torch.inference_mode()
+    def launch(self, requests: Sequence[PromptInput | ProcessedPrompt],
+               transport: str | None = None, export: bool | None = None) -> Launched:
+        """`encode`'s first half: the tower's forward queued on the device, nothing exported
+        yet; `finish` exports. Another call's forward may be launched in between (it runs
+        behind this one), so the device has the next forward while the host exports."""
         processed = [r if isinstance(r, ProcessedPrompt) else self.process(r) for r in requests]
         transport = transport or self.transport
         if self.followers is not None:
             self.followers.run(lambda: self.group.broadcast_object(
                 ("encode", processed, transport)))
-        return self._encode_processed(processed, transport, export)
+        return self._launch(processed, transport, export)
 
-    @torch.inference_mode()
-    def _encode_processed(self, processed: list[ProcessedPrompt], transport: str,
-                          export: bool | None) -> list[EncoderOutput]:
-        """`encode` after the preprocessing: every rank of a tensor-parallel encoder runs
-        this on the same requests."""
+    def _launch(self, processed: list[ProcessedPrompt], transport: str,
+                export: bool | None) -> Launched:
         if export is None:
             export = self.delivers
         export = export or not self.export_only_delivered
         rows = self._rows([img for p in processed for img in p.images])
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(processed, transport, export, rows, done)
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> list[EncoderOutput]:
+        """`encode`'s second half: a handle per image occurrence (where this rank exports),
+        an `EncoderOutput` per request. On CUDA the copies run on a stream of their own that
+        waits for this forward only, not for any launched after it."""
+        stream = None
+        if launched.done is not None:
+            if self._export_stream is None:
+                self._export_stream = torch.cuda.Stream(self.device)
+            stream = self._export_stream
+            stream.wait_event(launched.done)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            outputs = self._export(launched)
+            if stream is not None:
+                stream.synchronize()  # the rows' last reader done: their memory may go
+        return outputs
+
+    def _export(self, launched: Launched) -> list[EncoderOutput]:
+        rows, transport = launched.rows, launched.transport
         outputs = []
         s = self._stats
-        for p in processed:
+        for p in launched.processed:
             images = []
             for img in p.images:
-                handle = self.ledger.export(rows[img.mm_hash], transport) if export else None
+                handle = (self.ledger.export(rows[img.mm_hash], transport) if launched.export
+                          else None)
                 s.handles_not_exported += handle is None
                 images.append(EncodedImage(img.mm_hash, img.offset, img.length,
                                            tuple(img.encoder_meta), handle))
@@ -261,6 +306,13 @@ class MultimodalEncoder:
             s.requests += 1
             s.images += len(images)
         return outputs
+
+    @torch.inference_mode()
+    def _encode_processed(self, processed: list[ProcessedPrompt], transport: str,
+                          export: bool | None) -> list[EncoderOutput]:
+        """`encode` after the preprocessing: every rank of a tensor-parallel encoder runs
+        this on the same requests."""
+        return self.finish(self._launch(processed, transport, export))
 
     def _rows(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Rows of every distinct image (by content hash). Largest first, equal sizes

@@ -86,8 +86,8 @@ class EncoderCoreDead(RuntimeError):
 @dataclasses.dataclass
 class ServerTimes:
     """Where a job's time goes in the core (seconds, summed): its wait from the front end's
-    send to its forward (`queue_s`), and the forwards (`forward_s`: the host's time in
-    `encode`, launch and export; the export waits for the device)."""
+    send to its forward's launch (`queue_s`), and the forwards (`forward_s`: launch to
+    exported, the wait behind the forward launched before it included)."""
     jobs: int = 0
     queue_s: float = 0.0
     forwards: int = 0
@@ -137,38 +137,55 @@ class EncoderCoreProc:
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(ToCore)
         self.stopping = False
+        # by id() of a job until it is answered: its front end, its forward's launch time
+        self.sender: dict[int, bytes] = {}
+        self.launched_at: dict[int, float] = {}
 
     def run(self) -> None:
+        """Read every waiting message, launch the forwards of the jobs among them, then
+        export and answer the forwards launched the round before: the device always has
+        the next forward queued while the host exports, answers and reads messages."""
+        pending: list[tuple[list[EncodeJob], list[set[str]], Any]] = []
         while not self.stopping:
-            if not self.sock.poll(IDLE_POLL_MS):
+            if not pending and not self.sock.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:
                     logger.error("the server process is gone; the encoder core exits")
                     return
                 continue
-            jobs: list[tuple[bytes, EncodeJob]] = []
-            while True:
-                try:
-                    identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = self.dec.decode(frame)
-                if isinstance(msg, EncodeJob):
-                    jobs.append((identity, msg))
-                elif isinstance(msg, StatsCall):
-                    self._send(identity, StatsReply(msg.call_id, self.stats()))
-                else:
-                    self.stopping = True
-            who = {id(job): identity for identity, job in jobs}
-            for group in forwards([job for _, job in jobs], self.encoder.max_rows_per_forward):
-                for job, done in zip(group, self._encode(group), strict=True):
-                    self._send(who[id(job)], done)
+            jobs = self._receive()
+            launched = [self._launch(group) for group in
+                        forwards(jobs, self.encoder.max_rows_per_forward)]
+            for group, held, work in pending:
+                self._finish(group, held, work)
+            pending = [item for item in launched if item is not None]
+        for group, held, work in pending:
+            self._finish(group, held, work)
 
-    def _encode(self, group: list[EncodeJob]) -> list[JobDone]:
-        """One tower forward for the group's images its consumers do not hold."""
+    def _receive(self) -> list[EncodeJob]:
+        """Every waiting message handled; the jobs among them, in arrival order."""
+        jobs = []
+        while True:
+            try:
+                identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return jobs
+            msg = self.dec.decode(frame)
+            if isinstance(msg, EncodeJob):
+                self.sender[id(msg)] = identity  # job ids are per front end
+                jobs.append(msg)
+            elif isinstance(msg, StatsCall):
+                self._send(identity, StatsReply(msg.call_id, self.stats()))
+            else:
+                self.stopping = True
+
+    def _launch(self, group: list[EncodeJob]) -> tuple | None:
+        """The group's images its consumers do not hold, in one forward (queued)."""
         enc, t = self.encoder, self.times
         began = time.monotonic()
         t.jobs += len(group)
         t.queue_s += sum(max(0.0, began - job.sent_at) for job in group)
+        for job in group:
+            self.launched_at[id(job)] = began
         held = [enc.delivered.known(job.consumer, job.consumer_rows,
                                     [img.mm_hash for img in job.images])
                 if job.consumer is not None else set() for job in group]
@@ -176,24 +193,39 @@ class EncoderCoreProc:
                                              if img.mm_hash not in known])
                    for job, known in zip(group, held, strict=True)]
         try:
-            outputs = enc.encode(prompts, transport=group[0].transport)
+            return group, held, enc.launch(prompts, transport=group[0].transport)
         except Exception as e:  # noqa: BLE001 - each waiting request is told
-            logger.exception("encoding failed")
-            return [JobDone(job.job_id, [], f"{type(e).__name__}: {e}") for job in group]
-        finally:
-            t.forwards += 1
-            t.forward_s += time.monotonic() - began
-            t.max_jobs_per_forward = max(t.max_jobs_per_forward, len(group))
-        done = []
+            self._failed(group, e)
+            return None
+
+    def _finish(self, group: list[EncodeJob], held: list[set[str]], work: Any) -> None:
+        """Export the group's forward and answer each job with its handles."""
+        enc, t = self.encoder, self.times
+        try:
+            outputs = enc.finish(work)
+        except Exception as e:  # noqa: BLE001 - each waiting request is told
+            self._failed(group, e)
+            return
+        t.forwards += 1
+        t.forward_s += time.monotonic() - self.launched_at[id(group[0])]
+        t.max_jobs_per_forward = max(t.max_jobs_per_forward, len(group))
         for job, known, out in zip(group, held, outputs, strict=True):
             if job.consumer is not None:
                 enc.delivered.exported(job.consumer, [(e.handle.handle_id, e.mm_hash, e.length)
                                                       for e in out.images])
             handles = iter(out.images)
-            done.append(JobDone(job.job_id, [None if img.mm_hash in known
-                                             else to_wire(next(handles).handle)
-                                             for img in job.images]))
-        return done
+            self._answer(job, JobDone(job.job_id, [
+                None if img.mm_hash in known else to_wire(next(handles).handle)
+                for img in job.images]))
+
+    def _failed(self, group: list[EncodeJob], e: Exception) -> None:
+        logger.exception("encoding failed")
+        for job in group:
+            self._answer(job, JobDone(job.job_id, [], f"{type(e).__name__}: {e}"))
+
+    def _answer(self, job: EncodeJob, done: JobDone) -> None:
+        self.launched_at.pop(id(job), None)
+        self._send(self.sender.pop(id(job)), done)
 
     def _image(self, img: PixelImage) -> ImageInput:
         pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
