@@ -155,10 +155,15 @@ class EncoderCoreProc:
             jobs = self._receive()
             launched = [self._launch(group) for group in
                         forwards(jobs, self.encoder.max_rows_per_forward)]
-            for group, held, work in pending:
-                self._finish(group, held, work)
+            self._finish_all(pending)
             pending = [item for item in launched if item is not None]
-        for group, held, work in pending:
+            if self.encoder.device.type != "cuda":  # a launch there computed: answer now
+                self._finish_all(pending)
+                pending = []
+        self._finish_all(pending)
+
+    def _finish_all(self, launched: list[tuple]) -> None:
+        for group, held, work in launched:
             self._finish(group, held, work)
 
     def _receive(self) -> list[EncodeJob]:
