@@ -41,7 +41,8 @@ class ModelConfig:
         "read back to dtype as they load), fp8 (an unquantized checkpoint's quantized to "
         "block-wise FP8, 128x128, as they load; without tensor parallelism). The FP8 "
         "kernels are not tuned yet: on an H100 the 2B decoded 1.8x slower with FP8 weights "
-        "than in bfloat16, so none trades weight memory for speed.",
+        "than in bfloat16 (the kernels have changed since, not measured yet), so none "
+        "trades weight memory for speed.",
         choices=("auto", "none", "fp8"))
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
     vision_attention_backend: str = _opt(

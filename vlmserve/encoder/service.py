@@ -137,15 +137,13 @@ class EncoderCoreProc:
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(ToCore)
         self.stopping = False
-        # by id() of a job until it is answered: its front end, its forward's launch time
-        self.sender: dict[int, bytes] = {}
-        self.launched_at: dict[int, float] = {}
+        self.sender: dict[int, bytes] = {}  # by id() of a job until it is answered
 
     def run(self) -> None:
         """Read every waiting message, launch the forwards of the jobs among them, then
         export and answer the forwards launched the round before: the device always has
         the next forward queued while the host exports, answers and reads messages."""
-        pending: list[tuple[list[EncodeJob], list[set[str]], Any]] = []
+        pending: list[tuple] = []  # (group, held, launched, launch time) a forward
         while not self.stopping:
             if not pending and not self.sock.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:
@@ -163,8 +161,8 @@ class EncoderCoreProc:
         self._finish_all(pending)
 
     def _finish_all(self, launched: list[tuple]) -> None:
-        for group, held, work in launched:
-            self._finish(group, held, work)
+        for item in launched:
+            self._finish(*item)
 
     def _receive(self) -> list[EncodeJob]:
         """Every waiting message handled; the jobs among them, in arrival order."""
@@ -189,8 +187,6 @@ class EncoderCoreProc:
         began = time.monotonic()
         t.jobs += len(group)
         t.queue_s += sum(max(0.0, began - job.sent_at) for job in group)
-        for job in group:
-            self.launched_at[id(job)] = began
         held = [enc.delivered.known(job.consumer, job.consumer_rows,
                                     [img.mm_hash for img in job.images])
                 if job.consumer is not None else set() for job in group]
@@ -198,12 +194,13 @@ class EncoderCoreProc:
                                              if img.mm_hash not in known])
                    for job, known in zip(group, held, strict=True)]
         try:
-            return group, held, enc.launch(prompts, transport=group[0].transport)
+            return group, held, enc.launch(prompts, transport=group[0].transport), began
         except Exception as e:  # noqa: BLE001 - each waiting request is told
             self._failed(group, e)
             return None
 
-    def _finish(self, group: list[EncodeJob], held: list[set[str]], work: Any) -> None:
+    def _finish(self, group: list[EncodeJob], held: list[set[str]], work: Any,
+                began: float) -> None:
         """Export the group's forward and answer each job with its handles."""
         enc, t = self.encoder, self.times
         try:
@@ -212,7 +209,7 @@ class EncoderCoreProc:
             self._failed(group, e)
             return
         t.forwards += 1
-        t.forward_s += time.monotonic() - self.launched_at[id(group[0])]
+        t.forward_s += time.monotonic() - began
         t.max_jobs_per_forward = max(t.max_jobs_per_forward, len(group))
         for job, known, out in zip(group, held, outputs, strict=True):
             if job.consumer is not None:
@@ -229,7 +226,6 @@ class EncoderCoreProc:
             self._answer(job, JobDone(job.job_id, [], f"{type(e).__name__}: {e}"))
 
     def _answer(self, job: EncodeJob, done: JobDone) -> None:
-        self.launched_at.pop(id(job), None)
         self._send(self.sender.pop(id(job)), done)
 
     def _image(self, img: PixelImage) -> ImageInput:
@@ -331,7 +327,7 @@ class EncoderCoreClient:
         self.owns_core = owns_core  # `close` stops the core (else its supervisor does)
         self.dead: EncoderCoreDead | None = None
         self._ids = itertools.count()
-        self._waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future] = {}  # by job or call id (one counter)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(FromCore)
         self._tasks: list[asyncio.Task] = []
@@ -350,7 +346,7 @@ class EncoderCoreClient:
         """Each image's handle (None: ``consumer`` holds it); `RuntimeError` if the forward
         failed, `EncoderCoreDead` if the core is gone."""
         job_id = next(self._ids)
-        done = await self._call(("job", job_id), EncodeJob(
+        done = await self._call(job_id, EncodeJob(
             job_id, transport, images, consumer, consumer_rows, time.monotonic()))
         if done.error is not None:
             raise RuntimeError(f"the encoder failed: {done.error}")
@@ -358,9 +354,9 @@ class EncoderCoreClient:
 
     async def stats(self) -> dict[str, Any]:
         call_id = next(self._ids)
-        return (await self._call(("stats", call_id), StatsCall(call_id))).stats
+        return (await self._call(call_id, StatsCall(call_id))).stats
 
-    async def _call(self, key: tuple[str, int], msg: Any) -> Any:
+    async def _call(self, key: int, msg: Any) -> Any:
         if self.dead is not None:
             raise self.dead
         fut = asyncio.get_running_loop().create_future()
@@ -374,8 +370,7 @@ class EncoderCoreClient:
     async def _receive(self) -> None:
         while True:
             msg = self._dec.decode(await self._sock.recv())
-            key = ("job", msg.job_id) if isinstance(msg, JobDone) else ("stats", msg.call_id)
-            fut = self._waiting.get(key)
+            fut = self._waiting.get(msg.job_id if isinstance(msg, JobDone) else msg.call_id)
             if fut is not None and not fut.done():  # else its client left
                 fut.set_result(msg)
 

@@ -202,7 +202,8 @@ def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: sock
     model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
     processor = encoder_input_processor(model_path, load_hf_config(model_path),
                                         kwargs.get("mm_processor_kwargs"))
-    server = _Server(uvicorn.Config(None, log_level=cfg.log_level))
+    server = _Server(uvicorn.Config(None, log_level=cfg.log_level,
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout))
     core = EncoderCoreClient(address, core_pid, on_dead=server.core_died, owns_core=owns_core)
     server.config.app = build_encoder_app(core, processor, cfg)
     freeze_startup_heap()
