@@ -299,17 +299,22 @@ class HandleLedger:
         self._freed[rec.handle_id] = fate
         if len(self._freed) > _REMEMBER_IDS:
             self._freed.popitem(last=False)
-        self._stats.live_handles -= 1
-        self._stats.live_bytes -= rec.held_bytes
         return rec
 
     def _free(self, rec: HandleRecord, *, opened: bool, consumer_alive: bool) -> None:
+        """Free the backing of a forgotten record; it stops counting as live only after (so
+        whoever sees ``live_handles == 0`` finds every segment unlinked)."""
+        error = None
         try:
             rec.backing.free(opened=opened, consumer_alive=consumer_alive)
         except Exception as e:  # a ledger that stops freeing would leak everything after
-            with self._lock:
+            error = e
+        with self._lock:
+            self._stats.live_handles -= 1
+            self._stats.live_bytes -= rec.held_bytes
+            if error is not None:
                 self._stats.free_errors += 1
-                self.errors.append(f"handle {rec.handle_id}: freeing failed: {e!r}")
+                self.errors.append(f"handle {rec.handle_id}: freeing failed: {error!r}")
         if self._on_free is not None:
             self._on_free(rec.handle_id, rec.released_at is not None and rec.opens > 0)
 
