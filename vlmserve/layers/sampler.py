@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vlmserve.layers.attention import triton_available
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -131,10 +132,12 @@ def sample(
 
 
 def filter_top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """``x`` [M, vocab] (temperature-scaled logits) with, in each row j, the tokens outside
-    its top ``ks[j]`` (0: no top-k) set to -inf (ties with the k-th kept), then those outside
-    its top-p nucleus: sorted by probability, a token is dropped when the mass before it
-    already reaches ``ps[j]`` (1.0: no top-p); the most likely token always stays."""
+    """``x`` [M, vocab] (temperature-scaled float32 logits, the caller's own: the top-p filter
+    may write into it) with, in each row j, the tokens outside its top ``ks[j]`` (0: no
+    top-k) set to -inf (ties with the k-th kept), then those outside its top-p nucleus (1.0:
+    no top-p): the tokens from the most likely down to the one where their probability mass
+    first reaches ``ps[j]``, ties with that one kept; the most likely token always stays. On
+    CUDA the nucleus is found without a sort (`triton_sampling.top_p_filter_`)."""
     device = x.device
     if any(ks):
         k = _dev([max(n, 1) - 1 for n in ks], torch.int64, device)[:, None]  # the k-th
@@ -142,14 +145,24 @@ def filter_top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch
         off = _dev([n == 0 for n in ks], torch.bool, device)[:, None]
         x = x.masked_fill((x < kth) & ~off, float("-inf"))
     if any(p < 1.0 for p in ps):
-        # 2: never reached, however the float sum rounds (rows without top-p)
-        top_p = _dev([p if p < 1.0 else 2.0 for p in ps], torch.float32, device)
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(dim=-1)
-        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
-        drop[:, 0] = False  # even when top_p rounds to 0 in float32
-        x = x.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+        top_p = _dev([min(p, 1.0) for p in ps], torch.float32, device)
+        if triton_available(device) and x.dtype == torch.float32:
+            from vlmserve.layers.triton_sampling import top_p_filter_
+
+            return top_p_filter_(x.contiguous(), top_p)
+        x = x.masked_fill(x < top_p_threshold(x, top_p)[:, None], float("-inf"))
     return x
+
+
+def top_p_threshold(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's smallest logit in its top-p nucleus (see `filter_top_k_top_p`), by a sort:
+    [M]; a row with top_p 1.0 gets its smallest logit (nothing dropped)."""
+    sorted_x = x.sort(dim=-1, descending=True).values
+    sorted_p = sorted_x.softmax(dim=-1)
+    # a token stays while the mass before it is under top_p (a prefix: the sum only grows)
+    kept = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p[:, None]).sum(dim=-1, keepdim=True)
+    kept = torch.where(top_p[:, None] >= 1.0, x.shape[1], kept.clamp_min(1))
+    return sorted_x.gather(1, kept - 1).squeeze(1)
 
 
 def logprob_rows(params: list[SamplingParams]) -> list[int]:
