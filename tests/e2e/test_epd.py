@@ -369,8 +369,9 @@ def test_encoder_server_stops_cleanly_and_never_leaves_its_core(vlmserve_cache) 
 
 def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
     """`--role encoder --api-server-count 2`: two HTTP front ends on one port over one
-    encoder core; an LLM server through it answers as one process does; SIGKILL of the core
-    makes the whole encoder server exit 1 within 5 s."""
+    encoder core; an LLM server through it answers as one process does; `/stats` counts the
+    requests of both front ends, whichever answers it; SIGKILL of the core makes the whole
+    encoder server exit 1 within 5 s."""
     enc = ServeProc("--role", "encoder", "--api-server-count", "2")
     try:
         llm = ServeProc("--encoder-url", enc.url, "--preprocess-workers", "0")
@@ -380,6 +381,13 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
             stats = enc.stats()
             assert stats["encoded_images"] == 3 and stats["server"]["jobs"] >= 2
             assert wait_until(lambda: enc.stats()["ledger"]["live_handles"] == 0, 10)
+            for _ in range(6):  # a connection each: the kernel spreads them over the two
+                with httpx.Client(timeout=60) as fresh:
+                    assert fresh.post(enc.url + "/v1/encode", json=_encode_body()).is_success
+            sent = llm.stats()["encoder_client"]["posts"] + 6
+            for _ in range(6):
+                with httpx.Client(timeout=10) as fresh:
+                    assert fresh.get(enc.url + "/stats").json()["server"]["requests"] == sent
         finally:
             llm.kill()
         core = stats["core_pid"]

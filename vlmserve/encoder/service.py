@@ -54,6 +54,7 @@ class EncodeJob(msgspec.Struct, tag=True):
     consumer: str | None = None  # images it holds are answered None, not encoded
     consumer_rows: int | None = None
     sent_at: float = 0.0  # time.monotonic() at the front end (one clock per host)
+    received_at: float = 0.0  # when the front end received its HTTP request (same clock)
 
 
 class JobDone(msgspec.Struct, tag=True):
@@ -85,9 +86,12 @@ class EncoderCoreDead(RuntimeError):
 
 @dataclasses.dataclass
 class ServerTimes:
-    """Where a job's time goes in the core (seconds, summed): its wait from the front end's
-    send to its forward's launch (`queue_s`), and the forwards (`forward_s`: launch to
-    exported, the wait behind the forward launched before it included)."""
+    """Where a job's time goes (seconds, summed over every front end's jobs): from the
+    front end's receipt of its HTTP request to the core's answer (`request_s`), its wait from
+    the front end's send to its forward's launch (`queue_s`), and the forwards (`forward_s`:
+    launch to exported, the wait behind the forward launched before it included)."""
+    requests: int = 0
+    request_s: float = 0.0
     jobs: int = 0
     queue_s: float = 0.0
     forwards: int = 0
@@ -97,7 +101,8 @@ class ServerTimes:
     def summary(self) -> dict[str, float]:
         def ms(total: float, n: int) -> float:
             return round(1e3 * total / n, 3) if n else 0.0
-        return {**dataclasses.asdict(self), "mean_queue_ms": ms(self.queue_s, self.jobs),
+        return {**dataclasses.asdict(self), "mean_request_ms": ms(self.request_s, self.requests),
+                "mean_queue_ms": ms(self.queue_s, self.jobs),
                 "mean_forward_ms": ms(self.forward_s, self.forwards)}
 
 
@@ -227,6 +232,9 @@ class EncoderCoreProc:
 
     def _answer(self, job: EncodeJob, done: JobDone) -> None:
         self._send(self.sender.pop(id(job)), done)
+        if job.received_at:
+            self.times.requests += 1
+            self.times.request_s += time.monotonic() - job.received_at
 
     def _image(self, img: PixelImage) -> ImageInput:
         pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
@@ -341,13 +349,14 @@ class EncoderCoreClient:
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
     async def encode(self, images: list[PixelImage], transport: str,
-                     consumer: str | None = None, consumer_rows: int | None = None
-                     ) -> list[HandleWire | None]:
+                     consumer: str | None = None, consumer_rows: int | None = None,
+                     received_at: float = 0.0) -> list[HandleWire | None]:
         """Each image's handle (None: ``consumer`` holds it); `RuntimeError` if the forward
-        failed, `EncoderCoreDead` if the core is gone."""
+        failed, `EncoderCoreDead` if the core is gone. ``received_at``: the `time.monotonic()`
+        its HTTP request arrived at (the core's request times; 0: not a request's)."""
         job_id = next(self._ids)
         done = await self._call(job_id, EncodeJob(
-            job_id, transport, images, consumer, consumer_rows, time.monotonic()))
+            job_id, transport, images, consumer, consumer_rows, time.monotonic(), received_at))
         if done.error is not None:
             raise RuntimeError(f"the encoder failed: {done.error}")
         return done.handles

@@ -17,8 +17,8 @@ image gets an embedding handle recorded in the core's ledger until its consumer 
 server started with `--encoder-url`) opens and releases it, or its lease runs out; images
 whose handles the request's consumer opened and released recently are not encoded again
 (handle null). If the core dies, requests get a 503, `/health` too, and the server exits 1.
-With `--api-server-count N`, N front ends share the port and the one core (`/stats`'s
-`server.requests` and `request_s` are the answering front end's own).
+With `--api-server-count N`, N front ends share the port and the one core (whose `/stats`
+count every front end's requests).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
     loader = RestrictedImageLoader(
         allowed_local_dir=cfg.allowed_local_media_path, max_pixels=cfg.max_image_pixels,
         max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes)
-    times = {"requests": 0, "request_s": 0.0}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -131,7 +130,7 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
         check_bearer(request, api_key)  # --api-key, as the LLM server's /v1 endpoints
-        began = time.perf_counter()
+        began = time.monotonic()
         body = await read_body(request, cfg)
         binary = request.headers.get("content-type", "").startswith(MSGPACK)
         try:
@@ -141,14 +140,14 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         prompt, images = await asyncio.to_thread(preprocess, req)
         transport = cfg.encoder_transport if req.transport == "auto" else req.transport
         if prompt is not None:  # the whole prompt: every image encoded, a handle each
-            resp: Any = output_to_wire(prompt, await core.encode(images, transport))
+            resp: Any = output_to_wire(prompt, await core.encode(images, transport,
+                                                                 received_at=began))
         else:
-            handles = await core.encode(images, transport, req.consumer, req.consumer_rows)
+            handles = await core.encode(images, transport, req.consumer, req.consumer_rows,
+                                        began)
             resp = EncodeResponse(images=[EncodedImageWire(
                 mm_hash=img.mm_hash, length=img.length, encoder_meta=tuple(img.encoder_meta),
                 handle=h) for img, h in zip(images, handles, strict=True)])
-        times["requests"] += 1
-        times["request_s"] += time.perf_counter() - began
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")
@@ -161,11 +160,7 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        s = await core.stats()
-        n = times["requests"]
-        s["server"].update(requests=n, request_s=times["request_s"], mean_request_ms=round(
-            1e3 * times["request_s"] / n, 3) if n else 0.0)
-        return JSONResponse(s)
+        return JSONResponse(await core.stats())
 
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"vlmserve_encoder_{name}", help_text, registry=registry)
