@@ -196,13 +196,15 @@ def test_two_front_ends_metrics_count_every_front_ends_requests(serve) -> None:
 
 @pytest.mark.parametrize("count", ["1", "2"])
 def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, count) -> None:
-    srv = serve("--api-server-count", count)
+    # 16,000 tokens: far more than the core makes before the kill, however late the client
+    # reads its first events (900 were all made and buffered once on 2 busy cores)
+    srv = serve("--api-server-count", count, "--max-model-len", "16384")
     core_pid = srv.stats()["engine_core_pid"]
     events: list = []
 
     async def main() -> tuple[BaseException | str, float]:
         async with srv.client() as client:
-            task = asyncio.create_task(_stream(client, user("Talk."), 900, events))
+            task = asyncio.create_task(_stream(client, user("Talk."), 16000, events))
             while len(events) < 3 and not task.done():
                 await asyncio.sleep(0.01)
             os.kill(core_pid, signal.SIGKILL)
