@@ -99,10 +99,11 @@ class LLM:
                     tools: list[dict[str, Any]] | None = None,
                     options: ChatTemplateOptions | None = None) -> dict[str, Any]:
         """The engine prompt (templated text + images) for one conversation."""
-        hf_messages, images = parse_chat_messages(messages)
+        hf_messages, images, videos = parse_chat_messages(messages)
         text = self.engine.input_processor.model_processor.apply_chat_template(
             hf_messages, tools, options)
-        return {"prompt": text, "multi_modal_data": {"image": images}}
+        mm = {"image": images, "video": videos} if videos else {"image": images}
+        return {"prompt": text, "multi_modal_data": mm}
 
     def _run(self, todo: deque[tuple[PromptInput, SamplingParams]], use_tqdm: bool
              ) -> list[RequestOutput]:

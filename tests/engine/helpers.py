@@ -51,12 +51,13 @@ class HFOracle:
         self._cache: dict = {}
 
     @torch.inference_mode()
-    def generate(self, processed, max_new_tokens: int) -> list[int]:
+    def generate(self, processed, max_new_tokens: int, **video_kwargs) -> list[int]:
+        """``video_kwargs``: Qwen2.5-VL's ``second_per_grid_ts`` for the prompt's videos."""
         key = (tuple(processed.prompt_token_ids), max_new_tokens,
-               tuple(img.mm_hash for img in processed.images))
+               tuple(img.mm_hash for img in processed.images), repr(video_kwargs))
         if key in self._cache:
             return self._cache[key]
-        tokens, _ = self._generate(processed, max_new_tokens)
+        tokens, _ = self._generate(processed, max_new_tokens, **video_kwargs)
         self._cache[key] = tokens
         return tokens
 
@@ -93,16 +94,25 @@ class HFOracle:
         return tokens, out.logits
 
     def _inputs(self, processed, extra_ids: list[int] = ()):
-        """input_ids [1, prompt + extra] and the image inputs, on the oracle's device."""
+        """input_ids [1, prompt + extra] and the image (and video) inputs, on the oracle's
+        device."""
         ids = torch.tensor([processed.prompt_token_ids + list(extra_ids)])
         kwargs = {}
+        video_token = getattr(self.model.config, "video_token_id", None)
+        is_video = [processed.prompt_token_ids[img.offset] == video_token
+                    for img in processed.images]
+        # transformers 5.2x computes mRoPE positions only when told which tokens are images
+        # (1) and videos (2)
+        mm = torch.zeros_like(ids)
+        for kind, name in ((False, ""), (True, "_videos")):
+            items = [img for img, v in zip(processed.images, is_video) if v == kind]
+            if items:
+                kwargs["pixel_values" + name] = pixel_values(items)
+                grid = "video_grid_thw" if kind else "image_grid_thw"
+                kwargs[grid] = torch.tensor([img.encoder_meta for img in items])
+            for img in items:
+                mm[0, img.offset:img.offset + img.length] = 2 if kind else 1
         if processed.images:
-            kwargs["pixel_values"] = pixel_values(processed.images)
-            kwargs["image_grid_thw"] = torch.tensor([img.encoder_meta for img in processed.images])
-            # transformers 5.2x computes mRoPE positions only when told which tokens are images
-            mm = torch.zeros_like(ids)
-            for img in processed.images:
-                mm[0, img.offset:img.offset + img.length] = 1
             kwargs["mm_token_type_ids"] = mm
         return ids.to(self.device), {k: v.to(self.device) for k, v in kwargs.items()}
 

@@ -269,7 +269,7 @@ def test_chat_template_gets_tools_and_tool_messages(processor) -> None:
     try:
         from vlmserve.engine.chat import parse_chat_messages
 
-        msgs, _ = parse_chat_messages([
+        msgs, _, _ = parse_chat_messages([
             {"role": "user", "content": "Weather?"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function",

@@ -1,4 +1,5 @@
-"""OpenAI-style chat messages -> Hugging Face chat-template messages plus image sources."""
+"""OpenAI-style chat messages -> Hugging Face chat-template messages plus image (and video)
+sources."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ _ROLES = {"system", "user", "assistant", "tool"}
 _TOOL_FIELDS = ("tool_calls", "tool_call_id")
 
 
-def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
+def parse_chat_messages(messages: list[dict[str, Any]]
+                        ) -> tuple[list[dict[str, Any]], list, list]:
     """Returns the messages with `image_url` parts turned into `{"type": "image"}` and the
-    image sources (URLs, data URLs or paths, loaded later at admission) in order."""
+    image sources (URLs, data URLs or paths, loaded later at admission) in order, and the
+    videos of `{"type": "video", "video": frames}` parts (the Python API's) in order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
-    out, images = [], []
+    out, images, videos = [], [], []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
             raise InvalidRequestError(f"message {i} needs a role among {sorted(_ROLES)}")
@@ -44,7 +47,10 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
             elif kind == "image":  # a PIL image or source given directly (Python API)
                 images.append(part.get("image"))
                 parts.append({"type": "image"})
+            elif kind == "video":  # frames given directly (Python API; `as_video`'s forms)
+                videos.append(part.get("video"))
+                parts.append({"type": "video"})
             else:
                 raise InvalidRequestError(f"message {i}: unsupported content part type {kind!r}")
         out.append({"role": msg["role"], "content": parts, **extra})
-    return out, images
+    return out, images, videos

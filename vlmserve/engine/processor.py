@@ -15,6 +15,7 @@ from vlmserve.errors import InvalidImageError, InvalidRequestError, InvalidSampl
 from vlmserve.layers.grammar import check_structured
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
+from vlmserve.multimodal.video import as_video
 from vlmserve.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]
@@ -23,20 +24,29 @@ PromptInput = str | dict[str, Any]
 ImageLoader = Callable[[Any], Image.Image]
 
 
-def _image_sources(prompt: dict[str, Any]) -> list:
+def _sources(prompt: dict[str, Any], kind: str) -> list:
+    """The prompt's ``multi_modal_data[kind]`` as a list (one item or a list of them)."""
     mm = prompt.get("multi_modal_data") or {}
     if not isinstance(mm, dict):
         raise InvalidRequestError("multi_modal_data must be a dict like {'image': [...]}")
-    unknown = set(mm) - {"image"}
+    unknown = set(mm) - {"image", "video"}
     if unknown:
         raise InvalidRequestError(f"unsupported multi_modal_data key(s): {sorted(unknown)}; "
-                                  "only 'image' is supported")
-    images = mm.get("image", [])
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+                                  "'image' and 'video' are supported")
+    items = mm.get(kind, [])
+    if kind == "video" and (isinstance(items, list) and items and _is_frame(items[0])
+                            or isinstance(items, tuple) and len(items) == 2
+                            and isinstance(items[1], dict)):
+        return [items]  # one video: its frames, or (frames, metadata)
+    return list(items) if isinstance(items, (list, tuple)) else [items]
+
+
+def _is_frame(x: Any) -> bool:
+    return isinstance(x, Image.Image) or len(getattr(x, "shape", ())) == 3
 
 
 def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
-    images = _image_sources(prompt)
+    images = _sources(prompt, "image")
     load_all = getattr(load, "load_all", None)
     if load_all is not None:  # a server's loader: a request's limits over all its images,
         return load_all(list(images))  # checked before any is decoded; names them itself
@@ -113,7 +123,7 @@ class InputProcessor:
         of them is there (the request's pixel limit still checked), else all loaded (each
         then processed with ``options``, the model processor's `image_options`, and kept)."""
         cache = self.image_cache
-        sources = _image_sources(prompt)
+        sources = _sources(prompt, "image")
         keys = [_source_key(src) for src in sources] if cache is not None else []
         if options is not None:  # processed otherwise than the engine's way: another entry
             keys = [k and f"{k} {options}" for k in keys]
@@ -175,7 +185,7 @@ class InputProcessor:
     def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
         """Validate and preprocess; `load` turns each image source into a decoded image (a
         server passes one with its limits on paths, URLs and sizes)."""
-        options = None
+        options, videos = None, []
         if isinstance(prompt, str):
             text, token_ids, images = prompt, None, []
         elif isinstance(prompt, dict) and "multi_modal_embeddings" in prompt:
@@ -193,12 +203,18 @@ class InputProcessor:
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
             images = self._images(prompt, load, options)
+            videos = [as_video(v) for v in _sources(prompt, "video")]
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt must be a string")
-        return self._checked(self.model_processor.process(
-            text, list(token_ids) if token_ids is not None else None, images, options))
+        ids = list(token_ids) if token_ids is not None else None
+        if videos:
+            if not getattr(self.model_processor, "takes_videos", False):
+                raise InvalidRequestError("this model does not take video inputs")
+            return self._checked(self.model_processor.process(text, ids, images, options,
+                                                              videos=videos))
+        return self._checked(self.model_processor.process(text, ids, images, options))
 
     def check_sampling(self, params: SamplingParams) -> None:
         """`params.validate()`, its logit biases name tokens of the vocabulary, and its

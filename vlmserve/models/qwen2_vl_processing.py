@@ -6,6 +6,7 @@ placeholder is expanded to ``t * h * w // merge**2`` tokens from the image proce
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,9 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
-from vlmserve.multimodal.hashing import hash_image
+from vlmserve.multimodal.hashing import hash_image, hash_video
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
+from vlmserve.multimodal.video import Video
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -26,31 +28,34 @@ if TYPE_CHECKING:
 
 def compute_mrope_positions(
     num_tokens: int,
-    images: Sequence[tuple[int, tuple[int, int, int]]],
+    images: Sequence[tuple[int, tuple[int, int, int]] | tuple[int, tuple[int, int, int], float]],
     spatial_merge_size: int,
 ) -> tuple[torch.Tensor, int]:
-    """mRoPE positions [3, num_tokens] and delta, as HF's ``get_rope_index`` for images.
+    """mRoPE positions [3, num_tokens] and delta, as HF's ``get_rope_index``.
 
-    ``images`` holds ``(offset, (t, h, w))`` per image in prompt order. Text tokens count up
-    by one in all three sections; an image's tokens take (t, h, w) indices of the merged grid
-    plus the position it starts at, and the text after it resumes at start + max(h, w) //
-    merge. The delta is max position + 1 - num_tokens: token i beyond the prompt sits at
-    i + delta.
+    ``images`` holds ``(offset, (t, h, w))`` per image or video in prompt order, with a
+    video's temporal step as a third item (Qwen2.5-VL: tokens_per_second * seconds per
+    temporal patch; default 1). Text tokens count up by one in all three sections; an item's
+    tokens take (t * step rounded down, h, w) indices of the merged grid plus the position it
+    starts at, and the text after it resumes one past its largest position (start +
+    max(h, w) // merge for an image, as the original implementation and vLLM do). The delta
+    is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
     """
     pieces: list[torch.Tensor] = []
     pos = 0  # next position id
     cursor = 0  # next token index
-    for offset, (t, h, w) in images:
+    for offset, (t, h, w), *step in images:
         assert offset >= cursor, "images must be in prompt order and not overlap"
         text_len = offset - cursor
         pieces.append(torch.arange(pos, pos + text_len).expand(3, -1))
         pos += text_len
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        times = (torch.arange(t) * (step[0] if step else 1)).long()
         grid = torch.stack(
-            torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+            torch.meshgrid(times, torch.arange(gh), torch.arange(gw), indexing="ij")
         )  # [3, t, gh, gw]
         pieces.append(grid.reshape(3, -1) + pos)
-        pos += max(h, w) // spatial_merge_size
+        pos += max(max(h, w) // spatial_merge_size, int(times[-1]) + 1)
         cursor = offset + t * gh * gw
     assert cursor <= num_tokens
     pieces.append(torch.arange(pos, pos + num_tokens - cursor).expand(3, -1))
@@ -69,10 +74,19 @@ class Qwen2VLPixels(NormalizedPixels):
     merge_size: int
 
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[B, H, W, 3]`` uint8 -> ``[B * (H/p) * (W/p), 3 * T * p * p]`` rows in ``dtype``."""
+        """``[B, H, W, 3]`` uint8 images -> ``[B * (H/p) * (W/p), 3 * T * p * p]`` rows in
+        ``dtype`` (each image repeated over the T frames of a temporal patch); ``[B, F, H, W,
+        3]`` videos of F frames (a multiple of T) -> ``[B * (F/T) * (H/p) * (W/p), ...]``."""
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        if images.dim() == 5:  # videos: T consecutive frames make one temporal patch
+            b, f, h, w, _ = images.shape
+            x = self.normalized(images.reshape(b * f, h, w, 3)).to(dtype)
+            gh, gw = h // p, w // p
+            x = x.reshape(b, f // t, t, 3, gh // m, m, p, gw // m, m, p)
+            x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)  # [B, F/T, gh/m, gw/m, m, m, C, T, p, p]
+            return x.reshape(b * (f // t) * gh * gw, 3 * t * p * p)
         x = self.normalized(images).to(dtype)
         b, c, h, w = x.shape
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
         x = x.reshape(b, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)  # [B, gh/m, gw/m, m, m, C, T, p, p]
@@ -113,6 +127,18 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
+        # videos: Qwen2-VL and Qwen2.5-VL (Qwen3-VL's carry timestamps in the text instead)
+        self.takes_videos = hf_config.model_type in ("qwen2_vl", "qwen2_5_vl")
+        video = _video_processor_config(self.model_path)
+        size = video.get("size") or {}
+        self.video_min_pixels: int = (video.get("min_pixels") or size.get("shortest_edge")
+                                      or 128 * 28 * 28)
+        self.video_max_pixels: int = (video.get("max_pixels") or size.get("longest_edge")
+                                      or 768 * 28 * 28)
+        # Qwen2.5-VL: a temporal patch's positions step by tokens_per_second * its seconds
+        self.tokens_per_second: float | None = (
+            getattr(hf_config.vision_config, "tokens_per_second", None)
+            if hf_config.model_type == "qwen2_5_vl" else None)
 
     def image_options(self, kwargs: dict | None) -> tuple[int, int] | None:
         """A request's `mm_processor_kwargs` as the (min_pixels, max_pixels) its images are
@@ -168,28 +194,72 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         return PreparedImage(hash_image(array, self._hash_extra(options)),
                              self._resize(rgb, array, options), image.width * image.height)
 
+    def prepare_video(self, video: Video) -> tuple[str, torch.Tensor, tuple[int, int, int]]:
+        """A video's content hash, its frames resized as the HF video processor resizes them
+        (every frame to one size: `smart_resize` within the video pixel range) and padded to
+        whole temporal patches by repeating the last frame, ``[F, H, W, 3]`` uint8, and its
+        patch grid (F / T, H / p, W / p)."""
+        frames = video.frames
+        t = self.pixel_transform.temporal_patch_size
+        extra = self.hash_extra(video=[self.video_min_pixels, self.video_max_pixels, video.fps])
+        mm_hash = hash_video(frames, extra)
+        count, height, width = frames.shape[:3]
+        factor = self.patch_size * self.merge_size
+        try:
+            new_h, new_w = self._smart_resize(height, width, factor=factor,
+                                              min_pixels=self.video_min_pixels,
+                                              max_pixels=self.video_max_pixels)
+        except ValueError as e:
+            raise InvalidImageError(f"video processor rejected a video: {e}") from e
+        pixels = torch.from_numpy(frames)
+        if (new_h, new_w) != (height, width):
+            pixels = torch.stack([self._resize(Image.fromarray(f), f, None, (new_h, new_w))
+                                  for f in frames])
+        if pad := -count % t:
+            pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
+        p = self.patch_size
+        return mm_hash, pixels.contiguous(), ((count + pad) // t, new_h // p, new_w // p)
+
+    def _video_step(self, video: Video) -> float:
+        """The temporal position step of a video's patches (1 for Qwen2-VL)."""
+        if self.tokens_per_second is None:
+            return 1.0
+        # transformers: seconds per temporal patch = T / fps, fps 24 where none is given
+        fps = video.fps or 24.0
+        return self.tokens_per_second * self.pixel_transform.temporal_patch_size / fps
+
     def process(
         self,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
         images: Sequence[Image.Image | PreparedImage],
         options: tuple[int, int] | None = None,
+        videos: Sequence[Video] = (),
     ) -> ProcessedPrompt:
-        """Tokenize, run the image processor, expand placeholders, compute mRoPE positions.
+        """Tokenize, run the image (and video) processor, expand placeholders, compute mRoPE
+        positions.
 
-        The prompt holds one ``<|image_pad|>`` per image (as the chat template renders it) or
-        an already expanded run of exactly the right length.
+        The prompt holds one ``<|image_pad|>`` per image and one ``<|video_pad|>`` per video
+        (as the chat template renders them) or an already expanded run of exactly the right
+        length.
         """
         ids = self.token_ids(prompt, prompt_token_ids)
-        if self.video_token_id is not None and self.video_token_id in ids:
-            raise InvalidRequestError("video inputs are not supported")
         runs = _placeholder_runs(ids, self.image_token_id)
         if len(runs) != len(images):
             raise InvalidRequestError(
                 f"the prompt has {len(runs)} image placeholder(s) but {len(images)} image(s) "
                 "were given"
             )
-        if not images:
+        video_runs = (_placeholder_runs(ids, self.video_token_id)
+                      if self.video_token_id is not None else [])
+        if video_runs and not self.takes_videos:
+            raise InvalidRequestError("this model does not take video inputs")
+        if len(video_runs) != len(videos):
+            raise InvalidRequestError(
+                f"the prompt has {len(video_runs)} video placeholder(s) but {len(videos)} "
+                "video(s) were given"
+            )
+        if not images and not videos:
             positions, delta = compute_mrope_positions(len(ids), [], self.merge_size)
             return ProcessedPrompt(
                 prompt, ids, images=[], prompt_positions=positions, position_offset=delta
@@ -197,36 +267,32 @@ class Qwen2VLInputProcessor(HFInputProcessor):
 
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img, options)
                     for img in images]
-        hashes = [p.mm_hash for p in prepared]
-        resized = [p.pixels for p in prepared]
-        grids = [(1, px.shape[0] // self.patch_size, px.shape[1] // self.patch_size)
-                 for px in resized]
+        # (placeholder run, name, hash, pixels, grid, temporal step) of each item
+        items = [(run, f"image {i}", p.mm_hash, p.pixels,
+                  (1, p.pixels.shape[0] // self.patch_size, p.pixels.shape[1] // self.patch_size),
+                  1.0) for i, (run, p) in enumerate(zip(runs, prepared, strict=True))]
+        items += [(run, f"video {i}", *self.prepare_video(v), self._video_step(v))
+                  for i, (run, v) in enumerate(zip(video_runs, videos, strict=True))]
+        items.sort(key=lambda item: item[0][0])
         out_ids: list[int] = []
-        placed: list[tuple[int, tuple[int, int, int]]] = []
+        placed: list[tuple[int, tuple[int, int, int], float]] = []
+        image_inputs: list[ImageInput] = []
         cursor = 0
-        for i, ((start, length), grid) in enumerate(zip(runs, grids, strict=True)):
+        for (start, length), name, mm_hash, px, grid, step in items:
             n = self.num_image_tokens(grid)
             if length not in (1, n):
                 raise InvalidRequestError(
-                    f"image {i}: its placeholder run has {length} tokens; expected 1 or {n}"
+                    f"{name}: its placeholder run has {length} tokens; expected 1 or {n}"
                 )
+            token = ids[start]
             out_ids += ids[cursor:start]
-            placed.append((len(out_ids), grid))
-            out_ids += [self.image_token_id] * n
+            placed.append((len(out_ids), grid, step))
+            image_inputs.append(ImageInput(mm_hash=mm_hash, offset=len(out_ids), length=n,
+                                           pixels=px, encoder_meta=grid,
+                                           transform=self.pixel_transform))
+            out_ids += [token] * n
             cursor = start + length
         out_ids += ids[cursor:]
-
-        image_inputs = [
-            ImageInput(
-                mm_hash=mm_hash,
-                offset=offset,
-                length=self.num_image_tokens(grid),
-                pixels=px,
-                encoder_meta=grid,
-                transform=self.pixel_transform,
-            )
-            for mm_hash, (offset, grid), px in zip(hashes, placed, resized, strict=True)
-        ]
         positions, delta = compute_mrope_positions(len(out_ids), placed, self.merge_size)
         return ProcessedPrompt(
             prompt, out_ids, images=image_inputs, prompt_positions=positions, position_offset=delta
@@ -243,23 +309,28 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         return max(int(self.max_pixels) // (unit * unit), 1)
 
     def _resize(self, image: Image.Image, array: np.ndarray,
-                options: tuple[int, int] | None = None) -> torch.Tensor:
-        """The image at the size the HF processor gives it, ``[H, W, 3]`` uint8, resized (only
-        when the size changes) by the same library as the HF backend in use."""
+                options: tuple[int, int] | None = None,
+                size: tuple[int, int] | None = None) -> torch.Tensor:
+        """The image at the size the HF processor gives it (or at ``size``, (H, W)),
+        ``[H, W, 3]`` uint8, resized (only when the size changes) by the same library as the
+        HF backend in use."""
         ip = self.image_processor
         height, width = array.shape[:2]
         factor = self.patch_size * self.merge_size
-        if not ip.do_resize:
+        if size is not None:
+            new_h, new_w = size
+        elif not ip.do_resize:
             if height % factor or width % factor:
                 raise InvalidImageError(f"image of {width}x{height} pixels: without resizing, "
                                         f"both sides must be multiples of {factor}")
             return torch.from_numpy(array)
-        lo, hi = options or (self.min_pixels, self.max_pixels)
-        try:
-            new_h, new_w = self._smart_resize(height, width, factor=factor,
-                                              min_pixels=lo, max_pixels=hi)
-        except ValueError as e:  # e.g. an aspect ratio the resizer refuses
-            raise InvalidImageError(f"image processor rejected an image: {e}") from e
+        else:
+            lo, hi = options or (self.min_pixels, self.max_pixels)
+            try:
+                new_h, new_w = self._smart_resize(height, width, factor=factor,
+                                                  min_pixels=lo, max_pixels=hi)
+            except ValueError as e:  # e.g. an aspect ratio the resizer refuses
+                raise InvalidImageError(f"image processor rejected an image: {e}") from e
         if (new_h, new_w) == (height, width):
             return torch.from_numpy(array)
         if not self.pixel_transform.fused:  # the PIL backend
@@ -271,6 +342,24 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         out = tvF.resize(chw, [new_h, new_w], antialias=True,
                          interpolation=pil_torch_interpolation_mapping[ip.resample])
         return out.permute(1, 2, 0).contiguous()
+
+
+def _video_processor_config(path: Path) -> dict:
+    """The settings transformers' video processor loads for the checkpoint: its
+    video_preprocessor_config.json, else processor_config.json's ``video_processor``, else the
+    image processor's preprocessor_config.json (as `AutoVideoProcessor` falls back)."""
+    for name, key in (("video_preprocessor_config.json", None),
+                      ("processor_config.json", "video_processor"),
+                      ("preprocessor_config.json", None)):
+        try:
+            with open(path / name) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        data = data.get(key) if key else data
+        if isinstance(data, dict):
+            return data
+    return {}
 
 
 def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:

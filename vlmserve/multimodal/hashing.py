@@ -32,3 +32,13 @@ def hash_image(image: Image.Image | np.ndarray, extra: str = "") -> str:
         h.update(image.tobytes())
     h.update(b"\0" + extra.encode())
     return h.hexdigest()
+
+
+def hash_video(frames: np.ndarray, extra: str = "") -> str:
+    """Hex sha256 of a video's ``[T, H, W, 3]`` uint8 frames (their count and size too),
+    plus ``extra``; never equal to an image's hash."""
+    count, height, width = frames.shape[:3]
+    h = hashlib.sha256(f"VIDEO\0{count}x{width}x{height}\0".encode())
+    h.update(np.ascontiguousarray(frames).data)
+    h.update(b"\0" + extra.encode())
+    return h.hexdigest()

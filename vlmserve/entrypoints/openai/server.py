@@ -144,7 +144,8 @@ class OpenAIServing:
     async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest
                           ) -> dict[str, Any]:
         self.check_prompt_chars(sum(m.num_chars for m in req.messages))
-        hf_messages, sources = parse_chat_messages([m.to_dict() for m in req.messages])
+        # (no video parts: the request's schema takes text and image_url parts only)
+        hf_messages, sources, _ = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
         if len(sources) > limit:
             raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
