@@ -21,7 +21,7 @@ import uvicorn
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.helpers import make_image
+from tests.engine.helpers import make_image, make_mp4
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
 from vlmserve.engine.async_llm import AsyncLLM
@@ -986,3 +986,25 @@ def test_tool_calls_named_and_required(server: Server, llm: LLM) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
     again = chat(server, history, 8, tools=tools, tool_choice="none")
     assert again.choices[0].message.content and not again.choices[0].message.tool_calls
+
+
+def test_chat_with_a_video_url_matches_llm_chat(server: Server, llm: LLM) -> None:
+    """A video_url part (a data URL of an MP4 file): decoded in the preprocessing process,
+    sampled as the Python API samples the same file, the same text; a file that is not a
+    video is a 400 naming it."""
+    clip = make_mp4()
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    r = server.client.chat.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": [
+                                                  {"type": "video_url", "video_url": {"url": url}},
+                                                  {"type": "text", "text": "What happens?"}]}])
+    want = llm.chat([{"role": "user", "content": [{"type": "video", "video": clip},
+                                                  {"type": "text", "text": "What happens?"}]}],
+                    SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert r.choices[0].message.content == want[0].outputs[0].text
+    assert r.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAAAAA"}},
+            {"type": "text", "text": "Hi"}]}]})
+    assert bad.status_code == 400 and "video 0" in bad.json()["error"]["message"], bad.text

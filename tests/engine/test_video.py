@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.helpers import HFOracle, make_image, mixed_prompts
+from tests.engine.helpers import HFOracle, make_image, make_mp4, mixed_prompts
 from vlmserve import LLM, SamplingParams
-from vlmserve.errors import InvalidRequestError
+from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.qwen2_vl_processing import Qwen2VLPixels, compute_mrope_positions
-from vlmserve.multimodal.video import Video
+from vlmserve.multimodal.video import Video, decode_video, load_video
 
 MAX_TOKENS = 10
 MODELS = {
@@ -146,7 +146,9 @@ def test_text_after_a_long_video_resumes_past_its_last_time():
     ((frames(2, 56, 56, 0), {"fps": -1}), "fps must be a positive"),
     ((frames(2, 56, 56, 0), {"rate": 2}), "unknown key"),
     (np.zeros((0, 56, 56, 3), np.uint8), "1 to 768 frames"),
-    ("clip.mp4", "a video is an array"),
+    ("clip.mp4", "video 0: video file not found"),
+    (b"not a video", "video 0: cannot decode the video"),
+    (42, "a video is an array"),
 ])
 def test_bad_videos_are_named(setup, bad, message):
     _, llm, _ = setup
@@ -189,3 +191,19 @@ def test_chat_takes_video_parts(setup):
     direct = llm.generate([written], params, use_tqdm=False)
     assert chat[0].prompt_token_ids == direct[0].prompt_token_ids
     assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+
+
+def test_a_video_file_is_sampled_evenly(tmp_path):
+    """A 12-frame MP4 at 6 fps read into 4 frames: indices 0, 3, 7, 11 (vLLM's `np.linspace`),
+    sampled at 4 frames / 2 s = 2 fps; all 12 when more are asked; from a path too."""
+    clip = make_mp4(count=12, fps=6)
+    video = decode_video(clip, num_frames=4)
+    assert video.frames.shape == (4, 48, 64, 3) and video.fps == pytest.approx(2.0)
+    every = decode_video(clip, num_frames=32)
+    assert every.num_frames == 12 and every.fps == pytest.approx(6.0)
+    assert np.array_equal(video.frames, every.frames[[0, 3, 7, 11]])
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    assert np.array_equal(load_video(str(path)).frames, every.frames)
+    with pytest.raises(InvalidImageError, match="exceed the limit of 1000"):
+        decode_video(clip, max_pixels=1000)

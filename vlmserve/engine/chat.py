@@ -16,7 +16,8 @@ def parse_chat_messages(messages: list[dict[str, Any]]
                         ) -> tuple[list[dict[str, Any]], list, list]:
     """Returns the messages with `image_url` parts turned into `{"type": "image"}` and the
     image sources (URLs, data URLs or paths, loaded later at admission) in order, and the
-    videos of `{"type": "video", "video": frames}` parts (the Python API's) in order."""
+    videos (`video_url` parts' URLs, or the Python API's `{"type": "video", "video": ...}`)
+    in order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
     out, images, videos = [], [], []
@@ -37,13 +38,13 @@ def parse_chat_messages(messages: list[dict[str, Any]]
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
-            elif kind == "image_url":
-                url = part.get("image_url")
+            elif kind in ("image_url", "video_url"):
+                url = part.get(kind)
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
-                    raise InvalidRequestError(f"message {i}: image_url part without a url")
-                images.append(url)
-                parts.append({"type": "image"})
+                    raise InvalidRequestError(f"message {i}: {kind} part without a url")
+                (images if kind == "image_url" else videos).append(url)
+                parts.append({"type": kind.removesuffix("_url")})
             elif kind == "image":  # a PIL image or source given directly (Python API)
                 images.append(part.get("image"))
                 parts.append({"type": "image"})

@@ -15,7 +15,7 @@ from vlmserve.errors import InvalidImageError, InvalidRequestError, InvalidSampl
 from vlmserve.layers.grammar import check_structured
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
-from vlmserve.multimodal.video import as_video
+from vlmserve.multimodal.video import Video, load_video
 from vlmserve.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]
@@ -39,6 +39,17 @@ def _sources(prompt: dict[str, Any], kind: str) -> list:
                             and isinstance(items[1], dict)):
         return [items]  # one video: its frames, or (frames, metadata)
     return list(items) if isinstance(items, (list, tuple)) else [items]
+
+
+def _video(src: Any, load: Any, i: int) -> Video:
+    """Video ``i`` of a prompt: frames, or a file decoded (by a server's loader, under its
+    limits, when ``load`` has one)."""
+    try:
+        if isinstance(src, (bytes, bytearray, memoryview, str)) and hasattr(load, "load_video"):
+            return load.load_video(src)
+        return load_video(src)
+    except InvalidImageError as e:
+        raise InvalidImageError(f"video {i}: {e}") from None
 
 
 def _is_frame(x: Any) -> bool:
@@ -203,7 +214,7 @@ class InputProcessor:
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
             images = self._images(prompt, load, options)
-            videos = [as_video(v) for v in _sources(prompt, "video")]
+            videos = [_video(v, load, i) for i, v in enumerate(_sources(prompt, "video"))]
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):

@@ -53,7 +53,10 @@ class ServerConfig:
     remote_image_fetch_workers: int = _opt(
         8, "Remote images each front end fetches at once (more wait their turn); fetching "
         "never holds up requests without remote images.")
-    limit_mm_per_prompt: int = _opt(8, "Most images in one request.")
+    limit_mm_per_prompt: int = _opt(8, "Most images and videos in one request.")
+    video_num_frames: int = _opt(
+        32, "Frames sampled evenly from each video a request sends as a file (video_url), as "
+        "vLLM's default; every frame within --max-image-pixels.")
     max_image_pixels: int | None = _opt(
         8192 * 4096, "Largest image (width x height, from its header, before decoding) a "
         "request may send; 8192x4096 holds an 8K frame or a 32 MP photo and decodes to "

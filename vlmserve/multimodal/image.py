@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - an optional dependency
 
 from vlmserve.errors import InvalidImageError
 from vlmserve.multimodal.fetch import FetchPolicy, fetch_sync
+from vlmserve.multimodal.video import Video, decode_video
 
 ImageSource = Image.Image | bytes | bytearray | memoryview | str | os.PathLike
 DEFAULT_MAX_REMOTE_BYTES = 32 << 20
@@ -63,16 +64,18 @@ def _read_source(
     allowed_local_dir: str | None,
     allow_remote: bool,
     fetch_policy: FetchPolicy | None = None,
+    kind: str = "image",
 ) -> bytes:
+    """The bytes of an encoded ``kind`` ("image" or "video") file from its source."""
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
     if isinstance(src, os.PathLike):
-        return _read_file(os.fspath(src), allowed_local_dir)
+        return _read_file(os.fspath(src), allowed_local_dir, kind)
     if not isinstance(src, str):
         raise InvalidImageError(f"unsupported image source of type {type(src).__name__}")
     scheme = src.split(":", 1)[0].lower() if ":" in src else ""
     if scheme == "data":
-        return _decode_data_url(src)
+        return _decode_data_url(src, kind)
     if scheme in ("http", "https"):
         if not allow_remote:
             raise InvalidImageError("remote image URLs are not allowed")
@@ -81,19 +84,20 @@ def _read_source(
         parsed = urllib.parse.urlparse(src)
         if parsed.netloc not in ("", "localhost"):
             raise InvalidImageError(f"file URL with a remote host is not allowed: {src!r}")
-        return _read_file(urllib.parse.unquote(parsed.path), allowed_local_dir)
-    return _read_file(src, allowed_local_dir)
+        return _read_file(urllib.parse.unquote(parsed.path), allowed_local_dir, kind)
+    return _read_file(src, allowed_local_dir, kind)
 
 
-def _decode_data_url(url: str) -> bytes:
+def _decode_data_url(url: str, kind: str = "image") -> bytes:
     header, sep, payload = url[len("data:") :].partition(",")
     if not sep:
         raise InvalidImageError("malformed data URL: no ',' before the payload")
     media_type, *params = header.split(";")
     if "base64" not in params:
-        raise InvalidImageError("data URL must be base64-encoded (data:image/...;base64,...)")
-    if media_type and not media_type.lower().startswith("image/"):
-        raise InvalidImageError(f"data URL media type {media_type!r} is not an image")
+        raise InvalidImageError(f"data URL must be base64-encoded (data:{kind}/...;base64,...)")
+    if media_type and not media_type.lower().startswith(f"{kind}/"):
+        raise InvalidImageError(f"data URL media type {media_type!r} is not "
+                                f"{'a video' if kind == 'video' else 'an image'}")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -101,17 +105,17 @@ def _decode_data_url(url: str) -> bytes:
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
-        raise InvalidImageError(f"invalid base64 in image data URL: {e}") from e
+        raise InvalidImageError(f"invalid base64 in {kind} data URL: {e}") from e
 
 
-def _read_file(path: str, allowed_local_dir: str | None) -> bytes:
+def _read_file(path: str, allowed_local_dir: str | None, kind: str = "image") -> bytes:
     real = Path(os.path.realpath(os.path.expanduser(path)))
     if allowed_local_dir is not None:
         root = Path(os.path.realpath(allowed_local_dir))
         if not real.is_relative_to(root):
-            raise InvalidImageError(f"image path {path!r} is outside the allowed directory")
+            raise InvalidImageError(f"{kind} path {path!r} is outside the allowed directory")
     if not real.is_file():
-        raise InvalidImageError(f"image file not found: {path!r}")
+        raise InvalidImageError(f"{kind} file not found: {path!r}")
     try:
         return real.read_bytes()
     except OSError as e:
@@ -198,6 +202,13 @@ class RestrictedImageLoader:
     max_pixels: int | None = None  # per image
     max_request_pixels: int | None = None  # all images of a request together
     max_image_bytes: int | None = None  # per image, decoded (from the header's size and mode)
+    video_num_frames: int = 32  # frames sampled from a video file
+
+    def load_video(self, src: ImageSource) -> Video:
+        """A video file (the front end's fetched bytes, a data URL, or a path inside
+        ``allowed_local_dir``) decoded into ``video_num_frames`` frames, each within
+        ``max_pixels``."""
+        return decode_video(self._read(src, "video"), self.video_num_frames, self.max_pixels)
 
     def __call__(self, src: ImageSource) -> Image.Image:
         return self.load_all([src])[0]
@@ -222,7 +233,7 @@ class RestrictedImageLoader:
         return [_to_rgb(_load(image, f"image {n} of the request"))
                 for n, image in enumerate(opened, 1)]
 
-    def _read(self, src: ImageSource) -> bytes:
+    def _read(self, src: ImageSource, kind: str = "image") -> bytes:
         if isinstance(src, (bytes, bytearray, memoryview)):  # fetched by the front end
             return bytes(src)
         if not isinstance(src, str):
@@ -236,7 +247,7 @@ class RestrictedImageLoader:
         if scheme in ("", "file") and self.allowed_local_dir is None:
             raise InvalidImageError("local image paths are not allowed by this server "
                                     "(see --allowed-local-media-path)")
-        return _read_source(src, self.allowed_local_dir, allow_remote=False)
+        return _read_source(src, self.allowed_local_dir, allow_remote=False, kind=kind)
 
     def _check(self, image: Image.Image, n: int) -> int:
         """Image `n`'s limits from its header; its pixel count."""

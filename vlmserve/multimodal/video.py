@@ -1,6 +1,7 @@
 """Video inputs: the frames a request gives (already sampled, as vLLM's and transformers'
 ``videos`` take them), checked and held as one uint8 array, with the frame rate they were
-sampled at when the request says it."""
+sampled at when the request says it; or an encoded video file (bytes, a data URL, a path),
+decoded with PyAV into ``num_frames`` frames sampled evenly over it (vLLM's default: 32)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.errors import InvalidRequestError
+from vlmserve.errors import InvalidImageError, InvalidRequestError
 
 MAX_FRAMES = 768  # transformers' Qwen2-VL video processor's max_frames
+NUM_FRAMES = 32  # frames sampled from a video file (vLLM's default)
+MAX_SOURCE_FRAMES = 100_000  # a file holding more is refused before decoding it
 
 
 @dataclass(frozen=True)
@@ -91,3 +94,61 @@ def as_video(src: Any) -> Video:
     if 0 in array.shape[1:3]:
         raise InvalidRequestError(f"video frames of {array.shape[2]}x{array.shape[1]} pixels")
     return Video(np.ascontiguousarray(array), None if fps is None else float(fps))
+
+
+def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None
+                 ) -> Video:
+    """An encoded video file's first video stream as ``num_frames`` frames sampled evenly
+    over it (all of them if it has fewer), with the rate they were sampled at (frames kept
+    / the stream's duration). Raises `InvalidImageError` for anything PyAV cannot decode, no
+    video stream, frames over ``max_pixels``, or more than `MAX_SOURCE_FRAMES` frames."""
+    import io
+
+    try:
+        import av
+    except ImportError:  # pragma: no cover - av comes with the serve extra
+        raise InvalidImageError("video files need PyAV (pip install av)") from None
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            streams = container.streams.video
+            if not streams:
+                raise InvalidImageError("the file has no video stream")
+            stream = streams[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if max_pixels is not None and width * height > max_pixels:
+                raise InvalidImageError(f"video frames of {width}x{height} = {width * height} "
+                                        f"pixels exceed the limit of {max_pixels}")
+            total = sum(1 for packet in container.demux(stream) if packet.size)
+        if not 0 < total <= MAX_SOURCE_FRAMES:
+            raise InvalidImageError(f"the video has {total} frames (1 to {MAX_SOURCE_FRAMES})")
+        keep = sorted({int(i) for i in np.linspace(0, total - 1, min(num_frames, total))})
+        frames, wanted = [], iter(keep)
+        nxt = next(wanted)
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or 0)
+            for i, frame in enumerate(container.decode(stream)):
+                if i == nxt:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                    nxt = next(wanted, None)
+                    if nxt is None:
+                        break
+    except InvalidImageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - PyAV's errors for broken or foreign files
+        raise InvalidImageError(f"cannot decode the video: {type(e).__name__}: {e}") from None
+    if not frames:
+        raise InvalidImageError("no frame of the video could be decoded")
+    fps = len(frames) / (total / rate) if rate > 0 else None
+    return Video(np.stack(frames), fps)
+
+
+def load_video(src: Any, num_frames: int = NUM_FRAMES) -> Video:
+    """The Python API's video: frames as `as_video` takes them, or a video file (bytes, a
+    data URL, a local path or ``file://`` URL) decoded by `decode_video`."""
+    if isinstance(src, (bytes, bytearray, memoryview, str)):
+        from vlmserve.multimodal.image import _read_source
+
+        return decode_video(_read_source(src, None, allow_remote=False, kind="video"),
+                            num_frames)
+    return as_video(src)

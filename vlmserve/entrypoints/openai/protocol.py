@@ -13,7 +13,7 @@ from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
-_PART_TYPES = ("text", "image_url")
+_PART_TYPES = ("text", "image_url", "video_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
 # request that sets one to anything else gets a 400 naming it, not silence.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -86,9 +86,19 @@ class ImageURLPart(OpenAIModel):
     image_url: ImageURL
 
 
+class VideoURL(OpenAIModel):
+    url: str
+
+
+class VideoURLPart(OpenAIModel):
+    """vLLM's extension: a video file (data URL, path, or http(s) URL as images allow)."""
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImageURLPart] | None = None
+    content: str | list[TextPart | ImageURLPart | VideoURLPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier tool calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 

@@ -94,7 +94,8 @@ class OpenAIServing:
                                       if k.strip())
         self.image_loader = RestrictedImageLoader(
             allowed_local_dir=cfg.allowed_local_media_path, max_pixels=cfg.max_image_pixels,
-            max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes)
+            max_request_pixels=cfg.max_request_pixels, max_image_bytes=cfg.max_image_bytes,
+            video_num_frames=max(1, cfg.video_num_frames))
         # http(s) images are fetched here, in the front end, by a bounded fetcher of their
         # own, and reach the preprocessing processes as bytes
         self.fetcher = RemoteImageFetcher(FetchPolicy(
@@ -144,12 +145,12 @@ class OpenAIServing:
     async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest
                           ) -> dict[str, Any]:
         self.check_prompt_chars(sum(m.num_chars for m in req.messages))
-        # (no video parts: the request's schema takes text and image_url parts only)
-        hf_messages, sources, _ = parse_chat_messages([m.to_dict() for m in req.messages])
+        hf_messages, sources, videos = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
-        if len(sources) > limit:
-            raise InvalidRequestError(f"{len(sources)} images in one request; at most {limit} "
-                                      "are allowed (--limit-mm-per-prompt)")
+        if len(sources) + len(videos) > limit:
+            raise InvalidRequestError(f"{len(sources) + len(videos)} images and videos in one "
+                                      f"request; at most {limit} are allowed "
+                                      "(--limit-mm-per-prompt)")
 
         # the engine's preprocessing decodes the images, off the event loop (with
         # `image_loader`, under this server's limits); remote ones are fetched first, here
@@ -160,11 +161,14 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the template refused these messages
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}") from None
-        images = await self.fetch_remote(sources)
+        fetched = await self.fetch_remote(sources + videos)  # videos: files, decoded later
+        mm = {"image": fetched[:len(sources)]}
+        if videos:
+            mm["video"] = fetched[len(sources):]
         if req.mm_processor_kwargs:
-            return {"prompt": prompt, "multi_modal_data": {"image": images},
+            return {"prompt": prompt, "multi_modal_data": mm,
                     "mm_processor_kwargs": req.mm_processor_kwargs}
-        return {"prompt": prompt, "multi_modal_data": {"image": images}}
+        return {"prompt": prompt, "multi_modal_data": mm}
 
     async def fetch_remote(self, sources: list) -> list:
         """`sources` with each http(s) URL replaced by its fetched bytes (with
