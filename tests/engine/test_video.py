@@ -207,3 +207,5 @@ def test_a_video_file_is_sampled_evenly(tmp_path):
     assert np.array_equal(load_video(str(path)).frames, every.frames)
     with pytest.raises(InvalidImageError, match="exceed the limit of 1000"):
         decode_video(clip, max_pixels=1000)
+    with pytest.raises(InvalidImageError, match="4 frames of 64x48 hold 12288 pixels"):
+        decode_video(clip, num_frames=4, max_total_pixels=12000)

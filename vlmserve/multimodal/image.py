@@ -207,8 +207,9 @@ class RestrictedImageLoader:
     def load_video(self, src: ImageSource) -> Video:
         """A video file (the front end's fetched bytes, a data URL, or a path inside
         ``allowed_local_dir``) decoded into ``video_num_frames`` frames, each within
-        ``max_pixels``."""
-        return decode_video(self._read(src, "video"), self.video_num_frames, self.max_pixels)
+        ``max_pixels`` and all of them within ``max_request_pixels``."""
+        return decode_video(self._read(src, "video"), self.video_num_frames, self.max_pixels,
+                            self.max_request_pixels)
 
     def __call__(self, src: ImageSource) -> Image.Image:
         return self.load_all([src])[0]

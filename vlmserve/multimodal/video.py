@@ -96,12 +96,13 @@ def as_video(src: Any) -> Video:
     return Video(np.ascontiguousarray(array), None if fps is None else float(fps))
 
 
-def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None
-                 ) -> Video:
+def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None,
+                 max_total_pixels: int | None = None) -> Video:
     """An encoded video file's first video stream as ``num_frames`` frames sampled evenly
     over it (all of them if it has fewer), with the rate they were sampled at (frames kept
     / the stream's duration). Raises `InvalidImageError` for anything PyAV cannot decode, no
-    video stream, frames over ``max_pixels``, or more than `MAX_SOURCE_FRAMES` frames."""
+    video stream, frames over ``max_pixels``, frames kept over ``max_total_pixels`` in all
+    (both checked before any frame is decoded), or more than `MAX_SOURCE_FRAMES` frames."""
     import io
 
     try:
@@ -122,6 +123,10 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | No
         if not 0 < total <= MAX_SOURCE_FRAMES:
             raise InvalidImageError(f"the video has {total} frames (1 to {MAX_SOURCE_FRAMES})")
         keep = sorted({int(i) for i in np.linspace(0, total - 1, min(num_frames, total))})
+        if max_total_pixels is not None and len(keep) * width * height > max_total_pixels:
+            raise InvalidImageError(
+                f"{len(keep)} frames of {width}x{height} hold {len(keep) * width * height} "
+                f"pixels, which exceeds the limit of {max_total_pixels}")
         frames, wanted = [], iter(keep)
         nxt = next(wanted)
         with av.open(io.BytesIO(data)) as container:
