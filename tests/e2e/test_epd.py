@@ -7,6 +7,7 @@ next; bad input to /v1/encode is a 400."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import time
@@ -18,7 +19,7 @@ import pytest
 from tests.e2e.test_server import data_url, greedy, user
 from tests.e2e.test_server_procs import MODEL, ServeProc, _alive, _free_port, _stream
 from tests.encoder.helpers import segments, wait_until
-from tests.engine.helpers import make_image
+from tests.engine.helpers import make_image, make_mp4
 from vlmserve import LLM
 from vlmserve.encoder.wire import EncodeResponse, from_wire
 
@@ -396,3 +397,15 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
         assert enc.wait(5) == 1
     finally:
         enc.kill()
+
+
+def test_a_video_through_the_encoder_server(epd) -> None:
+    """A video_url part: the LLM server's preprocessing samples and resizes the frames, the
+    encoder server encodes them in temporal patches; the text equals one process's."""
+    enc, llm = epd
+    url = "data:video/mp4;base64," + base64.b64encode(make_mp4()).decode()
+    conv = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                          {"type": "text", "text": "What happens?"}]}]
+    before = enc.stats()["encoded_images"]
+    assert _streamed_together(llm, [conv], 8) == _single_process([conv], 8)
+    assert enc.stats()["encoded_images"] == before + 1
