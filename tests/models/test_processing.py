@@ -325,3 +325,21 @@ def test_mm_processor_kwargs_resize_as_hf_does(model_and_processor, kwargs) -> N
 def test_mm_processor_kwargs_errors_name_the_problem(processor, kwargs, message) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         processor.image_options(kwargs)
+
+
+def test_video_rows_equal_the_hf_video_processor(processor: Qwen2VLInputProcessor,
+                                                 tiny_qwen2_vl_path: Path) -> None:
+    """Frames that need resizing (and an odd count: the last repeated) give the rows and grid
+    of transformers' video processor, bit for bit (it needs torchvision: the GPU machine)."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoVideoProcessor
+
+    from vlmserve.multimodal.video import Video
+
+    frames = np.random.default_rng(3).integers(0, 256, (5, 100, 150, 3), np.uint8)
+    hf = AutoVideoProcessor.from_pretrained(tiny_qwen2_vl_path)(
+        videos=[[Image.fromarray(f) for f in frames]], return_tensors="pt")
+    _, pixels, grid = processor.prepare_video(Video(frames))
+    assert grid == tuple(hf["video_grid_thw"][0].tolist())
+    assert torch.equal(processor.pixel_transform(pixels[None], torch.float32),
+                       hf["pixel_values_videos"])
