@@ -98,11 +98,12 @@ def as_video(src: Any) -> Video:
 
 def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None,
                  max_total_pixels: int | None = None) -> Video:
-    """An encoded video file's first video stream as ``num_frames`` frames sampled evenly
-    over it (all of them if it has fewer), with the rate they were sampled at (frames kept
-    / the stream's duration). Raises `InvalidImageError` for anything PyAV cannot decode, no
-    video stream, frames over ``max_pixels``, frames kept over ``max_total_pixels`` in all
-    (both checked before any frame is decoded), or more than `MAX_SOURCE_FRAMES` frames."""
+    """An encoded video file's first video stream as ``num_frames`` frames (at most
+    `MAX_FRAMES`) sampled evenly over it (all of them if it has fewer), with the rate they
+    were sampled at (frames kept / the stream's duration). Raises `InvalidImageError` for
+    anything PyAV cannot decode, no video stream, frames over ``max_pixels``, frames kept
+    over ``max_total_pixels`` in all (both checked before any frame is decoded), or more
+    than `MAX_SOURCE_FRAMES` frames."""
     import io
 
     try:
@@ -122,7 +123,8 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | No
             total = sum(1 for packet in container.demux(stream) if packet.size)
         if not 0 < total <= MAX_SOURCE_FRAMES:
             raise InvalidImageError(f"the video has {total} frames (1 to {MAX_SOURCE_FRAMES})")
-        keep = sorted({int(i) for i in np.linspace(0, total - 1, min(num_frames, total))})
+        count = min(num_frames, total, MAX_FRAMES)
+        keep = sorted({int(i) for i in np.linspace(0, total - 1, count)})
         if max_total_pixels is not None and len(keep) * width * height > max_total_pixels:
             raise InvalidImageError(
                 f"{len(keep)} frames of {width}x{height} hold {len(keep) * width * height} "
