@@ -122,9 +122,10 @@ class RemoteImageFetcher:
     def close(self) -> None:
         self._resolver.shutdown(wait=False, cancel_futures=True)
 
-    async def fetch(self, url: str, index: int | None = None) -> bytes:
+    async def fetch(self, url: str, index: int | None = None, kind: str = "image") -> bytes:
         """The body of `url`; any failure raises `InvalidImageError("could not fetch image
-        N: URL")`, the same for every cause (logged at debug level)."""
+        N: URL")` (``kind`` N: a video's says video), the same for every cause (logged at
+        debug level)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
@@ -134,8 +135,8 @@ class RemoteImageFetcher:
             except Exception as e:  # noqa: BLE001 - one answer for all causes, timeouts too
                 reason = (f"no answer within {self.policy.timeout} s"
                           if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
-                logger.debug("could not fetch image %s (%s): %s", index, _short(url), reason)
-        what = "image" if index is None else f"image {index}"
+                logger.debug("could not fetch %s %s (%s): %s", kind, index, _short(url), reason)
+        what = kind if index is None else f"{kind} {index}"
         raise InvalidImageError(f"could not fetch {what}: {_short(url)}")
 
     async def _fetch(self, url: str) -> bytes:

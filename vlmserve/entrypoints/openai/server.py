@@ -161,25 +161,26 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the template refused these messages
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}") from None
-        fetched = await self.fetch_remote(sources + videos)  # videos: files, decoded later
+        fetched = await self.fetch_remote(sources + videos,
+                                          ["image"] * len(sources) + ["video"] * len(videos))
         mm = {"image": fetched[:len(sources)]}
-        if videos:
+        if videos:  # video files, decoded by the preprocessing
             mm["video"] = fetched[len(sources):]
         if req.mm_processor_kwargs:
             return {"prompt": prompt, "multi_modal_data": mm,
                     "mm_processor_kwargs": req.mm_processor_kwargs}
         return {"prompt": prompt, "multi_modal_data": mm}
 
-    async def fetch_remote(self, sources: list) -> list:
-        """`sources` with each http(s) URL replaced by its fetched bytes (with
-        --allow-remote-images; otherwise the loader refuses them). The first failure fails
-        the request and cancels its other fetches."""
+    async def fetch_remote(self, sources: list, kinds: list[str]) -> list:
+        """`sources` (of ``kinds``: image or video) with each http(s) URL replaced by its
+        fetched bytes (with --allow-remote-images; otherwise the loader refuses them). The
+        first failure fails the request and cancels its other fetches."""
         remote = {i: s for i, s in enumerate(sources) if isinstance(s, str)
                   and s[:8].lower().startswith(("http://", "https://"))}
         if self.fetcher is None or not remote:
             return sources
-        tasks = {i: asyncio.create_task(self.fetcher.fetch(url, i + 1))
-                 for i, url in remote.items()}
+        tasks = {i: asyncio.create_task(self.fetcher.fetch(
+            url, kinds[:i + 1].count(kinds[i]), kinds[i])) for i, url in remote.items()}
         try:
             done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks.values():  # the first image's failure, in request order
