@@ -790,6 +790,22 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_serve_sends_videos(server: Server, tmp_path: Path) -> None:
+    """`--videos-per-request`: each request a video_url part (an MP4 made by the client),
+    which the server answers (the fixture's --limit-mm-per-prompt 2: a video and an image)."""
+    from vlmserve.entrypoints.cli import main
+
+    before = server.stats()["num_images_encoded"]
+    out = tmp_path / "bench"
+    main(["bench", "serve", "--base-url", server.url, "--num-requests", "2",
+          "--concurrency", "2", "--image-sizes", "56", "--videos-per-request", "1",
+          "--video-frames", "4", "--video-size", "56", "--output-len", "4",
+          "--prompt-words", "5", "--warmup-requests", "0", "--out-dir", str(out)])
+    (run,) = json.loads((out / "serve.json").read_text())["runs"]
+    assert run["completed"] == 2 and run["failed"] == 0
+    assert server.stats()["num_images_encoded"] == before + 4  # two images, two videos
+
+
 def test_token_chunks_from_the_template_are_the_pydantic_bytes() -> None:
     from vlmserve.entrypoints.openai.responses import DeltaMessage
     from vlmserve.entrypoints.openai.streaming import _chat_chunk, _TextChunk

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import threading
 
 import numpy as np
@@ -19,19 +18,10 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
 
 def make_mp4(count: int = 12, width: int = 64, height: int = 48, fps: int = 6) -> bytes:
     """A small MPEG-4 clip of random frames, made with PyAV."""
-    import av
+    from vlmserve.benchmarks.client import encode_mp4
 
     rng = np.random.default_rng(count)
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(count):
-            frame = av.VideoFrame.from_ndarray(
-                rng.integers(0, 256, (height, width, 3), np.uint8), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return buf.getvalue()
+    return encode_mp4(rng.integers(0, 256, (count, height, width, 3), np.uint8), fps)
 
 
 def chat_prompt(llm, text: str, images: list[Image.Image]) -> dict:

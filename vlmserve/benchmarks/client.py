@@ -32,6 +32,27 @@ def image_data_url(side: int, rng: np.random.Generator) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
+    """``frames`` [T, H, W, 3] uint8 as an MPEG-4 file (PyAV; H and W even)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def video_data_url(frames: int, side: int, rng: np.random.Generator, fps: int = 2) -> str:
+    """A random square video of ``frames`` frames as an MP4 data URL (a `video_url`)."""
+    clip = encode_mp4(rng.integers(0, 256, (frames, side, side, 3), dtype=np.uint8), fps)
+    return "data:video/mp4;base64," + base64.b64encode(clip).decode()
+
+
 def open_session(base_url: str) -> aiohttp.ClientSession:
     """One connection pool for a run; the caller bounds concurrency, the pool does not."""
     return aiohttp.ClientSession(

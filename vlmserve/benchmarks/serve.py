@@ -29,6 +29,7 @@ from vlmserve.benchmarks.client import (
     image_data_url,
     open_session,
     stream_chat,
+    video_data_url,
 )
 
 
@@ -41,6 +42,9 @@ def make_messages(args) -> list[list[dict]]:
         for _ in range(args.images_per_request):
             side = int(rng.choice([int(s) for s in args.image_sizes.split(",")]))
             parts.append({"type": "image_url", "image_url": {"url": image_data_url(side, rng)}})
+        for _ in range(args.videos_per_request):
+            url = video_data_url(args.video_frames, args.video_size, rng)
+            parts.append({"type": "video_url", "video_url": {"url": url}})
         text = " ".join(rng.choice(words, args.prompt_words))
         parts.append({"type": "text", "text": text})
         convs.append([{"role": "user", "content": parts}])
@@ -197,6 +201,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--image-sizes", default="448,672,896",
                     help="square image sides in pixels, drawn at random per image")
     ap.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    ap.add_argument("--videos-per-request", type=int, default=0,
+                    help="videos in each request (video_url parts: random MP4 files, 2 fps)")
+    ap.add_argument("--video-frames", type=int, default=16, help="frames of each video")
+    ap.add_argument("--video-size", type=int, default=448, help="each video's side in pixels")
     ap.add_argument("--prompt-words", type=int, default=30, help="random words of text each")
     ap.add_argument("--output-len", type=int, default=128,
                     help="output tokens each (ignore_eos)")
