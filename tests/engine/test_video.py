@@ -164,16 +164,59 @@ def test_placeholders_and_videos_must_agree(setup):
         llm.engine.input_processor.process(p)
 
 
-@pytest.mark.parametrize("model", ["tiny-llava-1.5", "tiny-qwen3-vl"])
-def test_models_without_video_say_so(vlmserve_cache, model):
-    """LLaVA takes no video; Qwen3-VL's videos (timestamps between frames) are not built."""
-    processor = LLM(model, dtype="float32", device="cpu").engine.input_processor
-    p = prompt("Hi.", [frames(2, 56, 56, 0)])
+def test_llava_says_it_takes_no_video(vlmserve_cache):
+    processor = LLM("tiny-llava-1.5", dtype="float32", device="cpu").engine.input_processor
     with pytest.raises(InvalidRequestError, match="this model does not take video inputs"):
-        processor.process(p)
-    if model == "tiny-qwen3-vl":  # a video placeholder without a video
-        with pytest.raises(InvalidRequestError, match="does not take video inputs"):
-            processor.process({"prompt": p["prompt"]})
+        processor.process(prompt("Hi.", [frames(2, 56, 56, 0)]))
+
+
+@pytest.fixture(scope="module")
+def qwen3(vlmserve_cache):
+    from vlmserve.models.builtin import resolve_model
+
+    return (LLM("tiny-qwen3-vl", dtype="float32", device="cpu"),
+            HFOracle(resolve_model("tiny-qwen3-vl"), "Qwen3VLForConditionalGeneration"))
+
+
+def test_qwen3_vl_video_equals_transformers(qwen3):
+    """Qwen3-VL: each temporal patch after its time as text, in a vision block of its own,
+    as transformers' processor writes the prompt; the tower's rows of the video as one (its
+    grid (t, h, w)) equal those of its patches one by one; positions as `get_rope_index`,
+    tokens as `generate`, beside an image."""
+    llm, oracle = qwen3
+    clip = (frames(5, 64, 96, 12), {"fps": 2.0})
+    p = llm.chat_prompt([{"role": "user", "content": [
+        {"type": "video", "video": clip}, {"type": "image", "image": make_image(64, 64, 13)},
+        {"type": "text", "text": "What happens?"}]}])
+    processed = llm.engine.input_processor.process(p)
+    tok = llm.engine.input_processor.model_processor.tokenizer
+    text = tok.decode(processed.prompt_token_ids)
+    block = "<|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+    # frames at 0, 0.5, 1, 1.5, 2 s, the last repeated: patches at 0.25, 1.25, 2.0 s
+    assert f"user\n<0.2 seconds>{block}<1.2 seconds>{block}<2.0 seconds>{block}" in text
+    patches = [img for img in processed.images if img.pixels.dim() == 4]
+    assert [img.encoder_meta for img in patches] == [(1, 4, 6)] * 3
+    ids, kwargs = oracle._inputs(processed)
+    whole = torch.tensor([[3, 4, 6]])
+    model = oracle.model.model
+    split = model.get_video_features(kwargs["pixel_values_videos"], kwargs["video_grid_thw"])
+    joint = model.get_video_features(kwargs["pixel_values_videos"], whole)
+    torch.testing.assert_close(torch.cat(split.pooler_output), torch.cat(joint.pooler_output))
+    want, delta = model.get_rope_index(ids, kwargs["mm_token_type_ids"],
+                                       kwargs["image_grid_thw"], whole)
+    assert torch.equal(processed.prompt_positions, want[:, 0])
+    assert processed.position_offset == int(delta)
+    out = llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == oracle.generate(processed, MAX_TOKENS)
+
+
+def test_qwen3_vl_video_needs_a_text_prompt(qwen3):
+    llm, _ = qwen3
+    ids = llm.engine.input_processor.model_processor.tokenizer.encode(VIDEO_PAD + "Hi")
+    with pytest.raises(InvalidRequestError, match="need the prompt as text"):
+        llm.engine.input_processor.process({"prompt_token_ids": ids,
+                                            "multi_modal_data": {"video": frames(2, 64, 64, 0)}})
 
 
 def test_chat_takes_video_parts(setup):
@@ -202,6 +245,7 @@ def test_a_video_file_is_sampled_evenly(tmp_path):
     every = decode_video(clip, num_frames=32)
     assert every.num_frames == 12 and every.fps == pytest.approx(6.0)
     assert np.array_equal(video.frames, every.frames[[0, 3, 7, 11]])
+    assert video.timestamps == (0.0, 3 / 6, 7 / 6, 11 / 6)
     path = tmp_path / "clip.mp4"
     path.write_bytes(clip)
     assert np.array_equal(load_video(str(path)).frames, every.frames)
@@ -209,3 +253,18 @@ def test_a_video_file_is_sampled_evenly(tmp_path):
         decode_video(clip, max_pixels=1000)
     with pytest.raises(InvalidImageError, match="4 frames of 64x48 hold 12288 pixels"):
         decode_video(clip, num_frames=4, max_total_pixels=12000)
+
+
+def test_qwen3_vl_times_of_a_video_file_are_its_frames(qwen3):
+    """A video file's patches are timed by their frames' places in the file (40 frames at
+    10 fps, 32 kept: not evenly 1 / 8 s apart)."""
+    llm, _ = qwen3
+    clip = make_mp4(count=40, width=64, height=64, fps=10)
+    times = decode_video(clip).timestamps
+    assert times[:3] == (0.0, 0.1, 0.2) and times[-1] == 3.9
+    p = llm.chat_prompt([{"role": "user", "content": [{"type": "video", "video": clip},
+                                                      {"type": "text", "text": "When?"}]}])
+    text = llm.engine.input_processor.model_processor.tokenizer.decode(
+        llm.engine.input_processor.process(p).prompt_token_ids)
+    stamps = [f"<{(times[k] + times[k + 1]) / 2:.1f} seconds>" for k in range(0, 32, 2)]
+    assert text.count(" seconds>") == 16 and all(s in text for s in stamps)

@@ -6,6 +6,7 @@ placeholder is expanded to ``t * h * w // merge**2`` tokens from the image proce
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,8 +128,10 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
-        # videos: Qwen2-VL and Qwen2.5-VL (Qwen3-VL's carry timestamps in the text instead)
-        self.takes_videos = hf_config.model_type in ("qwen2_vl", "qwen2_5_vl")
+        # videos: Qwen2-VL, Qwen2.5-VL; Qwen3-VL's temporal patches each follow their time as
+        # text ("<1.5 seconds>") in a vision block of their own
+        self.takes_videos = hf_config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+        self.timestamped = hf_config.model_type == "qwen3_vl"
         video = _video_processor_config(self.model_path)
         size = video.get("size") or {}
         self.video_min_pixels: int = (video.get("min_pixels") or size.get("shortest_edge")
@@ -206,9 +209,18 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         count, height, width = frames.shape[:3]
         factor = self.patch_size * self.merge_size
         try:
-            new_h, new_w = self._smart_resize(height, width, factor=factor,
-                                              min_pixels=self.video_min_pixels,
-                                              max_pixels=self.video_max_pixels)
+            if self.timestamped:  # Qwen3-VL's: the pixel range covers all frames
+                from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+                    smart_resize,
+                )
+
+                new_h, new_w = smart_resize(count, height, width, temporal_factor=t,
+                                            factor=factor, min_pixels=self.video_min_pixels,
+                                            max_pixels=self.video_max_pixels)
+            else:
+                new_h, new_w = self._smart_resize(height, width, factor=factor,
+                                                  min_pixels=self.video_min_pixels,
+                                                  max_pixels=self.video_max_pixels)
         except ValueError as e:
             raise InvalidImageError(f"video processor rejected a video: {e}") from e
         pixels = torch.from_numpy(frames)
@@ -228,6 +240,46 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         fps = video.fps or 24.0
         return self.tokens_per_second * self.pixel_transform.temporal_patch_size / fps
 
+    def _video_items(self, videos: Sequence[Video]) -> list[tuple]:
+        """(name, hash, pixels, grid, temporal step) of each video's placeholder run: one a
+        video, or with Qwen3-VL one a temporal patch (its T frames, grid (1, h, w): the tower
+        attends within a frame, so each patch alone gives the video's rows)."""
+        out = []
+        for i, video in enumerate(videos):
+            mm_hash, pixels, (t, h, w) = self.prepare_video(video)
+            if not self.timestamped:
+                out.append((f"video {i}", mm_hash, pixels, (t, h, w), self._video_step(video)))
+                continue
+            n = self.pixel_transform.temporal_patch_size
+            out += [(f"video {i} patch {k}",
+                     hashlib.sha256(f"{mm_hash} patch {k}".encode()).hexdigest(),
+                     pixels[k * n:(k + 1) * n], (1, h, w), 1.0) for k in range(t)]
+        return out
+
+    def _timestamped(self, prompt: str, videos: Sequence[Video]) -> str:
+        """Qwen3-VL's prompt text: each video's placeholder (with or without the chat
+        template's vision start / end around it) replaced by, per temporal patch, its time
+        ("<0.5 seconds>": the mean of its first and last frame's) and a vision block of one
+        ``<|video_pad|>``, as transformers' processor writes it."""
+        tokens = self.tokenizer.convert_ids_to_tokens(
+            [self.hf_config.vision_start_token_id, self.video_token_id,
+             self.hf_config.vision_end_token_id])
+        block, pad = "".join(tokens), tokens[1]
+        pieces = prompt.replace(block, pad).split(pad)
+        if len(pieces) - 1 != len(videos):
+            raise InvalidRequestError(f"the prompt has {len(pieces) - 1} video placeholder(s) "
+                                      f"but {len(videos)} video(s) were given")
+        n = self.pixel_transform.temporal_patch_size
+        out = [pieces[0]]
+        for video, piece in zip(videos, pieces[1:], strict=True):
+            count = video.num_frames
+            times = list(video.timestamps or [i / (video.fps or 24.0) for i in range(count)])
+            times += times[-1:] * (-count % n)  # the last frame repeated, as its pixels are
+            out += [f"<{(times[k] + times[k + n - 1]) / 2:.1f} seconds>{block}"
+                    for k in range(0, len(times), n)]
+            out.append(piece)
+        return "".join(out)
+
     def process(
         self,
         prompt: str | None,
@@ -243,7 +295,17 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         (as the chat template renders them) or an already expanded run of exactly the right
         length.
         """
-        ids = self.token_ids(prompt, prompt_token_ids)
+        if videos and not self.takes_videos:
+            raise InvalidRequestError("this model does not take video inputs")
+        video_items = self._video_items(videos)
+        if videos and self.timestamped:
+            if prompt is None:
+                raise InvalidRequestError("Qwen3-VL videos need the prompt as text (their "
+                                          "frames' times are text in it)")
+            prompt_text = self._timestamped(prompt, videos)
+            ids = self.token_ids(prompt_text, None)
+        else:
+            ids = self.token_ids(prompt, prompt_token_ids)
         runs = _placeholder_runs(ids, self.image_token_id)
         if len(runs) != len(images):
             raise InvalidRequestError(
@@ -254,7 +316,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                       if self.video_token_id is not None else [])
         if video_runs and not self.takes_videos:
             raise InvalidRequestError("this model does not take video inputs")
-        if len(video_runs) != len(videos):
+        if len(video_runs) != len(video_items):
             raise InvalidRequestError(
                 f"the prompt has {len(video_runs)} video placeholder(s) but {len(videos)} "
                 "video(s) were given"
@@ -271,8 +333,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         items = [(run, f"image {i}", p.mm_hash, p.pixels,
                   (1, p.pixels.shape[0] // self.patch_size, p.pixels.shape[1] // self.patch_size),
                   1.0) for i, (run, p) in enumerate(zip(runs, prepared, strict=True))]
-        items += [(run, f"video {i}", *self.prepare_video(v), self._video_step(v))
-                  for i, (run, v) in enumerate(zip(video_runs, videos, strict=True))]
+        items += [(run, *item) for run, item in zip(video_runs, video_items, strict=True)]
         items.sort(key=lambda item: item[0][0])
         out_ids: list[int] = []
         placed: list[tuple[int, tuple[int, int, int], float]] = []

@@ -21,10 +21,12 @@ MAX_SOURCE_FRAMES = 100_000  # a file holding more is refused before decoding it
 @dataclass(frozen=True)
 class Video:
     """``frames`` [T, H, W, 3] uint8 RGB; ``fps``: frames per second as sampled (None: not
-    given)."""
+    given); ``timestamps``: each frame's time in its source, in seconds, where known (a
+    decoded file's; else frame i sits at i / fps)."""
 
     frames: np.ndarray
     fps: float | None = None
+    timestamps: tuple[float, ...] | None = None
 
     @property
     def num_frames(self) -> int:
@@ -147,7 +149,8 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | No
     if not frames:
         raise InvalidImageError("no frame of the video could be decoded")
     fps = len(frames) / (total / rate) if rate > 0 else None
-    return Video(np.stack(frames), fps)
+    times = tuple(i / rate for i in keep[:len(frames)]) if rate > 0 else None
+    return Video(np.stack(frames), fps, times)
 
 
 def load_video(src: Any, num_frames: int = NUM_FRAMES) -> Video:
