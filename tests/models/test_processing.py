@@ -327,8 +327,9 @@ def test_mm_processor_kwargs_errors_name_the_problem(processor, kwargs, message)
         processor.image_options(kwargs)
 
 
-def test_video_rows_equal_the_hf_video_processor(processor: Qwen2VLInputProcessor,
-                                                 tiny_qwen2_vl_path: Path) -> None:
+@pytest.mark.parametrize("path", ["tiny_qwen2_vl_path", "tiny_qwen3_vl_path"])
+def test_video_rows_equal_the_hf_video_processor(path: str,
+                                                 request: pytest.FixtureRequest) -> None:
     """Frames that need resizing (and an odd count: the last repeated) give the rows and grid
     of transformers' video processor, bit for bit (it needs torchvision: the GPU machine)."""
     pytest.importorskip("torchvision")
@@ -336,9 +337,12 @@ def test_video_rows_equal_the_hf_video_processor(processor: Qwen2VLInputProcesso
 
     from vlmserve.multimodal.video import Video
 
+    path = request.getfixturevalue(path)
+    processor = Qwen2VLInputProcessor(path)
     frames = np.random.default_rng(3).integers(0, 256, (5, 100, 150, 3), np.uint8)
-    hf = AutoVideoProcessor.from_pretrained(tiny_qwen2_vl_path)(
-        videos=[[Image.fromarray(f) for f in frames]], return_tensors="pt")
+    hf = AutoVideoProcessor.from_pretrained(path)(
+        videos=[[Image.fromarray(f) for f in frames]], return_tensors="pt",
+        do_sample_frames=False)
     _, pixels, grid = processor.prepare_video(Video(frames))
     assert grid == tuple(hf["video_grid_thw"][0].tolist())
     assert torch.equal(processor.pixel_transform(pixels[None], torch.float32),
