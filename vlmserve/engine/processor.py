@@ -214,15 +214,16 @@ class InputProcessor:
                     isinstance(t, int) for t in token_ids)):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
             images = self._images(prompt, load, options)
-            videos = [_video(v, load, i) for i, v in enumerate(_sources(prompt, "video"))]
+            sources = _sources(prompt, "video")
+            if sources and not getattr(self.model_processor, "takes_videos", False):
+                raise InvalidRequestError("this model does not take video inputs")
+            videos = [_video(v, load, i) for i, v in enumerate(sources)]
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt must be a string")
         ids = list(token_ids) if token_ids is not None else None
         if videos:
-            if not getattr(self.model_processor, "takes_videos", False):
-                raise InvalidRequestError("this model does not take video inputs")
             return self._checked(self.model_processor.process(text, ids, images, options,
                                                               videos=videos))
         return self._checked(self.model_processor.process(text, ids, images, options))
