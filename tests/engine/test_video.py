@@ -253,6 +253,8 @@ def test_a_video_file_is_sampled_evenly(tmp_path):
         decode_video(clip, max_pixels=1000)
     with pytest.raises(InvalidImageError, match="4 frames of 64x48 hold 12288 pixels"):
         decode_video(clip, num_frames=4, max_total_pixels=12000)
+    with pytest.raises(InvalidImageError, match="decoding the video took over 0 s"):
+        decode_video(clip, timeout_s=0)
 
 
 def test_qwen3_vl_times_of_a_video_file_are_its_frames(qwen3):

@@ -5,6 +5,7 @@ decoded with PyAV into ``num_frames`` frames sampled evenly over it (vLLM's defa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from vlmserve.errors import InvalidImageError, InvalidRequestError
 
 MAX_FRAMES = 768  # transformers' Qwen2-VL video processor's max_frames
 NUM_FRAMES = 32  # frames sampled from a video file (vLLM's default)
+DECODE_TIMEOUT_S = 60.0  # the longest a video file may take to decode
 MAX_SOURCE_FRAMES = 100_000  # a file holding more is refused before decoding it
 
 
@@ -99,13 +101,15 @@ def as_video(src: Any) -> Video:
 
 
 def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None,
-                 max_total_pixels: int | None = None) -> Video:
+                 max_total_pixels: int | None = None, timeout_s: float = DECODE_TIMEOUT_S
+                 ) -> Video:
     """An encoded video file's first video stream as ``num_frames`` frames (at most
     `MAX_FRAMES`) sampled evenly over it (all of them if it has fewer), with the rate they
     were sampled at (frames kept / the stream's duration). Raises `InvalidImageError` for
     anything PyAV cannot decode, no video stream, frames over ``max_pixels``, frames kept
-    over ``max_total_pixels`` in all (both checked before any frame is decoded), or more
-    than `MAX_SOURCE_FRAMES` frames."""
+    over ``max_total_pixels`` in all (both checked before any frame is decoded), frames
+    that change size, more than `MAX_SOURCE_FRAMES` frames, or decoding past ``timeout_s``
+    (a long, large file must not hold a preprocessing process for minutes)."""
     import io
 
     try:
@@ -133,10 +137,16 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | No
                 f"pixels, which exceeds the limit of {max_total_pixels}")
         frames, wanted = [], iter(keep)
         nxt = next(wanted)
+        deadline = time.monotonic() + timeout_s
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
             rate = float(stream.average_rate or 0)
             for i, frame in enumerate(container.decode(stream)):
+                if time.monotonic() > deadline:
+                    raise InvalidImageError(f"decoding the video took over {timeout_s:g} s")
+                if (frame.width, frame.height) != (width, height):
+                    raise InvalidImageError(f"frame {i} of the video is {frame.width}x"
+                                            f"{frame.height}, the stream {width}x{height}")
                 if i == nxt:
                     frames.append(frame.to_ndarray(format="rgb24"))
                     nxt = next(wanted, None)
