@@ -82,6 +82,6 @@ def top_p_filter_(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     assert top_p.shape == (x.shape[0],) and top_p.dtype == torch.float32
     if x.numel():
         _top_p_kernel[(x.shape[0],)](x, top_p, x.stride(0), x.shape[1],
-                                     BLOCK=min(2048, triton.next_power_of_2(x.shape[1])),
+                                     BLOCK=min(2048, max(128, triton.next_power_of_2(x.shape[1]))),
                                      num_warps=8)
     return x
