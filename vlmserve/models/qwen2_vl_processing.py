@@ -134,10 +134,11 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self.timestamped = hf_config.model_type == "qwen3_vl"
         video = _video_processor_config(self.model_path)
         size = video.get("size") or {}
+        unit = (ip.patch_size * ip.merge_size) ** 2  # transformers' defaults: 128 to 768 units
         self.video_min_pixels: int = (video.get("min_pixels") or size.get("shortest_edge")
-                                      or 128 * 28 * 28)
+                                      or 128 * unit)
         self.video_max_pixels: int = (video.get("max_pixels") or size.get("longest_edge")
-                                      or 768 * 28 * 28)
+                                      or 768 * unit)
         # Qwen2.5-VL: a temporal patch's positions step by tokens_per_second * its seconds
         self.tokens_per_second: float | None = (
             getattr(hf_config.vision_config, "tokens_per_second", None)
