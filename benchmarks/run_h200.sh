@@ -55,7 +55,8 @@
 #             one CUDA MPS daemon (kernels of the two processes run side by side instead of
 #             time-slicing the GPU); skipped with a message where MPS cannot start;
 #             EPD_LLM_SM_PCT=N: under MPS the LLM server's kernels use at most N% of the SMs;
-#             EPD_ENCODER_ARGS: more options of the encoder server (--api-server-count 2)
+#             EPD_ENCODER_ARGS: more options of the encoder server (--api-server-count 2);
+#             EPD_LLM_ARGS: more options of the LLM server (--min-decode-step-ms 8)
 #   fp8     : FP8 weights (quantization=fp8: the 2B's projections quantized to 128x128 blocks as
 #             they load) against bfloat16: the FP8 kernel tests and CUDA parity, decode at
 #             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)
@@ -348,7 +349,7 @@ epdserve)
     [ "$mode" != epdmps ] || [ -z "${EPD_LLM_SM_PCT:-}" ] \
       || sm="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$EPD_LLM_SM_PCT"
     env $sm VLMSERVE_STEP_TRACE=$OUT/trace_$mode.jsonl PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve \
-      serve /tmp/q2vl2b --port 8001 $A $extra > "$OUT/llm_$mode.log" 2>&1 &
+      serve /tmp/q2vl2b --port 8001 $A $extra ${EPD_LLM_ARGS:-} > "$OUT/llm_$mode.log" 2>&1 &
     pid=$!; up 8001 $pid && bench "$mode" || tail -5 "$OUT/llm_$mode.log"
     curl -s localhost:8001/stats > "$OUT/llm_${mode}_stats.json"
     python3 benchmarks/step_trace.py "$OUT/trace_$mode.jsonl" > "$OUT/trace_$mode.txt"
