@@ -107,6 +107,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
     """Turns a prompt (text or token ids) plus decoded images into a ``ProcessedPrompt``."""
 
     PIL_IMAGE_PROCESSOR = "Qwen2VLImageProcessorPil"
+    takes_videos = True  # (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the models of this processor)
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
                  mm_processor_kwargs: dict | None = None) -> None:
@@ -128,9 +129,8 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
-        # videos: Qwen2-VL, Qwen2.5-VL; Qwen3-VL's temporal patches each follow their time as
-        # text ("<1.5 seconds>") in a vision block of their own
-        self.takes_videos = hf_config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+        # Qwen3-VL's temporal patches each follow their time as text ("<1.5 seconds>") in a
+        # vision block of their own
         self.timestamped = hf_config.model_type == "qwen3_vl"
         video = _video_processor_config(self.model_path)
         size = video.get("size") or {}
@@ -296,8 +296,6 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         (as the chat template renders them) or an already expanded run of exactly the right
         length.
         """
-        if videos and not self.takes_videos:
-            raise InvalidRequestError("this model does not take video inputs")
         video_items = self._video_items(videos)
         if videos and self.timestamped:
             if prompt is None:
@@ -315,8 +313,6 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             )
         video_runs = (_placeholder_runs(ids, self.video_token_id)
                       if self.video_token_id is not None else [])
-        if video_runs and not self.takes_videos:
-            raise InvalidRequestError("this model does not take video inputs")
         if len(video_runs) != len(video_items):
             raise InvalidRequestError(
                 f"the prompt has {len(video_runs)} video placeholder(s) but {len(videos)} "
