@@ -42,6 +42,12 @@ def tiny_qwen3_vl_path(vlmserve_cache: Path) -> Path:
     return resolve_model("tiny-qwen3-vl")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe_path(vlmserve_cache: Path) -> Path:
+    """Checkpoint folder of the built-in ``tiny-qwen3-vl-moe``."""
+    return resolve_model("tiny-qwen3-vl-moe")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """How many inputs the fuzz tests tried (they `record_property("fuzz_inputs", n)`), shown
     by `pytest -q` too."""

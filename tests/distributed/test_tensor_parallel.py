@@ -12,7 +12,8 @@ from tests.distributed.helpers import one_process, token_ids
 from vlmserve import LLM, SamplingParams, StructuredOutputsParams
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
+                                   "tiny-qwen3-vl-moe"])
 def test_tp2_matches_single_process(vlmserve_cache, model):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
@@ -30,6 +31,10 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         runner = tp.engine.executor.runner
         attn = runner.model.language_model.layers[0].self_attn
         assert (attn.heads, attn.kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over 2
+        if model.endswith("moe"):  # every expert's 48 intermediate columns split over 2
+            experts = runner.model.language_model.layers[0].mlp.experts
+            assert experts.gate_up_proj.shape == (8, 2 * 24, 64)
+            assert experts.down_proj.shape == (8, 64, 24)
         outs = tp.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         enc = runner.encoder  # data mode (the default): rank 0 encoded only its share

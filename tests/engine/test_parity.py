@@ -20,6 +20,7 @@ MODELS = {
     "qwen2-vl": ("tiny-qwen2-vl", "Qwen2VLForConditionalGeneration"),
     "qwen2.5-vl": ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3-vl": ("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration"),
+    "qwen3-vl-moe": ("tiny-qwen3-vl-moe", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

@@ -13,7 +13,8 @@ from vlmserve import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
+                                   "tiny-qwen3-vl-moe"])
 def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}

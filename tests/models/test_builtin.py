@@ -26,6 +26,8 @@ TINY = {
         False,
     ),
     "tiny-qwen3-vl": ("tiny_qwen3_vl_path", transformers.Qwen3VLForConditionalGeneration, True),
+    "tiny-qwen3-vl-moe": ("tiny_qwen3_vl_moe_path",
+                          transformers.Qwen3VLMoeForConditionalGeneration, True),
 }
 
 
@@ -75,7 +77,7 @@ def test_hf_loads_tiny_checkpoint(tiny: tuple[str, Path]) -> None:
     assert not model.lm_head.weight[[cfg.image_token_id, cfg.video_token_id]].any()
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     proc = AutoImageProcessor.from_pretrained(path)
-    patch = 16 if name == "tiny-qwen3-vl" else 14
+    patch = 16 if name.startswith("tiny-qwen3-vl") else 14
     assert (proc.patch_size, proc.merge_size, proc.temporal_patch_size) == (patch, 2, 2)
 
 

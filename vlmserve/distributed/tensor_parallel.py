@@ -3,8 +3,9 @@ nothing of TP): `ShardPlan` says which slice of each checkpoint tensor a rank re
 `shard_model` puts modules of that size in the model before any weight is allocated (see
 models/loader.py). Attention heads and MLP columns are split (column-parallel q/k/v and
 gate/up; with fewer KV heads than ranks, each rank holds the KV head its query heads use),
-o_proj and down_proj are row-parallel with an all-reduce, and the token embedding and lm_head
-are split by vocabulary rows (logits all-gathered).
+o_proj and down_proj are row-parallel with an all-reduce, a sparse layer's experts each keep
+their share of the intermediate columns (the router replicated, the weighted sum all-reduced),
+and the token embedding and lm_head are split by vocabulary rows (logits all-gathered).
 
 The image encoder (vision tower and projector / merger) is replicated unless
 `mm_encoder_tp_mode="weights"`: then `VisionShardPlan` and `shard_vision_encoder` split it
@@ -26,6 +27,7 @@ from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fp8 import HoldsFp8
 from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import MergedLinear
+from vlmserve.layers.moe import ExpertWeights, SparseMoE, num_experts
 
 
 class RowParallelLinear(HoldsFp8, nn.Module):
@@ -162,7 +164,10 @@ class ShardPlan:
 
 def check_divisible(text_config, world_size: int) -> None:
     """Raise a clear error before any process starts if the model cannot be split."""
-    for name in ("num_attention_heads", "intermediate_size"):
+    names = ["num_attention_heads", "intermediate_size"]
+    if num_experts(text_config):
+        names.append("moe_intermediate_size")
+    for name in names:
         value = getattr(text_config, name)
         if value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} must divide {name} ({value})")
@@ -197,6 +202,13 @@ def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
         attn.o_proj = RowParallelLinear(plan.heads * d, plan.hidden,
                                         attn.o_proj.bias is not None, tp)
         attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
+        if isinstance(mlp, SparseMoE):  # every expert's share of the columns; sum reduced
+            e = mlp.experts
+            share = e.inter // plan.world
+            mlp.experts = ExpertWeights(e.hidden, share, mlp.num_experts,
+                                        plan.rank * share, e.inter)
+            mlp.tp = tp
+            continue
         mlp.gate_up_proj = MergedLinear(plan.hidden, [plan.inter, plan.inter], bias=False)
         mlp.down_proj = RowParallelLinear(plan.inter, plan.hidden, False, tp)
     lm.embed_tokens = VocabParallelEmbedding(plan.vocab_rows, plan.hidden, plan.vocab_start,

@@ -85,6 +85,19 @@ def _clip_vision(hidden: int, inter: int, layers: int, heads: int, image_size: i
                 patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5,
                 projection_dim=768)
 
+_QWEN3_VIS = dict(hidden_size=32, intermediate_size=64, depth=3, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                  hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+
+
+def _tiny_qwen3(architecture: str, text: dict) -> BuiltinModel:
+    return BuiltinModel(architecture=architecture, text=text, vision=_QWEN3_VIS,
+                        tie_word_embeddings=True, tiny=True, min_pixels=64 * 64,
+                        max_pixels=512 * 512, image_mean=(0.5, 0.5, 0.5),
+                        image_std=(0.5, 0.5, 0.5))
+
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-qwen2-vl": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
@@ -109,21 +122,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tie_word_embeddings=False,
         tiny=True,
     ),
-    "tiny-qwen3-vl": BuiltinModel(
-        architecture="Qwen3VLForConditionalGeneration",
-        # head_dim 16: interleaved mRoPE over 8 frequencies (t h w t h w t h)
-        text={**_text(64, 128, 2, 4, 2, None, [2, 3, 3]), "head_dim": 16},
-        vision=dict(hidden_size=32, intermediate_size=64, depth=3, num_heads=2,
-                    out_hidden_size=64, num_position_embeddings=16,
-                    deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh",
-                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        tie_word_embeddings=True,
-        tiny=True,
-        min_pixels=64 * 64,
-        max_pixels=512 * 512,
-        image_mean=(0.5, 0.5, 0.5),
-        image_std=(0.5, 0.5, 0.5),
-    ),
+    # head_dim 16: interleaved mRoPE over 8 frequencies (t h w t h w t h)
+    "tiny-qwen3-vl": _tiny_qwen3("Qwen3VLForConditionalGeneration",
+                                 {**_text(64, 128, 2, 4, 2, None, [2, 3, 3]), "head_dim": 16}),
+    # 8 experts, 2 a token, in layers 0 and 2 (layer 1 dense: mlp_only_layers)
+    "tiny-qwen3-vl-moe": _tiny_qwen3(
+        "Qwen3VLMoeForConditionalGeneration",
+        {**_text(64, 128, 3, 4, 2, None, [2, 3, 3]), "head_dim": 16,
+         "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+         "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
     "qwen2-vl-2b-random": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
         text=_text(1536, 8960, 28, 12, 2, 151936, [16, 24, 24]),

@@ -1,6 +1,7 @@
 """The decoder of Qwen2, Qwen3, Llama and Mistral (the language models of Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL and LLaVA) over a paged KV cache: one block layout, the differences (biases, Qwen3's
-per-head q/k norms, rotary sections, interleaved or not) read from the config."""
+per-head q/k norms, rotary sections, interleaved or not, Qwen3-VL-MoE's sparse layers of
+experts: layers/moe.py) read from the config."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference
 from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import Linear, MergedLinear
+from vlmserve.layers.moe import is_sparse_layer, sparse_moe_for
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
 
@@ -77,7 +79,7 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, index: int = 0) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         qkv_bias, o_bias = attention_biases(cfg)
@@ -85,7 +87,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.self_attn = Qwen2Attention(cfg.hidden_size, cfg.num_attention_heads,
                                         cfg.num_key_value_heads, head_dim, qkv_bias, o_bias,
                                         cfg.rms_norm_eps if qk_norm else None)
-        self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (sparse_moe_for(cfg) if is_sparse_layer(cfg, index)
+                    else Qwen2MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -106,6 +109,8 @@ def attention_biases(cfg) -> tuple[bool, bool]:
     return str(getattr(cfg, "model_type", "")).startswith("qwen2"), False
 
 
+# text configs whose mRoPE sections interleave without saying so
+_INTERLEAVED_MROPE = ("qwen3_vl_text", "qwen3_vl_moe_text")
 # rotary variants this decoder computes: plain RoPE, and mRoPE (`mrope_section`)
 _ROPE_TYPES = (None, "default", "mrope")
 
@@ -121,7 +126,7 @@ def rope_settings(cfg) -> tuple[float, list[int] | None, bool]:
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     section = params.get("mrope_section") or scaling.get("mrope_section")
     interleaved = bool(params.get("mrope_interleaved") or scaling.get("mrope_interleaved")
-                       or getattr(cfg, "model_type", "") == "qwen3_vl_text")
+                       or getattr(cfg, "model_type", "") in _INTERLEAVED_MROPE)
     return float(theta), section, interleaved
 
 
@@ -133,7 +138,8 @@ class Qwen2Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         attn = self.layers[0].self_attn
         theta, section, interleaved = rope_settings(cfg)
@@ -178,6 +184,14 @@ class Qwen2Model(nn.Module):
         loaded = set()
         for name, tensor in weights:
             parts = name.split(".")
+            if "experts" in parts[:-1]:  # a sparse layer's experts: two 3-D tensors
+                if parts[-2] != "experts":
+                    raise ValueError(f"checkpoint weight {name!r}: experts stored one by one "
+                                     "are not supported (only the stacked 3-D gate_up_proj "
+                                     "and down_proj of transformers' Qwen3-VL-MoE layout)")
+                modules[".".join(parts[:-1])].load(parts[-1], tensor)
+                loaded.add(name)
+                continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 target, shard = self._STACKED[parts[-2]]
                 module_name = ".".join(parts[:-2] + [target])

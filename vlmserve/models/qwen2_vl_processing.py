@@ -131,7 +131,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
         # Qwen3-VL's temporal patches each follow their time as text ("<1.5 seconds>") in a
         # vision block of their own
-        self.timestamped = hf_config.model_type == "qwen3_vl"
+        self.timestamped = hf_config.model_type in ("qwen3_vl", "qwen3_vl_moe")
         video = _video_processor_config(self.model_path)
         size = video.get("size") or {}
         unit = (ip.patch_size * ip.merge_size) ** 2  # transformers' defaults: 128 to 768 units

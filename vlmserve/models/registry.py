@@ -11,6 +11,8 @@ _MODELS: dict[str, tuple[str, str]] = {
                                            "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("vlmserve.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("vlmserve.models.qwen3_vl_moe",
+                                           "Qwen3VLMoeForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
                                           "LlavaNextForConditionalGeneration"),

@@ -1,0 +1,140 @@
+"""A sparse mixture-of-experts MLP (Qwen3-VL-MoE's): a router picks each token's top-k experts,
+each expert is a SiLU-gated MLP, and the token's output is their sum weighted by the router's
+probabilities (renormalized over the k picked).
+
+The experts' weights are two 3-D tensors, as transformers holds them: `gate_up_proj`
+[experts, 2 * inter, hidden] (the gate's rows, then the up projection's) and `down_proj`
+[experts, hidden, inter]. Checkpoints store them either so or with the last two dims swapped
+(the hub's Qwen3-VL-MoE files); `ExpertWeights.load` takes both, like transformers: a tensor
+of the held shape is taken as it is, any other transposed.
+
+On CUDA the experts run as two grouped GEMMs in Triton (`layers/triton_moe.py`), whose launch
+plan is made on the device (no host sync; CUDA graphs capture it). Elsewhere `moe_reference`
+computes what transformers computes, expert by expert.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate columns
+(`ExpertWeights(inter_start=...)`); the weighted sum is all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.layers.attention import triton_available
+from vlmserve.layers.fused import EAGER_OPS
+from vlmserve.layers.norm import RMSNorm
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k]): softmax in float32, the k
+    largest, divided by their sum when `renormalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum [T, hidden], expert by expert in id order (transformers'
+    order of the sum): each expert's tokens through its gated MLP, scaled by their weight."""
+    out = torch.zeros_like(x)
+    hit = torch.bincount(ids.reshape(-1), minlength=gate_up.shape[0]).nonzero().flatten()
+    for e in hit.tolist():
+        token, slot = torch.where(ids == e)
+        h = F.linear(x[token], gate_up[e])
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+class Router(nn.Module):
+    """The router's linear layer (`mlp.gate.weight` [experts, hidden]); replicated."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's gated MLP, or this rank's slice of its intermediate columns
+    [inter_start, inter_start + inter) of `inter_total`."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, inter_start: int = 0,
+                 inter_total: int | None = None) -> None:
+        super().__init__()
+        self.hidden, self.inter, self.inter_start = hidden, inter, inter_start
+        self.inter_total = inter if inter_total is None else inter_total
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's whole `gate_up_proj` or `down_proj` (either layout), this rank's
+        columns of it copied in."""
+        e, h, i, s = self.gate_up_proj.shape[0], self.hidden, self.inter_total, self.inter_start
+        if name == "gate_up_proj":
+            t = _held_layout(tensor, (e, 2 * i, h), name)
+            t = torch.cat([t[:, s:s + self.inter], t[:, i + s:i + s + self.inter]], dim=1)
+            self.gate_up_proj.copy_(t)
+        elif name == "down_proj":
+            t = _held_layout(tensor, (e, h, i), name)
+            self.down_proj.copy_(t[:, :, s:s + self.inter])
+        else:
+            raise KeyError(f"unexpected expert weight {name!r}")
+
+
+def _held_layout(t: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:
+    if tuple(t.shape) == shape:
+        return t
+    if tuple(t.shape) == (shape[0], shape[2], shape[1]):
+        return t.transpose(1, 2)
+    raise ValueError(f"experts.{name} has shape {tuple(t.shape)}; expected {shape} or "
+                     f"{(shape[0], shape[2], shape[1])}")
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a sparse layer: `forward(x, residual, norm)` like `Qwen2MLP`'s."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
+                 renormalize: bool = True) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = Router(hidden, num_experts)
+        self.experts = ExpertWeights(hidden, inter, num_experts)
+        self.tp = None  # a TensorParallel when the experts' columns are split
+        self.ops = EAGER_OPS
+
+    def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        weights, ids = route(F.linear(h, self.gate.weight), self.top_k, self.renormalize)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if triton_available(h.device):
+            from vlmserve.layers.triton_moe import fused_moe
+            y = fused_moe(h, gate_up, down, weights, ids, self.ops.silu_mul)
+        else:
+            y = moe_reference(h, gate_up, down, weights, ids)
+        return (y if self.tp is None else self.tp.all_reduce(y)), residual
+
+
+def is_sparse_layer(cfg, index: int) -> bool:
+    """Whether decoder layer `index` of a text config has the experts' MLP (transformers'
+    rule: experts configured, not in `mlp_only_layers`, every `decoder_sparse_step`-th)."""
+    experts = num_experts(cfg)
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (experts > 0 and index not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and (index + 1) % step == 0)
+
+
+def num_experts(cfg) -> int:
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0) or 0)
+
+
+def sparse_moe_for(cfg) -> SparseMoE:
+    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, num_experts(cfg),
+                     cfg.num_experts_per_tok, bool(getattr(cfg, "norm_topk_prob", True)))
