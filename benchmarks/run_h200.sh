@@ -56,7 +56,7 @@
 #             time-slicing the GPU); skipped with a message where MPS cannot start;
 #             EPD_LLM_SM_PCT=N: under MPS the LLM server's kernels use at most N% of the SMs;
 #             EPD_ENCODER_ARGS: more options of the encoder server (--api-server-count 2);
-#             EPD_LLM_ARGS: more options of the LLM server (--min-decode-step-ms 8)
+#             EPD_LLM_ARGS: more options of the LLM server
 #   fp8     : FP8 weights (quantization=fp8: the 2B's projections quantized to 128x128 blocks as
 #             they load) against bfloat16: the FP8 kernel tests and CUDA parity, decode at
 #             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)

@@ -110,11 +110,6 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         True, "Schedule and launch each step before reading back the previous one's tokens, "
         "so the device does not wait for the host between steps (outputs come a step later).")
-    min_decode_step_ms: float = _opt(
-        0.0, "Steps that only decode start at least this many milliseconds apart (0: back "
-        "to back); a step with prompt work starts at once. For a GPU shared with another "
-        "busy process (an encoder server on the same GPU): between decode steps the other "
-        "has the GPU, and decodes gather into fewer, larger steps; TPOT is at least this.")
 
 
 @dataclass(frozen=True)
@@ -186,8 +181,6 @@ class EngineConfig:
         if (s.max_num_encoder_tokens_while_decoding is not None
                 and s.max_num_encoder_tokens_while_decoding < 1):
             raise ValueError("max_num_encoder_tokens_while_decoding must be >= 1")
-        if not 0.0 <= s.min_decode_step_ms <= 10_000:
-            raise ValueError("min_decode_step_ms must be in [0, 10000]")
         if c.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:

@@ -217,8 +217,6 @@ class EngineCore:
             sc.max_num_encoder_tokens_while_decoding or "not capped",
             "on" if cc.enable_prefix_caching else "off")
         self.async_scheduling = sc.async_scheduling
-        self._decode_gap_s = sc.min_decode_step_ms / 1e3  # 0: decode steps back to back
-        self._last_launch = 0.0
         # structured requests whose grammar is compiling: admitted once it is compiled
         self._compiling: dict[str, tuple[Request, Future]] = {}
         # steps launched and not read back yet (at most one with async scheduling)
@@ -324,28 +322,17 @@ class EngineCore:
 
         A step that raises fails only the request it ran alone; with several, they are
         recomputed as suspects, each alone (`Scheduler.fail_steps`), and a request found to
-        fail is returned finished with `FINISHED_ERROR`.
-
-        With `min_decode_step_ms`, a step that would only decode comes that long after the
-        last launch: a call before then reads back the step in flight and returns, and the
-        next waits out the rest (doing `while_waiting`'s work) unless a prompt arrives."""
+        fail is returned finished with `FINISHED_ERROR`."""
         failed: list[Request] = []
         if self._compiling:
             idle = not self.scheduler.has_unfinished_requests() and not self._in_flight
             failed = self._admit_compiled(wait_s=0.005 if idle else 0.0)
-        if self._decode_gap_s and self._decodes_only():
-            due = self._last_launch + self._decode_gap_s
-            if time.monotonic() < due:
-                if self._in_flight:  # its tokens go out now, not after the wait
-                    return failed + self.drain()
-                self._wait_for(due, while_waiting)
         so = self.scheduler.schedule()
         if so.num_scheduled_tokens or not self.scheduler.has_unfinished_requests():
             self._last_progress = time.monotonic()
             self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
         updated: list[Request] = failed
         began = time.perf_counter() if self._trace is not None else 0.0
-        self._last_launch = time.monotonic()
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
             if self._trace is not None:
@@ -361,19 +348,6 @@ class EngineCore:
         if time.monotonic() - self._last_log > LOG_INTERVAL_S:
             self._log_stats()
         return updated
-
-    def _decodes_only(self) -> bool:
-        """The next step would only decode: nothing waits to be admitted, every running
-        request is past its prompt."""
-        s = self.scheduler
-        return not s.waiting and bool(s.running) and all(r.decodes_next for r in s.running)
-
-    def _wait_for(self, due: float, while_waiting: Callable[[], bool] | None) -> None:
-        """Until ``due`` (`time.monotonic()`), doing host work meanwhile; sooner if a prompt
-        arrives (`min_decode_step_ms`)."""
-        while (now := time.monotonic()) < due and self._decodes_only():
-            if while_waiting is None or not while_waiting():
-                time.sleep(min(due - now, 0.0005))
 
     def drain(self) -> list[Request]:
         """Read back every step still in flight (after aborts, nothing else is running)."""
