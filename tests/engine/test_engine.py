@@ -450,3 +450,24 @@ def test_offline_llm_needs_no_serving_packages(vlmserve_cache) -> None:
                               os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "3"
+
+
+def test_a_dropped_llm_frees_its_model_and_leaves_the_callers_heap_alone(vlmserve_cache):
+    """The in-process engine freezes nothing (`gc.freeze` is for our own processes: there it
+    pinned every dropped `LLM`'s model, KV cache and pinned host pool for good, so a process
+    building several ran out of host memory), and a dropped `LLM` is collected with its
+    model."""
+    import gc
+    import weakref
+
+    from vlmserve import LLM, SamplingParams
+
+    frozen = gc.get_freeze_count()
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu")
+    llm.generate(["Free me."], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert gc.get_freeze_count() == frozen
+    model = weakref.ref(llm.engine.executor.runner.model)
+    runner = weakref.ref(llm.engine.executor.runner)
+    del llm
+    gc.collect()
+    assert runner() is None and model() is None

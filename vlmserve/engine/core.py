@@ -51,7 +51,8 @@ def freeze_startup_heap() -> None:
     as the process) out of the garbage collector's reach. A full pass over them costs ~90 ms
     in a front end (torch and transformers imported), a stall of every stream and step each
     time enough request objects have outlived the young generations. Call once start-up is
-    done, in every long-lived process."""
+    done, in every long-lived process of our own (never in a user's: the in-process `LLM`
+    must not pin its caller's objects, nor its own model once dropped)."""
     gc.collect()
     gc.freeze()
 
@@ -230,7 +231,6 @@ class EngineCore:
         self._last_log = time.monotonic()
         trace = os.environ.get("VLMSERVE_STEP_TRACE")
         self._trace = StepTrace(trace) if trace else None
-        freeze_startup_heap()
 
     @property
     def info(self) -> ModelInfo:

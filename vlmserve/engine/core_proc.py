@@ -28,7 +28,7 @@ import zmq
 from vlmserve.config import EngineConfig
 from vlmserve.encoder.handles import HandleError
 from vlmserve.encoder.wire import open_handles
-from vlmserve.engine.core import EngineCore
+from vlmserve.engine.core import EngineCore, freeze_startup_heap
 from vlmserve.engine.messages import (
     Abort,
     AddRequest,
@@ -66,6 +66,7 @@ class EngineCoreProc:
     def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
         self.parent_pid = parent_pid
         self.core = EngineCore(config, serving=True)
+        freeze_startup_heap()
         self.transform = self.core.model_processor.pixel_transform
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -68,7 +68,10 @@ class StepResult:
 
     def __init__(self, runner: ModelRunner | None = None, states=(), host=None,
                  host_logprobs=None, host_prompt=None) -> None:
-        self._runner, self._states, self._host = runner, list(states), host
+        # the runner's live request states (not the runner: it keeps its last result, and a
+        # cycle would hold the whole model until a full collection)
+        self._live = runner.requests if runner is not None else {}
+        self._states, self._host = list(states), host
         # (rows of `states`, ids [M, 1 + k], values [M, 1 + k]) on the host, or None
         self._host_logprobs = host_logprobs
         # ([(request id, first token scored, tokens, k)], ids, values, ranks) on the host
@@ -95,7 +98,7 @@ class StepResult:
             tokens = self._host.tolist() if self._host is not None else []
             for st, tok in zip(self._states, tokens):
                 st.in_flight -= 1
-                if self._runner.requests.get(st.request_id) is st:
+                if self._live.get(st.request_id) is st:
                     st.token_ids.append(tok)
             self._tokens = {st.request_id: tok for st, tok in zip(self._states, tokens)}
             if self._host_logprobs is not None:
