@@ -72,21 +72,41 @@ class ExpertWeights(nn.Module):
         self.inter_total = inter if inter_total is None else inter_total
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self._parts: set[tuple[int, str]] = set()  # (expert, projection) loaded one by one
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """A checkpoint's whole `gate_up_proj` or `down_proj` (either layout), this rank's
-        columns of it copied in."""
-        e, h, i, s = self.gate_up_proj.shape[0], self.hidden, self.inter_total, self.inter_start
+    def load(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """A checkpoint's experts tensor, this rank's columns of it copied in: the whole
+        stacked `gate_up_proj` or `down_proj` (either layout), or one expert's
+        `N.gate_proj.weight` / `N.up_proj.weight` [inter, hidden] or `N.down_proj.weight`
+        [hidden, inter] (Qwen3-MoE's naming; an FP8 checkpoint's come read back). Returns
+        the parameters now wholly loaded."""
+        e, h, i, s, n = (self.gate_up_proj.shape[0], self.hidden, self.inter_total,
+                         self.inter_start, self.inter)
         if name == "gate_up_proj":
             t = _held_layout(tensor, (e, 2 * i, h), name)
-            t = torch.cat([t[:, s:s + self.inter], t[:, i + s:i + s + self.inter]], dim=1)
-            self.gate_up_proj.copy_(t)
-        elif name == "down_proj":
-            t = _held_layout(tensor, (e, h, i), name)
-            self.down_proj.copy_(t[:, :, s:s + self.inter])
+            self.gate_up_proj.copy_(torch.cat([t[:, s:s + n], t[:, i + s:i + s + n]], dim=1))
+            return [name]
+        if name == "down_proj":
+            self.down_proj.copy_(_held_layout(tensor, (e, h, i), name)[:, :, s:s + n])
+            return [name]
+        expert, _, proj = name.partition(".")
+        want = {"gate_proj.weight": (i, h), "up_proj.weight": (i, h),
+                "down_proj.weight": (h, i)}.get(proj)
+        if not expert.isdigit() or int(expert) >= e or want is None:
+            raise KeyError(f"unexpected expert weight experts.{name}")
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"experts.{name} has shape {tuple(tensor.shape)}; expected {want}")
+        k = int(expert)
+        if proj == "down_proj.weight":
+            self.down_proj[k].copy_(tensor[:, s:s + n])
         else:
-            raise KeyError(f"unexpected expert weight {name!r}")
+            rows = slice(0, n) if proj == "gate_proj.weight" else slice(n, 2 * n)
+            self.gate_up_proj[k, rows].copy_(tensor[s:s + n])
+        self._parts.add((k, proj))
+        param, projs = (("down_proj", ("down_proj.weight",)) if proj == "down_proj.weight"
+                        else ("gate_up_proj", ("gate_proj.weight", "up_proj.weight")))
+        return [param] if all((x, q) in self._parts for x in range(e) for q in projs) else []
 
 
 def _held_layout(t: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:

@@ -184,13 +184,11 @@ class Qwen2Model(nn.Module):
         loaded = set()
         for name, tensor in weights:
             parts = name.split(".")
-            if "experts" in parts[:-1]:  # a sparse layer's experts: two 3-D tensors
-                if parts[-2] != "experts":
-                    raise ValueError(f"checkpoint weight {name!r}: experts stored one by one "
-                                     "are not supported (only the stacked 3-D gate_up_proj "
-                                     "and down_proj of transformers' Qwen3-VL-MoE layout)")
-                modules[".".join(parts[:-1])].load(parts[-1], tensor)
-                loaded.add(name)
+            if "experts" in parts[:-1]:  # a sparse layer's experts: stacked, or one by one
+                at = parts.index("experts")
+                prefix = ".".join(parts[:at + 1])
+                done = modules[prefix].load(".".join(parts[at + 1:]), tensor)
+                loaded.update(f"{prefix}.{param}" for param in done)
                 continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 target, shard = self._STACKED[parts[-2]]
