@@ -62,6 +62,10 @@
 #             batch 1 / 64 / 256 with kernel profiles, W1 offline (w1ours' settings)
 #   encfwd  : a MultimodalEncoder forward (benchmarks/encoder_forward.py): host launch, device
 #             and export ms for 1 / 4 / 13 W1 images, alone and beside a busy Python thread
+#   moe     : Qwen3-VL-MoE (qwen3-vl-30b-a3b-12l-random: 12 of Qwen3-VL-30B-A3B's 48 layers,
+#             created on the GPU): the Triton experts against the reference, then W1 and
+#             decode at batch 1 / 64 with a kernel profile (its "floor" counts every expert's
+#             weights, not the ones a step reads)
 #   pack    : last: everything under $OUT (plots left out) as one $OUT/all.tgz (the device tool
 #             brings back at most 8 files a call)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and
@@ -378,6 +382,11 @@ device='cuda')"
       PYTHONPATH=$PWD/benchmarks/vllm_compat:/tmp/vsite:/tmp/deps \
       step llnext_vllm 400 python3 "$S" vllm /tmp/llnext 512
   fi ;;
+moe)
+  step moe_tests 120 python -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/gpu/test_triton_moe.py
+  step speed_moe 400 $B.kernels --model qwen3-vl-30b-a3b-12l-random --num-requests 256 \
+    --decode-batches 1,64 --profile --out "$OUT/speed_moe.json" ;;
 encfwd)
   TAIL=8 step encoder_forward 200 python benchmarks/encoder_forward.py --model qwen2-vl-2b-random \
     --batches 1,4,13 --out "$OUT/encoder_forward.json" ;;

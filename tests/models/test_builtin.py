@@ -194,6 +194,8 @@ def test_resolve_model_creates_once_and_survives_a_race(
     [
         ("qwen2-vl-2b-random", 2_208_985_600, 28, 1536, 151936),
         ("qwen2.5-vl-7b-random", 8_292_166_656, 28, 3584, 152064),
+        ("qwen3-vl-30b-a3b-random", 31_070_754_032, 48, 2048, 151936),  # "31.07B"
+        ("qwen3-vl-30b-a3b-12l-random", 8_638_410_992, 12, 2048, 151936),
     ],
 )
 def test_full_size_presets_have_published_shapes(
@@ -204,8 +206,9 @@ def test_full_size_presets_have_published_shapes(
     config = AutoConfig.from_pretrained(tmp_path)  # survives a round trip through config.json
     text = config.text_config
     assert (text.num_hidden_layers, text.hidden_size, text.vocab_size) == (layers, hidden, vocab)
-    assert text.rope_parameters["mrope_section"] == [16, 24, 24]
+    qwen3 = name.startswith("qwen3")
+    assert text.rope_parameters["mrope_section"] == ([24, 20, 20] if qwen3 else [16, 24, 24])
     with torch.device("meta"):
         model = getattr(transformers, BUILTIN_MODELS[name].architecture)(config)
     assert sum(p.numel() for p in model.parameters()) == params
-    assert builtin.preprocessor_config(name)["max_pixels"] == 12845056
+    assert builtin.preprocessor_config(name)["max_pixels"] == (16777216 if qwen3 else 12845056)

@@ -98,6 +98,21 @@ def _tiny_qwen3(architecture: str, text: dict) -> BuiltinModel:
                         image_std=(0.5, 0.5, 0.5))
 
 
+def _qwen3_moe_preset(layers: int) -> BuiltinModel:
+    text = {**_text(2048, 6144, layers, 32, 4, 151936, [24, 20, 20]), "head_dim": 128,
+            "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": 5e6,
+                               "mrope_interleaved": True}
+    vision = dict(_QWEN3_VIS, hidden_size=1152, intermediate_size=4304, depth=27, num_heads=16,
+                  out_hidden_size=2048, num_position_embeddings=2304,
+                  deepstack_visual_indexes=[8, 16, 24])
+    return BuiltinModel(architecture="Qwen3VLMoeForConditionalGeneration", text=text,
+                        vision=vision, tie_word_embeddings=False, tiny=False,
+                        min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5),
+                        image_std=(0.5, 0.5, 0.5))
+
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-qwen2-vl": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
@@ -141,6 +156,10 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         tiny=False,
         max_pixels=12845056,
     ),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct's shapes (31.07B parameters, as published; text: Qwen3-
+    # 30B-A3B's), and the same with 12 of its 48 layers (17 GB: fits the GPU machine's disk)
+    "qwen3-vl-30b-a3b-random": _qwen3_moe_preset(48),
+    "qwen3-vl-30b-a3b-12l-random": _qwen3_moe_preset(12),
     "qwen2.5-vl-7b-random": BuiltinModel(
         architecture="Qwen2_5_VLForConditionalGeneration",
         text=_text(3584, 18944, 28, 28, 4, 152064, [16, 24, 24]),
