@@ -170,12 +170,15 @@ def test_llava_says_it_takes_no_video(vlmserve_cache):
         processor.process(prompt("Hi.", [frames(2, 56, 56, 0)]))
 
 
-@pytest.fixture(scope="module")
-def qwen3(vlmserve_cache):
+@pytest.fixture(scope="module", params=[("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration"),
+                                        ("tiny-qwen3-vl-moe",
+                                         "Qwen3VLMoeForConditionalGeneration")],
+                ids=["qwen3-vl", "qwen3-vl-moe"])
+def qwen3(request, vlmserve_cache):
     from vlmserve.models.builtin import resolve_model
 
-    return (LLM("tiny-qwen3-vl", dtype="float32", device="cpu"),
-            HFOracle(resolve_model("tiny-qwen3-vl"), "Qwen3VLForConditionalGeneration"))
+    name, arch = request.param
+    return LLM(name, dtype="float32", device="cpu"), HFOracle(resolve_model(name), arch)
 
 
 def test_qwen3_vl_video_equals_transformers(qwen3):
