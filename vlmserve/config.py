@@ -129,6 +129,10 @@ class ParallelConfig:
         "every image through its share). data is the default: vLLM measured it 10 to 45 "
         "percent faster than weights on several GPUs; weights saves device memory.",
         choices=("data", "replicate", "weights"))
+    enable_expert_parallel: bool = _opt(
+        False, "Mixture-of-experts layers (Qwen3-VL-MoE) under tensor parallelism: each rank "
+        "holds a share of the experts whole, instead of every expert's share of the "
+        "intermediate columns (the number of experts must divide by the ranks).")
 
 
 _SECTIONS = {

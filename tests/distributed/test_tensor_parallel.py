@@ -56,6 +56,24 @@ def test_tp2_matches_single_process(vlmserve_cache, model):
         tp.engine.shutdown()
 
 
+def test_expert_parallel_matches_single_process(vlmserve_cache):
+    """`enable_expert_parallel`: each of 2 ranks holds 4 of the 8 experts whole (the dense
+    layer and attention split as usual); the same greedy tokens as one process."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=37, max_num_seqs=4)
+    _, prompts, expected = one_process("tiny-qwen3-vl-moe", params, **kw)
+    ep = LLM("tiny-qwen3-vl-moe", tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        layers = ep.engine.executor.runner.model.language_model.layers
+        experts = layers[0].mlp.experts
+        assert experts.gate_up_proj.shape == (4, 2 * 48, 64) and experts.expert_start == 0
+        assert layers[1].mlp.gate_up_proj.weight.shape == (128, 64)  # dense: columns split
+        outs = ep.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        ep.engine.shutdown()
+
+
 def test_tp4_replicates_kv_heads(vlmserve_cache):
     """4 ranks, 2 KV heads: each KV head lives on two ranks, each rank has one query head;
     with the start-up warm-up on every rank."""

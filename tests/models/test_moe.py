@@ -158,3 +158,23 @@ def test_a_ranks_share_is_the_same_from_every_layout():
             part.load("down_proj", down.transpose(1, 2) if swap else down)
         assert torch.equal(part.gate_up_proj, want_gate_up), layout
         assert torch.equal(part.down_proj, down[:, :, 2:4]), layout
+
+
+def test_a_ranks_experts_are_the_same_from_every_layout():
+    """Under expert parallelism a rank keeps experts [start, start + count) whole."""
+    g = torch.Generator().manual_seed(2)
+    e, h, i = 4, 8, 6
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    for layout in ("stacked", "one by one"):
+        part = ExpertWeights(h, i, 2, expert_start=2, num_total=e)
+        done = []
+        if layout == "stacked":
+            done += part.load("gate_up_proj", gate_up) + part.load("down_proj", down)
+        else:
+            for k in range(e):  # the other rank's experts are skipped
+                done += part.load(f"{k}.gate_proj.weight", gate_up[k, :i])
+                done += part.load(f"{k}.up_proj.weight", gate_up[k, i:])
+                done += part.load(f"{k}.down_proj.weight", down[k])
+        assert sorted(done) == ["down_proj", "gate_up_proj"], layout
+        assert torch.equal(part.gate_up_proj, gate_up[2:]) and torch.equal(part.down_proj,
+                                                                           down[2:]), layout

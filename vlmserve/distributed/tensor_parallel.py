@@ -4,7 +4,8 @@ nothing of TP): `ShardPlan` says which slice of each checkpoint tensor a rank re
 models/loader.py). Attention heads and MLP columns are split (column-parallel q/k/v and
 gate/up; with fewer KV heads than ranks, each rank holds the KV head its query heads use),
 o_proj and down_proj are row-parallel with an all-reduce, a sparse layer's experts each keep
-their share of the intermediate columns (the router replicated, the weighted sum all-reduced),
+their share of the intermediate columns, or with `expert_parallel` each rank a share of the
+experts whole (the router replicated, the weighted sum all-reduced),
 and the token embedding and lm_head are split by vocabulary rows (logits all-gathered).
 
 The image encoder (vision tower and projector / merger) is replicated unless
@@ -117,10 +118,12 @@ class ShardPlan:
     vocab_size: int
     vocab_rows: int  # embedding / lm_head rows here (the last rank's padded), from `vocab_start`
     vocab_start: int
+    expert_parallel: bool = False  # sparse layers: whole experts here, not column shares
 
     @classmethod
-    def for_config(cls, text_config, rank: int, world: int) -> ShardPlan:
-        check_divisible(text_config, world)
+    def for_config(cls, text_config, rank: int, world: int, expert_parallel: bool = False
+                   ) -> ShardPlan:
+        check_divisible(text_config, world, expert_parallel)
         heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
         head_dim = (getattr(text_config, "head_dim", None)
                     or text_config.hidden_size // heads)
@@ -133,7 +136,7 @@ class ShardPlan:
         rows = -(-vocab // world)
         return cls(rank, world, text_config.hidden_size, head_dim, heads // world,
                    rank * (heads // world), kv_here, kv_start, inter, rank * inter, vocab,
-                   rows, min(rank * rows, vocab))
+                   rows, min(rank * rows, vocab), expert_parallel)
 
     def slice_for(self, name: str) -> TensorSlice | None:
         """The part of checkpoint tensor `name` (a language-model name) this rank reads;
@@ -162,11 +165,11 @@ class ShardPlan:
         return None
 
 
-def check_divisible(text_config, world_size: int) -> None:
+def check_divisible(text_config, world_size: int, expert_parallel: bool = False) -> None:
     """Raise a clear error before any process starts if the model cannot be split."""
     names = ["num_attention_heads", "intermediate_size"]
     if num_experts(text_config):
-        names.append("moe_intermediate_size")
+        names.append("num_experts" if expert_parallel else "moe_intermediate_size")
     for name in names:
         value = getattr(text_config, name)
         if value % world_size:
@@ -202,11 +205,16 @@ def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
         attn.o_proj = RowParallelLinear(plan.heads * d, plan.hidden,
                                         attn.o_proj.bias is not None, tp)
         attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
-        if isinstance(mlp, SparseMoE):  # every expert's share of the columns; sum reduced
-            e = mlp.experts
-            share = e.inter // plan.world
-            mlp.experts = ExpertWeights(e.hidden, share, mlp.num_experts,
-                                        plan.rank * share, e.inter)
+        if isinstance(mlp, SparseMoE):  # a share of every expert, or of the experts; sum reduced
+            e, world, rank = mlp.experts, plan.world, plan.rank
+            if plan.expert_parallel:
+                local = mlp.num_experts // world
+                mlp.experts = ExpertWeights(e.hidden, e.inter, local, expert_start=rank * local,
+                                            num_total=mlp.num_experts)
+            else:
+                share = e.inter // world
+                mlp.experts = ExpertWeights(e.hidden, share, mlp.num_experts, rank * share,
+                                            e.inter)
             mlp.tp = tp
             continue
         mlp.gate_up_proj = MergedLinear(plan.hidden, [plan.inter, plan.inter], bias=False)

@@ -107,7 +107,8 @@ def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int) -> None:
         world = config.parallel_config.tensor_parallel_size
-        check_divisible(getattr(hf_config, "text_config", None) or hf_config, world)
+        check_divisible(getattr(hf_config, "text_config", None) or hf_config, world,
+                        config.parallel_config.enable_expert_parallel)
         if config.parallel_config.mm_encoder_tp_mode == "weights":
             check_vision_divisible(hf_config.vision_config, world)
         mc, self.timeout_s = config.model_config, config.parallel_config.tp_timeout

@@ -77,7 +77,8 @@ class UniprocExecutor:
         with peak_rss_delta() as rss:  # a tensor-parallel rank reads and holds its share
             model = load_model(model_path, hf_config, self.dtype, self.device, tp,
                                shard_vision=config.parallel_config.mm_encoder_tp_mode == "weights",
-                               quantization=mc.quantization)
+                               quantization=mc.quantization,
+                               expert_parallel=config.parallel_config.enable_expert_parallel)
         self.load_stats = LoadStats(weight_bytes(model), rss[0])
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
             model, config, max_model_len)

@@ -13,7 +13,9 @@ plan is made on the device (no host sync; CUDA graphs capture it). Elsewhere `mo
 computes what transformers computes, expert by expert.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate columns
-(`ExpertWeights(inter_start=...)`); the weighted sum is all-reduced.
+(`ExpertWeights(inter_start=...)`), or with expert parallelism a share of the experts whole
+(`ExpertWeights(expert_start=...)`: a pick of another rank's expert adds nothing here); the
+weighted sum is all-reduced.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """The experts' weighted sum [T, hidden], expert by expert in id order (transformers'
     order of the sum): each expert's tokens through its gated MLP, scaled by their weight."""
     out = torch.zeros_like(x)
-    hit = torch.bincount(ids.reshape(-1), minlength=gate_up.shape[0]).nonzero().flatten()
+    e = gate_up.shape[0]  # an id of e or more: an expert held elsewhere (expert parallelism)
+    hit = torch.bincount(ids.reshape(-1), minlength=e)[:e].nonzero().flatten()
     for e in hit.tolist():
         token, slot = torch.where(ids == e)
         h = F.linear(x[token], gate_up[e])
@@ -62,14 +65,18 @@ class Router(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """Every expert's gated MLP, or this rank's slice of its intermediate columns
-    [inter_start, inter_start + inter) of `inter_total`."""
+    """The gated MLPs of experts [expert_start, expert_start + num_experts) of `num_total`
+    (all of them but under expert parallelism), or of each this rank's slice of the
+    intermediate columns [inter_start, inter_start + inter) of `inter_total`."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, inter_start: int = 0,
-                 inter_total: int | None = None) -> None:
+                 inter_total: int | None = None, expert_start: int = 0,
+                 num_total: int | None = None) -> None:
         super().__init__()
         self.hidden, self.inter, self.inter_start = hidden, inter, inter_start
         self.inter_total = inter if inter_total is None else inter_total
+        self.expert_start = expert_start
+        self.num_total = num_experts if num_total is None else num_total
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self._parts: set[tuple[int, str]] = set()  # (expert, projection) loaded one by one
@@ -83,21 +90,25 @@ class ExpertWeights(nn.Module):
         the parameters now wholly loaded."""
         e, h, i, s, n = (self.gate_up_proj.shape[0], self.hidden, self.inter_total,
                          self.inter_start, self.inter)
+        here = slice(self.expert_start, self.expert_start + e)
         if name == "gate_up_proj":
-            t = _held_layout(tensor, (e, 2 * i, h), name)
+            t = _held_layout(tensor, (self.num_total, 2 * i, h), name)[here]
             self.gate_up_proj.copy_(torch.cat([t[:, s:s + n], t[:, i + s:i + s + n]], dim=1))
             return [name]
         if name == "down_proj":
-            self.down_proj.copy_(_held_layout(tensor, (e, h, i), name)[:, :, s:s + n])
+            t = _held_layout(tensor, (self.num_total, h, i), name)[here]
+            self.down_proj.copy_(t[:, :, s:s + n])
             return [name]
         expert, _, proj = name.partition(".")
         want = {"gate_proj.weight": (i, h), "up_proj.weight": (i, h),
                 "down_proj.weight": (h, i)}.get(proj)
-        if not expert.isdigit() or int(expert) >= e or want is None:
+        if not expert.isdigit() or int(expert) >= self.num_total or want is None:
             raise KeyError(f"unexpected expert weight experts.{name}")
         if tuple(tensor.shape) != want:
             raise ValueError(f"experts.{name} has shape {tuple(tensor.shape)}; expected {want}")
-        k = int(expert)
+        k = int(expert) - self.expert_start
+        if not 0 <= k < e:  # another rank's expert
+            return []
         if proj == "down_proj.weight":
             self.down_proj[k].copy_(tensor[:, s:s + n])
         else:
@@ -134,9 +145,14 @@ class SparseMoE(nn.Module):
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         weights, ids = route(F.linear(h, self.gate.weight), self.top_k, self.renormalize)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        here = gate_up.shape[0]
+        elsewhere = here != self.num_experts  # expert parallelism: the others' experts
+        if elsewhere:  # ids of this rank's experts from 0; the others' all `here`
+            ids = ids - self.experts.expert_start
+            ids = ids.masked_fill((ids < 0) | (ids >= here), here)
         if triton_available(h.device):
             from vlmserve.layers.triton_moe import fused_moe
-            y = fused_moe(h, gate_up, down, weights, ids, self.ops.silu_mul)
+            y = fused_moe(h, gate_up, down, weights, ids, self.ops.silu_mul, elsewhere)
         else:
             y = moe_reference(h, gate_up, down, weights, ids)
         return (y if self.tp is None else self.tp.all_reduce(y)), residual

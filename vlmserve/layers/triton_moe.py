@@ -20,16 +20,20 @@ import triton.language as tl
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, total_ptr, scale_ptr,
-                     N, K, num_pairs, rows_per_a, stride_am, stride_we, stride_wn, stride_cm,
+                     N, K, num_pairs, num_experts, rows_per_a, stride_am, stride_we, stride_wn,
+                     stride_cm,
                      MUL_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """c[pair, n] = a[pair // rows_per_a] @ w[expert(pair)][n, :]^T (times scale[pair]) for
-    the pairs of block `program_id(0)` (padding pairs, `num_pairs`, skipped)."""
+    the pairs of block `program_id(0)` (padding pairs, `num_pairs`, skipped; a block of
+    expert `num_experts`, the picks of experts held elsewhere, skipped whole)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= num_experts:
+        return
     pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < num_pairs
     row = (pair // rows_per_a).to(tl.int64)
@@ -85,14 +89,15 @@ def _tiles(pairs: int, num_experts: int) -> tuple[int, int, int]:
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
                   block_expert: torch.Tensor, total: torch.Tensor, num_pairs: int,
                   rows_per_a: int, tiles: tuple[int, int, int],
-                  scale: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, zeroed: bool = False) -> torch.Tensor:
     bm, bn, bk = tiles
     n, k = w.shape[1], w.shape[2]
-    c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    c = (torch.zeros if zeroed else torch.empty)(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (pairs.numel() // bm, triton.cdiv(n, bn))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _moe_gemm_kernel[grid](a, w, c, pairs, block_expert, total,
-                           scale if scale is not None else c, n, k, num_pairs, rows_per_a,
+                           scale if scale is not None else c, n, k, num_pairs, w.shape[0],
+                           rows_per_a,
                            a.stride(0), w.stride(0), w.stride(1), c.stride(0),
                            MUL_SCALE=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                            PRECISION=precision)
@@ -101,18 +106,20 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor,
-              silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+              silu_mul: Callable[[torch.Tensor], torch.Tensor], elsewhere: bool = False
+              ) -> torch.Tensor:
     """The experts' weighted sum [T, hidden] for tokens `x` [T, hidden] routed to `ids`
-    [T, k] with `weights` [T, k]; `gate_up` [E, 2I, hidden], `down` [E, hidden, I]."""
+    [T, k] with `weights` [T, k]; `gate_up` [E, 2I, hidden], `down` [E, hidden, I]. With
+    `elsewhere`, an id of E is a pick of an expert held elsewhere: it adds nothing."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     num_experts, p = gate_up.shape[0], t * top_k
     tiles = _tiles(p, num_experts)
-    pairs, block_expert, total = align_to_blocks(ids, num_experts, tiles[0])
+    pairs, block_expert, total = align_to_blocks(ids, num_experts + elsewhere, tiles[0])
     x = x.contiguous()
     h = _grouped_gemm(x, gate_up.contiguous(), pairs, block_expert, total, p, top_k, tiles)
     act = silu_mul(h)
     y = _grouped_gemm(act.contiguous(), down.contiguous(), pairs, block_expert, total, p, 1,
-                      tiles, scale=weights.reshape(-1).contiguous())
+                      tiles, scale=weights.reshape(-1).contiguous(), zeroed=elsewhere)
     return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -209,7 +209,8 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
 
 def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None,
            vision: bool, before_alloc: Callable[[nn.Module, VisionShardPlan | None], None]
-           | None = None) -> tuple[torch.nn.Module, VisionShardPlan | None]:
+           | None = None, expert_parallel: bool = False
+           ) -> tuple[torch.nn.Module, VisionShardPlan | None]:
     """`build_model`, and the image encoder's plan when it is split; `before_alloc(model,
     that plan)` runs while the parameters are still on the meta device."""
     cls = resolve_model_class(hf_config)
@@ -220,7 +221,7 @@ def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParall
         with torch.device(device), _parameters_on_meta():
             model = cls(hf_config)
             if tp is not None:
-                shard_model(model, _shard_plan(hf_config, tp), tp)
+                shard_model(model, _shard_plan(hf_config, tp, expert_parallel), tp)
                 if vision:
                     vision_plan = VisionShardPlan.for_model(model, tp.rank, tp.world_size)
                     shard_vision_encoder(model, vision_plan, tp)
@@ -232,21 +233,22 @@ def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParall
     return model.eval(), vision_plan
 
 
-def _shard_plan(hf_config, tp: TensorParallel) -> ShardPlan:
+def _shard_plan(hf_config, tp: TensorParallel, expert_parallel: bool = False) -> ShardPlan:
     text = getattr(hf_config, "text_config", None) or hf_config
-    return ShardPlan.for_config(text, tp.rank, tp.world_size)
+    return ShardPlan.for_config(text, tp.rank, tp.world_size, expert_parallel)
 
 
 def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel | None = None, shard_vision: bool = False,
-               quantization: str = "auto") -> torch.nn.Module:
+               quantization: str = "auto", expert_parallel: bool = False) -> torch.nn.Module:
     """The model with the checkpoint's weights; with `tp` (more than one rank), only this
     rank's share of the language model is read and held, and with `shard_vision`
     (`mm_encoder_tp_mode="weights"`) only its share of the image encoder. `quantization`:
     "auto" holds a block-wise FP8 checkpoint's weights as FP8 in the language model's
     projections that can take them (`_hold_fp8`), "none" reads
     them all back to `dtype`, "fp8" quantizes an unquantized checkpoint's projections to
-    block-wise FP8 as they load."""
+    block-wise FP8 as they load. `expert_parallel`: a rank holds its share of the experts
+    whole (see `ShardPlan`)."""
     tp = tp if tp is not None and tp.world_size > 1 else None
     quant = checkpoint_quantization(hf_config)
     online = quantization == "fp8" and quant is None
@@ -268,7 +270,7 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
         if quant is not None and quantization != "none":
             raw = _hold_fp8(model, path, quant, online, slice_for)
 
-    model, _ = _build(hf_config, dtype, device, tp, shard_vision, before_alloc)
+    model, _ = _build(hf_config, dtype, device, tp, shard_vision, before_alloc, expert_parallel)
 
     weights = iter_safetensors(path, slice_for=slice_for, quant=None if online else quant,
                                raw=raw)
