@@ -47,3 +47,17 @@ def test_tp2_on_cuda_matches_one_gpu(reference, model, mode):
         assert tp.engine.get_stats()["prefetch_hit_rows"] > 0  # rows came back from the host
     finally:
         tp.engine.shutdown()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_tp2_on_cuda_matches_one_gpu(reference, expert_parallel):
+    """Qwen3-VL-MoE on two GPUs: every expert's columns split, or each GPU half the experts
+    (the Triton experts' skipped bucket, then NCCL's all-reduce)."""
+    prompts, expected = reference("tiny-qwen3-vl-moe")
+    tp = LLM("tiny-qwen3-vl-moe", tensor_parallel_size=2,
+             enable_expert_parallel=expert_parallel, **OPTS)
+    try:
+        outs = tp.generate(prompts, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        tp.engine.shutdown()
