@@ -64,8 +64,8 @@
 #             and export ms for 1 / 4 / 13 W1 images, alone and beside a busy Python thread
 #   moe     : Qwen3-VL-MoE (qwen3-vl-30b-a3b-12l-random: 12 of Qwen3-VL-30B-A3B's 48 layers,
 #             created on the GPU): the Triton experts against the reference, then W1 and
-#             decode at batch 1 / 64 with a kernel profile (its "floor" counts every expert's
-#             weights, not the ones a step reads)
+#             decode at batch 1 / 64 with a kernel profile (floor and FLOPs count the experts
+#             a step's tokens are expected to pick, routing taken as uniform)
 #   pack    : last: everything under $OUT (plots left out) as one $OUT/all.tgz (the device tool
 #             brings back at most 8 files a call)
 #   llavanext: W1 offline on llava-next-mistral-7b-random (created in /tmp/llnext), ours and

@@ -74,6 +74,22 @@ def test_kernels_bench_counts_the_weights_a_decode_step_reads(vlmserve_cache, mo
     assert m.tie_word_embeddings == (model == "tiny-qwen2-vl")
 
 
+def test_kernels_bench_counts_a_tokens_experts_only(vlmserve_cache):
+    """Qwen3-VL-MoE (8 experts, 2 a token, two sparse layers): a token's FLOPs count 2 of
+    each sparse layer's 8 experts; a decode step's floor the experts its batch is expected
+    to pick (uniform routing), all of them for a large batch, none for no token."""
+    from vlmserve import LLM
+    from vlmserve.benchmarks.kernels import idle_experts
+
+    m = LLM("tiny-qwen3-vl-moe", dtype="float32", device="cpu").engine.executor.runner.model
+    experts = sum(p.numel() for layer in m.language_model.layers if hasattr(layer.mlp, "experts")
+                  for p in layer.mlp.experts.parameters())
+    assert experts == 2 * 8 * 3 * 64 * 48
+    assert idle_experts(m, 1) == pytest.approx(experts * 6 / 8)
+    assert idle_experts(m, 0) == experts and idle_experts(m, 1000) < 1e-6 * experts
+    assert idle_experts(m, 1, nbytes=True) == pytest.approx(4 * experts * 6 / 8)  # float32
+
+
 def test_bench_serve_prints_a_table_to_read() -> None:
     from vlmserve.benchmarks.serve import summary_table
 

@@ -37,6 +37,23 @@ def lm_weights(model, nbytes: bool = False) -> tuple[int, int]:
     return total - embed - (0 if model.tie_word_embeddings else head), head
 
 
+def idle_experts(model, tokens: float, nbytes: bool = False) -> float:
+    """Parameters (or bytes) of the sparse layers' experts that a pass over `tokens` tokens
+    is expected not to touch, the routing taken as uniform: each expert of a layer of E,
+    k a token, is picked by none of them with probability (1 - k / E) ** tokens. One token:
+    all but its k experts (what its FLOPs leave out); a decode step of B: the experts it
+    need not read."""
+    from vlmserve.layers.moe import SparseMoE
+
+    idle = 0.0
+    for layer in model.modules():
+        if isinstance(layer, SparseMoE):
+            size = sum(p.numel() * (p.element_size() if nbytes else 1)
+                       for p in layer.experts.parameters())
+            idle += size * (1 - layer.top_k / layer.num_experts) ** tokens
+    return idle
+
+
 def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int = 128,
                 profile: bool = False) -> dict:
     """Engine step time with `batch` text requests all decoding (steady state, timed over
@@ -63,7 +80,8 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
     runner = llm.engine.executor.runner
     model = runner.model
     itemsize = llm.engine.executor.dtype.itemsize
-    weight_bytes = sum(lm_weights(model, nbytes=True))  # every layer, and lm_head
+    # every layer and lm_head (of a sparse layer, the experts the batch's tokens pick)
+    weight_bytes = sum(lm_weights(model, nbytes=True)) - idle_experts(model, batch, True)
     cache = runner.kv_caches[0]
     kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
     kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
@@ -193,6 +211,7 @@ def request_flops(model, cfg, processed, output_len: int = 1) -> float:
     tcfg = getattr(cfg, "text_config", cfg)
     n = len(processed.prompt_token_ids)
     body, head = lm_weights(model)
+    body -= idle_experts(model, 1)  # a token's FLOPs: its k experts of a sparse layer
     per_key = 2 * tcfg.num_hidden_layers * tcfg.hidden_size  # QK^T and PV, per layer
     lm = 2 * body * n + 2 * head + per_key * n * n
     extra = max(output_len - 1, 0)  # decoded tokens at contexts n + 1 .. n + extra
