@@ -45,13 +45,13 @@ def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """The experts' weighted sum [T, hidden], expert by expert in id order (transformers'
     order of the sum): each expert's tokens through its gated MLP, scaled by their weight."""
     out = torch.zeros_like(x)
-    e = gate_up.shape[0]  # an id of e or more: an expert held elsewhere (expert parallelism)
-    hit = torch.bincount(ids.reshape(-1), minlength=e)[:e].nonzero().flatten()
-    for e in hit.tolist():
-        token, slot = torch.where(ids == e)
-        h = F.linear(x[token], gate_up[e])
+    held = gate_up.shape[0]  # an id past them: an expert held elsewhere (expert parallelism)
+    hit = torch.bincount(ids.reshape(-1), minlength=held)[:held].nonzero().flatten()
+    for k in hit.tolist():
+        token, slot = torch.where(ids == k)
+        h = F.linear(x[token], gate_up[k])
         gate, up = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        y = F.linear(F.silu(gate) * up, down[k]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
@@ -138,7 +138,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = Router(hidden, num_experts)
         self.experts = ExpertWeights(hidden, inter, num_experts)
-        self.tp = None  # a TensorParallel when the experts' columns are split
+        self.tp = None  # a TensorParallel when the experts (or their columns) are split
         self.ops = EAGER_OPS
 
     def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
