@@ -144,18 +144,18 @@ def test_a_ranks_share_is_the_same_from_every_layout():
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     want_gate_up = torch.cat([gate_up[:, 2:4], gate_up[:, i + 2:i + 4]], dim=1)
     for layout in ("stacked", "hub", "one by one"):
-        part = ExpertWeights(h, 2, e, inter_start=2, inter_total=i)
+        part, seen = ExpertWeights(h, 2, e, inter_start=2, inter_total=i), set()
         if layout == "one by one":
             done = []
             for k in range(e):
-                done += part.load(f"{k}.gate_proj.weight", gate_up[k, :i])
-                done += part.load(f"{k}.up_proj.weight", gate_up[k, i:])
-                done += part.load(f"{k}.down_proj.weight", down[k])
+                done += part.load(f"{k}.gate_proj.weight", gate_up[k, :i], seen)
+                done += part.load(f"{k}.up_proj.weight", gate_up[k, i:], seen)
+                done += part.load(f"{k}.down_proj.weight", down[k], seen)
             assert sorted(done) == ["down_proj", "gate_up_proj"]  # each once, when whole
         else:
             swap = layout == "hub"
-            part.load("gate_up_proj", gate_up.transpose(1, 2) if swap else gate_up)
-            part.load("down_proj", down.transpose(1, 2) if swap else down)
+            part.load("gate_up_proj", gate_up.transpose(1, 2) if swap else gate_up, seen)
+            part.load("down_proj", down.transpose(1, 2) if swap else down, seen)
         assert torch.equal(part.gate_up_proj, want_gate_up), layout
         assert torch.equal(part.down_proj, down[:, :, 2:4]), layout
 
@@ -166,15 +166,15 @@ def test_a_ranks_experts_are_the_same_from_every_layout():
     e, h, i = 4, 8, 6
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     for layout in ("stacked", "one by one"):
-        part = ExpertWeights(h, i, 2, expert_start=2, num_total=e)
+        part, seen = ExpertWeights(h, i, 2, expert_start=2, num_total=e), set()
         done = []
         if layout == "stacked":
-            done += part.load("gate_up_proj", gate_up) + part.load("down_proj", down)
+            done += part.load("gate_up_proj", gate_up, seen) + part.load("down_proj", down, seen)
         else:
             for k in range(e):  # the other rank's experts are skipped
-                done += part.load(f"{k}.gate_proj.weight", gate_up[k, :i])
-                done += part.load(f"{k}.up_proj.weight", gate_up[k, i:])
-                done += part.load(f"{k}.down_proj.weight", down[k])
+                done += part.load(f"{k}.gate_proj.weight", gate_up[k, :i], seen)
+                done += part.load(f"{k}.up_proj.weight", gate_up[k, i:], seen)
+                done += part.load(f"{k}.down_proj.weight", down[k], seen)
         assert sorted(done) == ["down_proj", "gate_up_proj"], layout
         assert torch.equal(part.gate_up_proj, gate_up[2:]) and torch.equal(part.down_proj,
                                                                            down[2:]), layout

@@ -9,7 +9,7 @@ The experts' weights are two 3-D tensors, as transformers holds them: `gate_up_p
 of the held shape is taken as it is, any other transposed.
 
 On CUDA the experts run as two grouped GEMMs in Triton (`layers/triton_moe.py`), whose launch
-plan is made on the device (no host sync; CUDA graphs capture it). Elsewhere `moe_reference`
+plan is made on the device (no host sync, so CUDA graphs can capture it). Elsewhere `moe_reference`
 computes what transformers computes, expert by expert.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate columns
@@ -79,15 +79,15 @@ class ExpertWeights(nn.Module):
         self.num_total = num_experts if num_total is None else num_total
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self._parts: set[tuple[int, str]] = set()  # (expert, projection) loaded one by one
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load(self, name: str, tensor: torch.Tensor, seen: set[tuple[int, str]]) -> list[str]:
         """A checkpoint's experts tensor, this rank's columns of it copied in: the whole
         stacked `gate_up_proj` or `down_proj` (either layout), or one expert's
         `N.gate_proj.weight` / `N.up_proj.weight` [inter, hidden] or `N.down_proj.weight`
-        [hidden, inter] (Qwen3-MoE's naming; an FP8 checkpoint's come read back). Returns
-        the parameters now wholly loaded."""
+        [hidden, inter] (Qwen3-MoE's naming; an FP8 checkpoint's come read back). `seen`: the
+        (expert, projection) pieces this load pass gave so far (the caller's, one a module).
+        Returns the parameters now wholly loaded."""
         e, h, i, s, n = (self.gate_up_proj.shape[0], self.hidden, self.inter_total,
                          self.inter_start, self.inter)
         here = slice(self.expert_start, self.expert_start + e)
@@ -114,10 +114,10 @@ class ExpertWeights(nn.Module):
         else:
             rows = slice(0, n) if proj == "gate_proj.weight" else slice(n, 2 * n)
             self.gate_up_proj[k, rows].copy_(tensor[s:s + n])
-        self._parts.add((k, proj))
+        seen.add((k, proj))
         param, projs = (("down_proj", ("down_proj.weight",)) if proj == "down_proj.weight"
                         else ("gate_up_proj", ("gate_proj.weight", "up_proj.weight")))
-        return [param] if all((x, q) in self._parts for x in range(e) for q in projs) else []
+        return [param] if all((x, q) in seen for x in range(e) for q in projs) else []
 
 
 def _held_layout(t: torch.Tensor, shape: tuple[int, int, int], name: str) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Each (token, pick) pair goes to one expert. `align_to_blocks` sorts the pairs by expert and
 pads each expert's run to a multiple of BLOCK_M, all with device ops of fixed shapes (no
-host sync: CUDA graphs capture it); a program of `_moe_gemm_kernel` then multiplies one
+host sync, so CUDA graphs can capture it); a program of `_moe_gemm_kernel` then multiplies one
 block of one expert's rows by a column tile of that expert's weight, reading each expert's
 weight once per block of its tokens. The first GEMM gathers the tokens' rows (gate and up
 columns together), SiLU-and-mul follows, the second multiplies by the down projection and by

@@ -182,12 +182,14 @@ class Qwen2Model(nn.Module):
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded = set()
+        pieces: dict[str, set] = {}  # a sparse layer's experts given one by one, so far
         for name, tensor in weights:
             parts = name.split(".")
             if "experts" in parts[:-1]:  # a sparse layer's experts: stacked, or one by one
                 at = parts.index("experts")
                 prefix = ".".join(parts[:at + 1])
-                done = modules[prefix].load(".".join(parts[at + 1:]), tensor)
+                done = modules[prefix].load(".".join(parts[at + 1:]), tensor,
+                                            pieces.setdefault(prefix, set()))
                 loaded.update(f"{prefix}.{param}" for param in done)
                 continue
             if len(parts) >= 2 and parts[-2] in self._STACKED:

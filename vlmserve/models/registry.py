@@ -11,8 +11,9 @@ _MODELS: dict[str, tuple[str, str]] = {
                                            "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("vlmserve.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
-    "Qwen3VLMoeForConditionalGeneration": ("vlmserve.models.qwen3_vl_moe",
-                                           "Qwen3VLMoeForConditionalGeneration"),
+    # Qwen3-VL-MoE: the same class (the decoder takes its sparse layers from the config)
+    "Qwen3VLMoeForConditionalGeneration": ("vlmserve.models.qwen3_vl",
+                                           "Qwen3VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
                                           "LlavaNextForConditionalGeneration"),
