@@ -16,9 +16,9 @@ import time
 import numpy as np
 
 from vlmserve.benchmarks.datasets import random_image
-from vlmserve.engine.chat import parse_chat_messages
-from vlmserve.engine.core import load_model_processor, text_config
-from vlmserve.engine.processor import InputProcessor
+from vlmserve.inputs.chat import parse_chat_messages
+from vlmserve.inputs.processor import InputProcessor
+from vlmserve.models.metadata import load_model_processor, text_config
 from vlmserve.multimodal.image import load_image
 
 

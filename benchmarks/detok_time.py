@@ -16,7 +16,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from vlmserve.engine.output import OutputProcessor
+from vlmserve.frontend.output import OutputProcessor
 from vlmserve.models.builtin import resolve_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.request import Request

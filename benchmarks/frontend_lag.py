@@ -24,7 +24,7 @@ from PIL import Image
 
 from vlmserve import SamplingParams
 from vlmserve.config import EngineConfig
-from vlmserve.engine.async_llm import AsyncLLM
+from vlmserve.frontend.async_llm import AsyncLLM
 from vlmserve.multimodal.image import RestrictedImageLoader
 
 PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture."

@@ -12,8 +12,8 @@ import time
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.core import load_model_processor
-from vlmserve.engine.processor import InputProcessor
+from vlmserve.inputs.processor import InputProcessor
+from vlmserve.models.metadata import load_model_processor
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 

@@ -10,9 +10,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlmserve.config import EngineConfig
-from vlmserve.engine.chat import parse_chat_messages
-from vlmserve.engine.llm_engine import LLMEngine
-from vlmserve.engine.processor import PromptInput
+from vlmserve.frontend.llm_engine import LLMEngine
+from vlmserve.inputs.chat import parse_chat_messages
+from vlmserve.inputs.processor import PromptInput
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams

@@ -101,7 +101,7 @@ def test_row_parallel_bias_is_added_once_after_the_sum():
     added after the all-reduce, once, so the sum equals the whole layer."""
     import torch
 
-    from vlmserve.distributed.tensor_parallel import RowParallelLinear
+    from vlmserve.layers.tensor_parallel import RowParallelLinear
 
     class _Sum:  # the all-reduce of two ranks, both computed here
         def __init__(self) -> None:
@@ -259,7 +259,7 @@ def test_shard_plan_slices_and_a_padded_vocabulary_shard(tmp_path):
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
-    from vlmserve.distributed.tensor_parallel import (
+    from vlmserve.layers.tensor_parallel import (
         ParallelLMHead,
         ShardPlan,
         TensorSlice,

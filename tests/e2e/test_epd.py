@@ -21,7 +21,7 @@ from tests.e2e.test_server_procs import MODEL, ServeProc, _alive, _free_port, _s
 from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import make_image, make_mp4
 from vlmserve import LLM
-from vlmserve.encoder.wire import EncodeResponse, from_wire
+from vlmserve.transfer.wire import EncodeResponse, from_wire
 
 IMAGES = [make_image(56, 56, 1), make_image(84, 56, 2), make_image(56, 112, 3)]
 

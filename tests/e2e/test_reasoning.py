@@ -16,7 +16,6 @@ import pytest
 from tests.e2e.test_server import ENGINE_FLAGS, MODEL, serving, user
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
-from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.entrypoints.args import engine_kwargs
 from vlmserve.entrypoints.cli import make_parser
 from vlmserve.entrypoints.openai.reasoning import (
@@ -25,6 +24,7 @@ from vlmserve.entrypoints.openai.reasoning import (
     split_reasoning,
 )
 from vlmserve.entrypoints.openai.server import build_app
+from vlmserve.frontend.async_llm import AsyncLLM
 from vlmserve.sampling_params import StructuredOutputsParams
 
 CASES = [  # (answer, prompt opened <think>, reasoning, content)

@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.engine.helpers import make_image, make_mp4
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
-from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.entrypoints.args import engine_kwargs
 from vlmserve.entrypoints.cli import make_parser
 from vlmserve.entrypoints.openai.server import build_app
+from vlmserve.frontend.async_llm import AsyncLLM
 
 MAX_MODEL_LEN = 1024
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),

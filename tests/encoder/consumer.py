@@ -17,7 +17,7 @@ def digest(t: torch.Tensor) -> str:
 def open_all(inbox, outbox) -> None:
     """Open every handle of every `EncoderOutput` received (and of the extra handles), copy
     the rows, answer with their digests (or the error's name) and this side's ledger."""
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
 
     outputs, extra = inbox.get()
     results = {}
@@ -39,8 +39,8 @@ def open_all(inbox, outbox) -> None:
 def open_some_then_hang(inbox, outbox, copy_first: int) -> None:
     """Copy ``copy_first`` handles out; of the rest, announce the open and map the rows (a
     copy in progress), then wait to be killed."""
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
-    from vlmserve.encoder.handles import _map_segment
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
+    from vlmserve.transfer.handles import _map_segment
 
     ledger = consumer_ledger()
     outbox.put("started")  # the producer exports now: the lease runs from here
@@ -59,7 +59,7 @@ def open_cuda(inbox, outbox, hang_after: int | None = None) -> None:
     """CUDA consumer: copy each handle's rows into a fresh CUDA tensor and answer with their
     digests; with ``hang_after``, rebuild (map) the remaining handles without releasing them
     and wait to be killed."""
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
 
     torch.cuda.init()
     outbox.put("started")
@@ -84,8 +84,8 @@ def open_wire_cuda(inbox, outbox) -> None:
     process's GPU as the engine core does, answer with the digests and the ledger."""
     import msgspec
 
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
-    from vlmserve.encoder.wire import HandleWire, from_wire
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
+    from vlmserve.transfer.wire import HandleWire, from_wire
 
     torch.cuda.init()
     outbox.put("started")
@@ -99,8 +99,8 @@ def open_wire_cuda(inbox, outbox) -> None:
 def open_cuda_rounds(inbox, outbox) -> None:
     """CUDA consumer of several rounds of handles: each round's digests, and how many pool
     blocks this process has mapped so far."""
-    from vlmserve.encoder import handles as handles_module
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
+    from vlmserve.transfer import handles as handles_module
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
 
     torch.cuda.init()
     outbox.put("started")

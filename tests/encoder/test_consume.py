@@ -11,8 +11,8 @@ import pytest
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.encoder import MultimodalEncoder
-from vlmserve.encoder.consumer_ledger import consumer_ledger
 from vlmserve.errors import InvalidRequestError
+from vlmserve.transfer.consumer_ledger import consumer_ledger
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-llava-1.5",
@@ -83,7 +83,7 @@ def test_the_engine_core_process_takes_embeddings_too(vlmserve_cache):
     handles and sends the rows to the engine-core process as frames."""
     import asyncio
 
-    from vlmserve.engine.async_llm import AsyncLLM
+    from vlmserve.frontend.async_llm import AsyncLLM
 
     opts = dict(model="tiny-qwen2-vl", dtype="float32", device="cpu", max_model_len=512,
                 max_num_batched_tokens=37)

@@ -16,8 +16,8 @@ import torch
 from tests.encoder import consumer
 from tests.encoder.helpers import wait_until
 from tests.encoder.test_procs import _get, _stop
-from vlmserve.encoder.handles import CudaIpcHandle
 from vlmserve.encoder.ledger import HandleLedger
+from vlmserve.transfer.handles import CudaIpcHandle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPAWN = mp.get_context("spawn")

@@ -17,10 +17,10 @@ from tests.encoder.helpers import wait_until
 from tests.engine.helpers import make_image
 from vlmserve import LLM
 from vlmserve.encoder.client import EncoderClient
-from vlmserve.encoder.delivered import DeliveredImages
-from vlmserve.encoder.wire import from_wire
-from vlmserve.engine.core import load_model_processor, text_config
-from vlmserve.engine.processor import InputProcessor
+from vlmserve.inputs.processor import InputProcessor
+from vlmserve.models.metadata import load_model_processor, text_config
+from vlmserve.transfer.delivered import DeliveredImages
+from vlmserve.transfer.wire import from_wire
 
 LEASE_S = 3.0
 

@@ -13,8 +13,8 @@ from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM
 from vlmserve.encoder.encoder import MultimodalEncoder
-from vlmserve.encoder.handles import BytesHandle, ShmHandle
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vlmserve.transfer.handles import BytesHandle, ShmHandle
 
 MODELS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
@@ -119,7 +119,7 @@ def test_encoder_server_forwards_are_bounded_in_rows_and_keep_arrival_order() ->
     """The encoder server's waiting jobs go to the tower in forwards of at most the budget's
     image rows (a larger job alone), one handle kind per forward, in arrival order."""
     from vlmserve.encoder.service import EncodeJob, forwards
-    from vlmserve.encoder.wire import PixelImage
+    from vlmserve.transfer.wire import PixelImage
 
     def job(name: str, *lengths: int, transport: str = "shm") -> EncodeJob:
         images = [PixelImage(mm_hash=name, encoder_meta=(), length=n, shape=(1, 1, 3),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.encoder.helpers import segments, wait_until
-from vlmserve.encoder.consumer_ledger import ConsumerLedger
-from vlmserve.encoder.handles import BytesHandle, HandleExpiredError, HandleOpenedTwiceError
 from vlmserve.encoder.ledger import HandleLedger
+from vlmserve.transfer.consumer_ledger import ConsumerLedger
+from vlmserve.transfer.handles import BytesHandle, HandleExpiredError, HandleOpenedTwiceError
 
 
 @pytest.fixture

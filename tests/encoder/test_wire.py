@@ -15,9 +15,9 @@ import torch
 from tests.encoder import consumer
 from tests.encoder.helpers import segments, wait_until
 from tests.encoder.test_procs import _get, _stop
-from vlmserve.encoder.handles import CudaIpcHandle, HandleError, HandleExpiredError
 from vlmserve.encoder.ledger import HandleLedger
-from vlmserve.encoder.wire import HandleWire, from_wire, open_handles, to_wire
+from vlmserve.transfer.handles import CudaIpcHandle, HandleError, HandleExpiredError
+from vlmserve.transfer.wire import HandleWire, from_wire, open_handles, to_wire
 
 
 @dataclass

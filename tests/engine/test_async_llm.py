@@ -14,8 +14,8 @@ import pytest
 from tests.engine.helpers import make_image
 from vlmserve import SamplingParams
 from vlmserve.config import EngineConfig
-from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestTiming
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
+from vlmserve.frontend.async_llm import AsyncLLM, EngineDeadError, RequestTiming
 
 OPTS = dict(model="tiny-qwen2-vl", dtype="float32", device="cpu", max_model_len=512,
             max_num_batched_tokens=128)
@@ -74,7 +74,7 @@ def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine)
 
 
 def test_a_step_hands_its_outputs_to_an_event_loop_at_once(engine) -> None:
-    from vlmserve.engine import core_client
+    from vlmserve.frontend import core_client
 
     handed: list[int] = []
 
@@ -380,7 +380,7 @@ def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
     """Delta outputs (what the server streams): a reader that fell behind gets those waiting
     as one (their texts, tokens and logprobs joined in order, the first's prompt logprobs
     kept); an error is never joined."""
-    from vlmserve.engine.streams import RequestStream
+    from vlmserve.frontend.streams import RequestStream
     from vlmserve.outputs import CompletionOutput, RequestOutput
 
     class Engine:
@@ -421,7 +421,7 @@ def test_a_consumer_behind_gets_the_delta_outputs_waiting_joined() -> None:
 def test_a_consumer_behind_takes_the_newest_output_and_never_skips_an_error() -> None:
     """Outputs are cumulative: a reader that fell behind gets the newest of those waiting
     (one chunk with all their tokens), but an error after them still arrives, after them."""
-    from vlmserve.engine.streams import RequestStream
+    from vlmserve.frontend.streams import RequestStream
     from vlmserve.outputs import CompletionOutput, RequestOutput
 
     class Engine:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_image
-from vlmserve.engine.processor import InputProcessor
 from vlmserve.errors import InvalidImageError
+from vlmserve.inputs.processor import InputProcessor
 from vlmserve.models.qwen2_vl_processing import Qwen2VLInputProcessor
 from vlmserve.multimodal.image import RestrictedImageLoader, load_image
 

@@ -94,7 +94,7 @@ def test_engine_core_process_and_preprocessing_workers(setup):
     import asyncio
 
     from vlmserve.config import EngineConfig
-    from vlmserve.engine.async_llm import AsyncLLM
+    from vlmserve.frontend.async_llm import AsyncLLM
 
     llm, _ = setup
     prompts = mixed_prompts(llm)[1:5]

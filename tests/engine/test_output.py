@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from vlmserve.engine.output import OutputProcessor
+from vlmserve.frontend.output import OutputProcessor
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams

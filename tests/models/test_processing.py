@@ -267,7 +267,7 @@ def test_chat_template_gets_tools_and_tool_messages(processor) -> None:
         "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}{% endfor %}"
         "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
     try:
-        from vlmserve.engine.chat import parse_chat_messages
+        from vlmserve.inputs.chat import parse_chat_messages
 
         msgs, _, _ = parse_chat_messages([
             {"role": "user", "content": "Weather?"},

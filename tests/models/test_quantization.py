@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.engine.helpers import HFOracle, chat_prompt, make_image
 from vlmserve import LLM, SamplingParams
-from vlmserve.distributed.tensor_parallel import TensorSlice
+from vlmserve.layers.tensor_parallel import TensorSlice
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import iter_safetensors
 from vlmserve.models.quantization import (

@@ -21,11 +21,11 @@ import uvicorn
 from PIL import Image
 
 from vlmserve.config import EngineConfig
-from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.entrypoints.args import engine_kwargs
 from vlmserve.entrypoints.cli import make_parser
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.errors import InvalidImageError
+from vlmserve.frontend.async_llm import AsyncLLM
 from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.multimodal.image import RestrictedImageLoader, load_image
 

@@ -13,9 +13,9 @@ import zlib
 import pytest
 from PIL import Image, ImageFile
 
-from vlmserve.engine.processor import _images_of
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.errors import InvalidImageError
+from vlmserve.inputs.processor import _images_of
 from vlmserve.multimodal.image import RestrictedImageLoader, decoded_bytes, load_image
 
 

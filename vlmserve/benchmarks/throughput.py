@@ -340,7 +340,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
     args = parse_args(args, add_args, __doc__)
-    from vlmserve.engine.llm_engine import LLMEngine  # noqa: F401  (fail early on bad install)
+    from vlmserve.frontend.llm_engine import LLMEngine  # noqa: F401  (fail early on bad install)
     from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vlmserve.encoder.wire import EncodedImageWire, EncodeRequest, EncodeResponse, pixel_image
 from vlmserve.multimodal.inputs import ImageInput
+from vlmserve.transfer.wire import EncodedImageWire, EncodeRequest, EncodeResponse, pixel_image
 
 if TYPE_CHECKING:
     from vlmserve.engine.messages import ImageData

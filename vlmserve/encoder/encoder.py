@@ -22,12 +22,9 @@ import torch
 
 from vlmserve.config import EngineConfig, sized_scheduler_limits
 from vlmserve.distributed.parallel_state import split_by_rows
-from vlmserve.encoder.delivered import DeliveredImages
-from vlmserve.encoder.handles import EmbeddingHandle
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
 from vlmserve.encoder.parallel import EncoderGroup, Followers
-from vlmserve.engine.processor import InputProcessor, PromptInput
-from vlmserve.executor.uniproc import resolve_device, resolve_dtype
+from vlmserve.inputs.processor import InputProcessor, PromptInput
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.builtin import resolve_model
@@ -35,6 +32,9 @@ from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.quantization import checkpoint_quantization
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
+from vlmserve.transfer.delivered import DeliveredImages
+from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
+from vlmserve.utils import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -47,44 +47,6 @@ class Launched:
     export: bool
     rows: dict[str, torch.Tensor]
     done: torch.cuda.Event | None
-
-
-@dataclass
-class EncodedImage:
-    """One image of a prompt: its placeholder run ``prompt_token_ids[offset:offset+length]``
-    and, in ``handle``, its ``length`` embedding rows (None where this rank does not
-    deliver results)."""
-
-    mm_hash: str
-    offset: int
-    length: int
-    encoder_meta: tuple[int, ...]
-    handle: EmbeddingHandle | None
-
-
-@dataclass
-class EncoderOutput:
-    """A request encoded: everything the LLM's admission would compute, plus the rows."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]  # image placeholders expanded
-    images: list[EncodedImage] = field(default_factory=list)
-    # the model's position data, as `ProcessedPrompt`'s: [rows, len(prompt_token_ids)] int64
-    # or None; token i >= len(prompt) sits at i + position_offset
-    prompt_positions: torch.Tensor | None = None
-    position_offset: int = 0
-
-    def release(self) -> None:
-        """Release every handle not opened or released yet (a consumer that gives up)."""
-        from vlmserve.encoder.consumer_ledger import consumer_ledger
-
-        seen = consumer_ledger()
-        for img in self.images:
-            if img.handle is not None:
-                try:
-                    img.handle.release(seen)
-                except RuntimeError:  # already opened or released here
-                    pass
 
 
 @dataclass

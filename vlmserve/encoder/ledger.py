@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import zmq
 
-from vlmserve.encoder.handles import (
+from vlmserve.transfer.handles import (
     CudaPool,
     EmbeddingHandle,
     PooledBacking,

@@ -142,7 +142,7 @@ def follower_main(rank: int, world: int, port: int, model: str, options: dict) -
     breaks; its ledger is closed on the way out (shared-memory segments unlinked)."""
     from vlmserve.config import EngineConfig
     from vlmserve.encoder.encoder import MultimodalEncoder
-    from vlmserve.executor.uniproc import resolve_device
+    from vlmserve.utils import resolve_device
 
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=_FOLLOWER_TIMEOUT)
     try:

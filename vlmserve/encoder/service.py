@@ -37,10 +37,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from vlmserve.encoder.wire import HandleWire, PixelImage, to_wire
-from vlmserve.engine.core_proc import IDLE_POLL_MS, die_with_parent, pid_alive
-from vlmserve.executor.uniproc import limit_host_threads
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.transfer.wire import HandleWire, PixelImage, to_wire
+from vlmserve.utils import IDLE_POLL_MS, die_with_parent, limit_host_threads, pid_alive
 
 logger = logging.getLogger("vlmserve.encoder_core")
 WATCH_S = 0.2  # how often the front end checks that the core lives

@@ -9,7 +9,6 @@ for the server, whose front ends do that work.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -18,25 +17,21 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from vlmserve.config import EngineConfig, with_sized_limits
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.encoder.consumer_ledger import consumer_ledger
 from vlmserve.errors import PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
-from vlmserve.executor.uniproc import UniprocExecutor, resolve_device
-from vlmserve.models.builtin import resolve_model
-from vlmserve.models.loader import load_hf_config
-from vlmserve.models.registry import resolve_model_class
+from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.models.metadata import eos_token_ids, load_model_processor, text_config
 from vlmserve.request import Request, RequestStatus
-from vlmserve.sampling_params import generation_defaults
+from vlmserve.transfer.consumer_ledger import consumer_ledger
+from vlmserve.utils import resolve_device
 from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -44,34 +39,6 @@ LOG_INTERVAL_S = 10.0
 # this many failed steps in a row, none succeeding between them: the engine itself is broken
 # (not a request), and the step's error is raised
 MAX_FAILED_STEPS_IN_A_ROW = 16
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (modules, model, tokenizer, processor: they live as long
-    as the process) out of the garbage collector's reach. A full pass over them costs ~90 ms
-    in a front end (torch and transformers imported), a stall of every stream and step each
-    time enough request objects have outlived the young generations. Call once start-up is
-    done, in every long-lived process of our own (never in a user's: the in-process `LLM`
-    must not pin its caller's objects, nor its own model once dropped)."""
-    gc.collect()
-    gc.freeze()
-
-
-def text_config(hf_config):
-    return getattr(hf_config, "text_config", None) or hf_config
-
-
-def _eos_ids(path, tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
-    try:
-        gen = GenerationConfig.from_pretrained(str(path), local_files_only=True)
-        eos = gen.eos_token_id
-        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -82,26 +49,6 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     limits: AdmissionLimits
-
-
-def sampling_defaults(config: EngineConfig, model_path: str | Path) -> dict[str, Any]:
-    """The default sampling parameters of requests that leave them unset
-    (``--generation-config``: by default the model's generation_config.json), logged when
-    there are any."""
-    defaults = generation_defaults(config.model_config.generation_config, model_path)
-    if defaults:
-        logger.info("default sampling parameters from the model's generation config "
-                    "(--generation-config vllm for none): %s", defaults)
-    return defaults
-
-
-def load_model_processor(model: str, mm_processor_kwargs: dict | None = None):
-    """(checkpoint path, HF config, the model's input processor with the engine's
-    `mm_processor_kwargs`) for a model name or folder."""
-    path = resolve_model(model)
-    hf_config = load_hf_config(path)
-    model_cls = resolve_model_class(hf_config)
-    return path, hf_config, model_cls.input_processor_cls(path, hf_config, mm_processor_kwargs)
 
 
 class StepTrace:
@@ -202,7 +149,7 @@ class EngineCore:
             warmup = self.executor.device.type == "cuda"
         if warmup:
             self.executor.warmup(self.model_processor)
-        self.eos_token_ids = _eos_ids(self.model_path, self.model_processor.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.model_processor.tokenizer)
         self.executor.runner.enable_structured_outputs(
             self.model_processor.tokenizer, text_config(self.hf_config).vocab_size,
             self.eos_token_ids)

@@ -1,6 +1,6 @@
 """The engine-core process: `EngineCore` and its step loop, nothing else on its interpreter.
 
-Front ends (`engine/async_llm.py`, any number) connect zmq DEALER sockets to this process's
+Front ends (`frontend/async_llm.py`, any number) connect zmq DEALER sockets to this process's
 ROUTER socket. Each says `Hello` and gets `Ready` (the model's limits); then it sends
 preprocessed requests and aborts, and receives, once per step, one `StepOutputs` with the
 tokens of its own requests. Messages are read between steps and while the device runs a
@@ -12,23 +12,16 @@ parent pid while idle) or on SIGTERM.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from vlmserve.config import EngineConfig
-from vlmserve.encoder.handles import HandleError
-from vlmserve.encoder.wire import open_handles
-from vlmserve.engine.core import EngineCore, freeze_startup_heap
+from vlmserve.engine.core import EngineCore
 from vlmserve.engine.messages import (
     Abort,
     AddRequest,
@@ -43,21 +36,19 @@ from vlmserve.engine.messages import (
     Utility,
     UtilityResult,
 )
-from vlmserve.executor.uniproc import limit_host_threads, resolve_device
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
 from vlmserve.request import Request, RequestStatus
+from vlmserve.transfer.handles import HandleError
+from vlmserve.transfer.wire import open_handles
+from vlmserve.utils import (
+    IDLE_POLL_MS,
+    die_with_parent,
+    freeze_startup_heap,
+    limit_host_threads,
+    resolve_device,
+)
 
 logger = logging.getLogger(__name__)
-IDLE_POLL_MS = 200  # while idle, how often the parent's liveness is checked
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the idle parent check below still ends us
-        pass
 
 
 class EngineCoreProc:
@@ -229,37 +220,3 @@ def run_engine_core(config: EngineConfig, address: str, parent_pid: int,
     finally:
         if proc is not None:
             proc.close()
-
-
-@dataclass(frozen=True)
-class CoreHandle:
-    """Where an engine-core process listens, and its pid (to notice its death)."""
-
-    address: str
-    pid: int
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def start_engine_core(config: EngineConfig, log_level: str = "info"
-                      ) -> tuple[mp.process.BaseProcess, CoreHandle]:
-    """Spawn an engine-core process for `config` (it dies with this process)."""
-    address = f"ipc://{tempfile.gettempdir()}/vlmserve-core-{uuid.uuid4().hex[:12]}"
-    proc = mp.get_context("spawn").Process(
-        target=run_engine_core, name="vlmserve-engine-core",
-        args=(config, address, os.getpid(), log_level), daemon=False)
-    proc.start()
-    return proc, CoreHandle(address, proc.pid)

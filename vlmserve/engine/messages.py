@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import torch
 
-from vlmserve.encoder.wire import HandleWire
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.transfer.wire import HandleWire
 
 # decoded tensors share their frames' memory, read-only when a frame is `bytes` (a front end
 # decoding its own message: `preprocess.send_to_encoders`); they are read, never written

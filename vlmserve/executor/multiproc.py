@@ -29,8 +29,9 @@ from vlmserve.distributed.parallel_state import (
     init_tensor_parallel,
     torchrun_env,
 )
-from vlmserve.distributed.tensor_parallel import check_divisible, check_vision_divisible
-from vlmserve.executor.uniproc import UniprocExecutor, limit_host_threads, resolve_device
+from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.layers.tensor_parallel import check_divisible, check_vision_divisible
+from vlmserve.utils import limit_host_threads, resolve_device
 from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -18,48 +17,12 @@ from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
 from vlmserve.models.registry import resolve_model_class
+from vlmserve.utils import resolve_device, resolve_dtype
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
 from vlmserve.worker.warmup_plan import Limits
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
-
-
-def limit_host_threads(threads: int = 1) -> None:
-    """Give torch `threads` intra-op threads in a process that is one of many on the host (a
-    preprocessing worker, a front end, a GPU engine core), unless the user set
-    OMP_NUM_THREADS: each process would otherwise start one thread per core. On the H200
-    host a dozen such processes shared 16 cores, and the engine core's pixel staging (one
-    memcpy) took an estimated tens of milliseconds a step; contention is the likely cause,
-    not isolated. vLLM also sets OMP_NUM_THREADS=1 by default."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads)
-
-
-def resolve_device(name: str, rank: int | None = None) -> torch.device:
-    """`auto` is CUDA when available; a tensor-parallel rank takes this host's GPU `rank`
-    (its local rank)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use "
-                         "--device cpu (or auto)")
-    if device.type == "cuda" and rank is not None:
-        device = torch.device("cuda", rank)
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
 
 class UniprocExecutor:
     """Model, KV cache and runner in this process. With `tp`, this process is one rank of a

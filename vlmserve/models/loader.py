@@ -24,15 +24,15 @@ from torch import nn
 from transformers import AutoConfig
 
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.distributed.tensor_parallel import (
+from vlmserve.layers.fp8 import HoldsFp8, hold_fp8
+from vlmserve.layers.linear import MergedLinear
+from vlmserve.layers.tensor_parallel import (
     ShardPlan,
     TensorSlice,
     VisionShardPlan,
     shard_model,
     shard_vision_encoder,
 )
-from vlmserve.layers.fp8 import HoldsFp8, hold_fp8
-from vlmserve.layers.linear import MergedLinear
 from vlmserve.models.quantization import (
     SCALE_SUFFIX,
     Fp8BlockQuant,

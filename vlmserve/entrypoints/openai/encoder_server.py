@@ -38,15 +38,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.encoder.service import EncoderCoreClient, EncoderCoreDead
-from vlmserve.encoder.wire import (
-    EncodedImageWire,
-    EncodeRequest,
-    EncodeResponse,
-    PixelImage,
-    output_to_wire,
-    pixel_image,
-)
-from vlmserve.engine.processor import InputProcessor
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.openai.http_util import (
     check_bearer,
@@ -55,8 +46,17 @@ from vlmserve.entrypoints.openai.http_util import (
     read_body,
 )
 from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.inputs.processor import InputProcessor
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.transfer.wire import (
+    EncodedImageWire,
+    EncodeRequest,
+    EncodeResponse,
+    PixelImage,
+    output_to_wire,
+    pixel_image,
+)
 
 logger = logging.getLogger("vlmserve.encoder_server")
 MSGPACK = "application/msgpack"

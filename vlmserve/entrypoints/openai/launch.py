@@ -38,14 +38,12 @@ from prometheus_client.multiprocess import mark_process_dead
 from vlmserve.config import EngineConfig
 from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
-from vlmserve.engine.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
-from vlmserve.engine.core import freeze_startup_heap
-from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from vlmserve.executor.uniproc import limit_host_threads
+from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
+from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
 
 logger = logging.getLogger("vlmserve.server")
 DEAD_EXIT_DELAY_S = 1.0

@@ -12,7 +12,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vlmserve.engine.async_llm import AsyncLLM, RequestTiming
+from vlmserve.frontend.async_llm import AsyncLLM, RequestTiming
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  10.0, 20.0, 40.0, 80.0)

@@ -21,10 +21,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from vlmserve import __version__
 from vlmserve.encoder.client import EncoderUnavailableError
-from vlmserve.encoder.wire import EncoderOutputWire, output_from_wire
-from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from vlmserve.engine.chat import parse_chat_messages
-from vlmserve.engine.streams import RequestFailedError
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.openai.http_util import (
     ApiError,
@@ -69,10 +65,14 @@ from vlmserve.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from vlmserve.frontend.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vlmserve.frontend.streams import RequestFailedError
+from vlmserve.inputs.chat import parse_chat_messages
 from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.multimodal.image import RestrictedImageLoader
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.transfer.wire import EncoderOutputWire, output_from_wire
 
 logger = logging.getLogger(__name__)
 # a UTF-16 surrogate escape: when the body fails to decode, the likely cause is a lone one

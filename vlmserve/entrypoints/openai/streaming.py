@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from vlmserve.engine.streams import EngineDeadError, RequestFailedError, RequestStream
 from vlmserve.entrypoints.openai.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -35,6 +34,7 @@ from vlmserve.entrypoints.openai.responses import (
     UsageInfo,
 )
 from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, call_id
+from vlmserve.frontend.streams import EngineDeadError, RequestFailedError, RequestStream
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 

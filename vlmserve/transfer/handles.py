@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from vlmserve.encoder.consumer_ledger import ConsumerLedger
+    from vlmserve.transfer.consumer_ledger import ConsumerLedger
 
 
 class HandleError(RuntimeError):
@@ -125,7 +125,7 @@ class EmbeddingHandle:
 
 
 def _consumer_ledger() -> ConsumerLedger:
-    from vlmserve.encoder.consumer_ledger import consumer_ledger
+    from vlmserve.transfer.consumer_ledger import consumer_ledger
 
     return consumer_ledger()
 

@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
-from vlmserve.encoder.handles import (
+from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
+from vlmserve.transfer.handles import (
     BytesHandle,
     CudaIpcHandle,
     EmbeddingHandle,
@@ -184,8 +185,6 @@ def output_from_wire(w: EncoderOutputWire, kinds: Sequence[str] = ("bytes",)) ->
     from a client would let it make the server read memory it names. A bytes handle's release
     address is dropped (the server contacts no address a client names; its producer holds
     nothing for it and reclaims it at the lease)."""
-    from vlmserve.encoder.encoder import EncodedImage, EncoderOutput
-
     for i, img in enumerate(w.images):
         kind = type(img.handle).__name__.removesuffix("Wire").lower()
         if kind not in kinds:

@@ -15,14 +15,13 @@ import torch
 from vlmserve.config import ModelConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
-from vlmserve.engine.core import freeze_startup_heap, load_model_processor
-from vlmserve.engine.core_proc import die_with_parent
 from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
-from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
-from vlmserve.executor.uniproc import limit_host_threads
+from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.models.metadata import load_model_processor
 from vlmserve.models.registry import image_row_width
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
 
 
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,

@@ -5,10 +5,10 @@ interpreter lock.
 `AsyncLLM(config)` starts an engine-core process and talks to it; `AsyncLLM(config,
 core=CoreHandle(...))` joins one that another process started (`--api-server-count N`: N
 front ends, one core). On the caller's event loop (any number of them) a request is
-preprocessed (engine/preprocess.py: tokens, images decoded, resized and hashed, the
+preprocessed (frontend/preprocess.py: tokens, images decoded, resized and hashed, the
 model's position data; in a pool of processes, or a worker thread), checked against the
-core's limits and handed over; its stream (engine/streams.py) is returned. The core's
-tokens come back through one I/O thread (engine/core_client.py), which detokenizes them and
+core's limits and handed over; its stream (frontend/streams.py) is returned. The core's
+tokens come back through one I/O thread (frontend/core_client.py), which detokenizes them and
 ends every stream within a fraction of a second if the core dies.
 """
 
@@ -29,12 +29,11 @@ from typing import Any
 from vlmserve.config import EngineConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, consumer_id
-from vlmserve.engine.core import load_model_processor, sampling_defaults, text_config
-from vlmserve.engine.core_client import CoreClient
-from vlmserve.engine.core_proc import CoreHandle, pid_alive, start_engine_core
+from vlmserve.engine.launch import CoreHandle, start_engine_core
 from vlmserve.engine.messages import Encoder, relabeled
-from vlmserve.engine.output import OutputProcessor
-from vlmserve.engine.preprocess import (
+from vlmserve.frontend.core_client import CoreClient
+from vlmserve.frontend.output import OutputProcessor
+from vlmserve.frontend.preprocess import (
     encoder_client,
     preprocess,
     preprocess_in_worker,
@@ -42,8 +41,9 @@ from vlmserve.engine.preprocess import (
     start_pool,
     tokenize_in_worker,
 )
-from vlmserve.engine.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.engine.streams import EngineDeadError, RequestStream, RequestTiming
+from vlmserve.frontend.streams import EngineDeadError, RequestStream, RequestTiming
+from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.models.metadata import load_model_processor, sampling_defaults, text_config
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.models.registry import image_row_width
 from vlmserve.multimodal.image import load_image
@@ -51,6 +51,7 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.utils import pid_alive
 
 logger = logging.getLogger(__name__)
 # the most requests a front end has waiting for encoder servers at once

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vlmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from vlmserve.engine.async_llm import AsyncLLM
+    from vlmserve.frontend.async_llm import AsyncLLM
 
 
 class EngineDeadError(RuntimeError):

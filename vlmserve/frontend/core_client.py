@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from vlmserve.engine.core_proc import CoreHandle
+from vlmserve.engine.launch import CoreHandle
 from vlmserve.engine.messages import (
     Abort,
     Decoder,
@@ -36,15 +36,15 @@ from vlmserve.engine.messages import (
     Utility,
     UtilityResult,
 )
-from vlmserve.engine.output import OutputProcessor
-from vlmserve.engine.streams import (
+from vlmserve.errors import InvalidRequestError
+from vlmserve.frontend.output import OutputProcessor
+from vlmserve.frontend.streams import (
     EngineDeadError,
     RequestFailedError,
     RequestStream,
     RequestTiming,
     put_all,
 )
-from vlmserve.errors import InvalidRequestError
 from vlmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmserve.config import EngineConfig
-from vlmserve.engine.core import EngineCore, sampling_defaults, text_config
-from vlmserve.engine.output import OutputProcessor
-from vlmserve.engine.processor import InputProcessor, PromptInput
+from vlmserve.engine.core import EngineCore
 from vlmserve.errors import PromptTooLongError
+from vlmserve.frontend.output import OutputProcessor
+from vlmserve.inputs.processor import InputProcessor, PromptInput
+from vlmserve.models.metadata import sampling_defaults, text_config
 from vlmserve.models.registry import image_row_width
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from multiprocessing import util as mp_util
 from typing import TYPE_CHECKING
 
-from vlmserve.encoder.handles import EmbeddingHandle, HandleOpenedTwiceError
+from vlmserve.transfer.handles import EmbeddingHandle, HandleOpenedTwiceError
 
 if TYPE_CHECKING:
     import zmq

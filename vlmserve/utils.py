@@ -1,0 +1,93 @@
+"""Process, thread and device helpers every process of ours shares (front ends, engine core,
+encoder core, tensor-parallel ranks): nothing here imports another vlmserve module."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import os
+import signal
+from typing import Any
+
+import torch
+
+IDLE_POLL_MS = 200  # while idle, how often a child process checks its parent's liveness
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def limit_host_threads(threads: int = 1) -> None:
+    """Give torch `threads` intra-op threads in a process that is one of many on the host (a
+    preprocessing worker, a front end, a GPU engine core), unless the user set
+    OMP_NUM_THREADS: each process would otherwise start one thread per core. On the H200
+    host a dozen such processes shared 16 cores, and the engine core's pixel staging (one
+    memcpy) took an estimated tens of milliseconds a step; contention is the likely cause,
+    not isolated. vLLM also sets OMP_NUM_THREADS=1 by default."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads)
+
+
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """`auto` is CUDA when available; a tensor-parallel rank takes this host's GPU `rank`
+    (its local rank)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use "
+                         "--device cpu (or auto)")
+    if device.type == "cuda" and rank is not None:
+        device = torch.device("cuda", rank)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the idle parent check below still ends us
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, model, tokenizer, processor: they live as long
+    as the process) out of the garbage collector's reach. A full pass over them costs ~90 ms
+    in a front end (torch and transformers imported), a stall of every stream and step each
+    time enough request objects have outlived the young generations. Call once start-up is
+    done, in every long-lived process of our own (never in a user's: the in-process `LLM`
+    must not pin its caller's objects, nor its own model once dropped)."""
+    gc.collect()
+    gc.freeze()
+
+
+def run_by_name(target: str, *args: Any) -> Any:
+    """Call the function named `target` ("package.module:function"), imported here: a spawned
+    process's entry point, so that the parent imports only this module, not the target's (a
+    front end starting an engine core never loads the engine's modules itself)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)
