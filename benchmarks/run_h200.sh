@@ -20,6 +20,8 @@
 #   w1cfg   : W1 ours at max_num_seqs 512 with 8,192 and 16,384 tokens per step
 #   w1ab    : W1 ours on this tree and on an older one in .cache/old/ (carried; made with
 #             `git archive REV vlmserve | tar -x -C .cache/old`), then transformers alone
+#   serveab : serveours on this tree, on the tree in .cache/old (as for w1ab), then this tree
+#             again (RUNS as serveours, default inf@16,inf@64): results in $OUT/ours_{new,old,new2}
 #   attention: attention kernels vs reference and the hardware
 #   offload : image-embedding offload off/on and on/off
 #   sweep   : decode tile of the Triton paged attention (BLOCK_N x warps x stages x splits)
@@ -270,6 +272,16 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
     --runs "${RUNS:-inf@16,inf@64,inf@192,8@1000,16@1000}" --out-dir "$OUT/ours" \
     ${BENCH_EXTRA:+--extra-body "$BENCH_EXTRA"}
   kill $pid; wait $pid ;;
+serveab)  # served A/B: this tree, the older tree in .cache/old, this tree again
+  for side in new old new2; do
+    if [ $side = old ]; then
+      (cd .cache/old && CKPTS=../checkpoints.py RUNS=${RUNS:-inf@16,inf@64} bash ../../benchmarks/run_h200.sh serveours)
+    else
+      RUNS=${RUNS:-inf@16,inf@64} bash "$0" serveours
+    fi
+    mv "$OUT/ours" "$OUT/ours_$side"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_$side.log"
+    mv "$OUT/ours_server.log" "$OUT/ours_server_$side.log"
+  done ;;
 clientcheck)  # the benchmark client against a paced fake server, and the openai SDK's
   kit_deps
   TAIL=10 PYTHONPATH=$PWD:/tmp/deps step client_fidelity 240 python3 \
