@@ -153,15 +153,16 @@ fp8)
   for q in fp8 none; do
     step "w1_$q" 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
       --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
-      --max-num-seqs 256 --quantization $q --out "$OUT/w1_$q.json"
+      --max-num-seqs 256 --max-num-batched-tokens 8192 --quantization $q \
+      --out "$OUT/w1_$q.json"
   done ;;
 w1ours)
   step w1_ours 200 $B.throughput --model qwen2-vl-2b-random --num-requests 512 \
     --image-sizes 448,672,896 --prompt-len 50 --output-len 128 --backend vlmserve \
-    --max-num-seqs 256 ${W1_EXTRA:-} --out "$OUT/w1_ours.json" ;;
+    --max-num-seqs 256 --max-num-batched-tokens 8192 ${W1_EXTRA:-} --out "$OUT/w1_ours.json" ;;
 w1ab)
   W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
-      --output-len 128 --max-num-seqs 256 --repeats 3"
+      --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 3"
   step preprocess 60 python benchmarks/preprocess_time.py --out "$OUT/preprocess.json"
   step w1_new 170 $B.throughput $W1 --backend vlmserve --out "$OUT/w1_new.json"
   (cd .cache/old && step w1_old 170 python -m vlmserve.benchmarks.throughput $W1 \
@@ -169,7 +170,8 @@ w1ab)
   step w1_hf 200 $B.throughput $W1 --backend hf --hf-batch-size 64 --out "$OUT/w1_hf.json" ;;
 w1diag)  # where the first timed pass's time goes: kernels, allocator; expandable segments
   W1="--model qwen2-vl-2b-random --num-requests 512 --image-sizes 448,672,896 --prompt-len 50
-      --output-len 128 --max-num-seqs 256 --repeats 3 --backend vlmserve"
+      --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 3
+      --backend vlmserve"
   step w1_diag 200 $B.throughput $W1 --device-profile --out "$OUT/w1_diag.json"
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step w1_expandable 150 $B.throughput $W1 \
     --out "$OUT/w1_expandable.json" ;;
@@ -186,7 +188,7 @@ offload)
   for order in "" "--on-first"; do
     step "offload${order:+_on_first}" 280 $B.offload --model qwen2-vl-2b-random \
       --num-requests 64 --images-per-request 4 --image-size 1344 \
-      --max-num-batched-tokens 2048 --output-len 64 --kv-blocks 40000 $order \
+      --max-num-batched-tokens 2048 --output-len 64 --num-kv-blocks 40000 $order \
       --out "$OUT/offload${order:+_on_first}.json"
   done ;;
 sweep)

@@ -15,6 +15,29 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# The batch limits a device gets when the user sets neither (`sized_scheduler_limits`), as vLLM
+# sizes its defaults: large batches on a large GPU; a server takes half the step budget of an
+# offline run, so that prefill chunks hold up its streams less. Rows: (least GPU memory in
+# GiB, max_num_seqs, max_num_batched_tokens offline, serving), largest first; then the CPU's.
+_GPU_SIZES = ((70, 512, 16384, 8192), (0, 256, 8192, 4096))
+_CPU_SIZES = (64, 2048, 2048)
+
+
+def _sizes_help(column: str) -> str:
+    """`_GPU_SIZES` and `_CPU_SIZES` in words, for an option's help (the table is written once)."""
+    where = [f"on a GPU of {row[0]} GiB or more" if row[0] else "on a smaller GPU"
+             for row in _GPU_SIZES]
+    if column == "seqs":
+        parts = [f"{row[1]} {w}" for row, w in zip(_GPU_SIZES, where, strict=True)]
+        return ", ".join(parts) + f", {_CPU_SIZES[0]} on the CPU"
+    parts = [f"{row[2]:,} offline and {row[3]:,} serving {w}" if i == 0 else
+             f"{row[2]:,} and {row[3]:,} {w}"
+             for i, (row, w) in enumerate(zip(_GPU_SIZES, where, strict=True))]
+    cpu = (f"{_CPU_SIZES[1]:,}" if _CPU_SIZES[1] == _CPU_SIZES[2]
+           else f"{_CPU_SIZES[1]:,} and {_CPU_SIZES[2]:,}")
+    return ", ".join(parts) + f", {cpu} on the CPU"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _opt("tiny-qwen2-vl", "Hugging Face checkpoint folder or a built-in model name.")
@@ -86,17 +109,16 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int | None = _opt(
-        None, "Most requests running at once (default: sized to the device, see "
-        "`sized_scheduler_limits`: 512 on a GPU of 70 GiB or more, 256 on a smaller one, 64 "
-        "on the CPU).")
+        None, "Most requests running at once (default: sized to the device by "
+        f"`vlmserve.config.sized_scheduler_limits`: {_sizes_help('seqs')}).")
     max_num_batched_tokens: int | None = _opt(
         None, "Token budget per engine step, prefill chunks + decodes (default: sized to the "
-        "device: on a GPU of 70 GiB or more 16,384 offline and 8,192 serving, on a smaller "
-        "one 8,192 and 4,096; 2,048 on the CPU).")
+        f"device by `vlmserve.config.sized_scheduler_limits`: {_sizes_help('tokens')}).")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.")
     max_num_encoder_tokens: int | None = _opt(
-        None, "Image-embedding rows the vision tower may produce per step (default: step budget)."
-    )
+        None, "Image-embedding rows the vision tower may produce per step (default: the step "
+        "budget, at least the model's largest image; an encoder server's forward: the step "
+        "budget).")
     max_num_prefill_tokens_while_decoding: int | None = _opt(
         None, "Prompt tokens (prefill chunks) a step may carry while it also carries decodes, "
         "so running streams wait less behind new prompts; also the image rows such a step "
@@ -143,12 +165,36 @@ _SECTIONS = {
 }
 
 
+ROLES = ("offline", "serving", "encoder")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What `resolve_config` derived beside the options it settled (those it writes into the
+    options themselves: see there)."""
+
+    role: str  # offline (`LLM`), serving (a server's engine core) or encoder
+    device_type: str  # cuda, cpu, ...
+    limits_sized: bool  # max_num_seqs or max_num_batched_tokens came from the device's table
+    # image-embedding rows the encoder cache holds (mm_cache_gb over a row's bytes: the
+    # scheduler's budget and, offloaded, the host rows); None for an encoder
+    encoder_cache_rows: int | None
+    cuda_graphs: bool  # decode steps replay CUDA graphs (CUDA, triton attention, not eager)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # set by `resolve_config` (not an option): None while the options are as the user gave them
+    resolved: Resolved | None = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model is split across ranks (more than one)."""
+        return self.parallel_config.tensor_parallel_size > 1
 
     @staticmethod
     def option_fields() -> list[dataclasses.Field]:
@@ -197,8 +243,7 @@ class EngineConfig:
             if value not in modes:
                 raise ValueError(f"{name} must be one of {', '.join(modes)}, got {value!r}")
 
-        if (self.model_config.quantization == "fp8"
-                and self.parallel_config.tensor_parallel_size > 1):
+        if self.model_config.quantization == "fp8" and self.tensor_parallel:
             raise ValueError("quantization='fp8' (quantizing as the weights load) does not run "
                              "under tensor parallelism; quantize the checkpoint once with "
                              "vlmserve.models.quantization.quantize_fp8_checkpoint and load "
@@ -215,27 +260,96 @@ def _choices(section: type, name: str) -> tuple[str, ...]:
 
 def sized_scheduler_limits(device_type: str, device_memory: int | None, serving: bool
                            ) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) when the user sets neither, as vLLM sizes its
-    defaults: large batches on a large GPU; a server takes half the step budget of an offline
-    run, so that prefill chunks hold up its streams less."""
+    """(max_num_seqs, max_num_batched_tokens) when the user sets neither: the table
+    `_GPU_SIZES` (by the GPU's total memory; unknown: the smallest row) or `_CPU_SIZES`."""
     if device_type != "cuda":
-        return 64, 2048
-    if device_memory is not None and device_memory >= 70 * 2**30:
-        return 512, 8192 if serving else 16384
-    return 256, 4096 if serving else 8192
+        seqs, offline, served = _CPU_SIZES
+    else:
+        memory = device_memory or 0
+        seqs, offline, served = next(row[1:] for row in _GPU_SIZES if memory >= row[0] * 2**30)
+    return seqs, served if serving else offline
 
 
-def with_sized_limits(config: EngineConfig, device_type: str, device_memory: int | None,
-                      serving: bool) -> EngineConfig:
-    """`config` with the scheduler limits the user left unset sized to the device (and, for a
-    server, the image rows a step with decodes encodes: half its step budget)."""
-    sc = config.scheduler_config
-    seqs, tokens = sized_scheduler_limits(device_type, device_memory, serving)
+def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str, str]:
+    """What `auto` means for each kernel option on a device (`triton`: Triton kernels run
+    there, i.e. CUDA with triton importable; `dtype`: the weights' dtype by name): triton paged
+    attention and fused ops where Triton runs (else torch's reference and eager ops), torch's
+    varlen FlashAttention for the vision tower on CUDA in float16 or bfloat16 (else SDPA)."""
+    return {"attention_backend": "triton" if triton else "torch",
+            "fused_ops": "triton" if triton else "eager",
+            "vision_attention_backend": ("flash" if device_type == "cuda"
+                                         and dtype in ("float16", "bfloat16") else "torch")}
+
+
+def resolve_config(config: EngineConfig, role: str, device_type: str,
+                   device_memory: int | None = None, *, triton: bool = False,
+                   dtype: str | None = None, max_image_tokens: int | None = None,
+                   embedding_row_bytes: int | None = None) -> EngineConfig:
+    """`config` with every derived default settled for `role` on this device: the one place
+    they are computed; every consumer reads the result, never an option's None or auto.
+
+    `role`: offline (`LLM`), serving (the server's engine core: a server's batch limits and
+    image rows beside decodes) or encoder (`MultimodalEncoder`, the encoder server's core).
+    A tensor-parallel rank of the engine reads rank 0's result (sent to it at start); every
+    rank of a tensor-parallel encoder resolves its own from the same options.
+    The device: `device_type`, `device_memory` (a GPU's total bytes: `utils.device_memory`),
+    `triton` (Triton kernels run there), `dtype` (the weights', by name: `utils.resolve_dtype`).
+    The model, for the engine's roles: `max_image_tokens` (rows of its largest image) and
+    `embedding_row_bytes` (one image embedding row in `dtype`).
+
+    Written into the options:
+    - max_num_seqs, max_num_batched_tokens: `sized_scheduler_limits` where unset (an encoder
+      sized as an offline run);
+    - max_num_encoder_tokens: the engine's encoder budget, unset: the step budget, at least the
+      largest image (else one could never be scheduled); an encoder's rows per tower forward,
+      unset: the step budget;
+    - max_num_encoder_tokens_while_decoding: a server's, unset: half its step budget (offline
+      and an encoder: as given, None is no cap);
+    - mm_embedding_offload (engine): unset, on with chunked prefill on CUDA;
+    - kernel_warmup (engine): unset, on CUDA;
+    - attention_backend, fused_ops, vision_attention_backend: `auto` by `auto_kernels`.
+    And `config.resolved` (`Resolved`): whether the batch limits were sized, the encoder
+    cache's rows, whether decode steps replay CUDA graphs. Whether tensor parallelism is on is
+    `EngineConfig.tensor_parallel`.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if config.resolved is not None:
+        raise ValueError("the config is resolved already (for the "
+                         f"{config.resolved.role} role)")
+    engine = role != "encoder"
+    if engine and (max_image_tokens is None or not embedding_row_bytes):
+        raise ValueError("the engine's options need the model's max_image_tokens and "
+                         "embedding_row_bytes to be resolved")
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    seqs, tokens = sized_scheduler_limits(device_type, device_memory, role == "serving")
     tokens = sc.max_num_batched_tokens or tokens
+    encoder_tokens = sc.max_num_encoder_tokens or (max(tokens, max_image_tokens) if engine
+                                                   else tokens)
     enc_decoding = sc.max_num_encoder_tokens_while_decoding
-    if enc_decoding is None and serving:
+    if enc_decoding is None and role == "serving":
         enc_decoding = max(tokens // 2, 1)
-    sized = dataclasses.replace(
+    scheduler = dataclasses.replace(
         sc, max_num_seqs=sc.max_num_seqs or seqs, max_num_batched_tokens=tokens,
-        max_num_encoder_tokens_while_decoding=enc_decoding)
-    return dataclasses.replace(config, scheduler_config=sized)
+        max_num_encoder_tokens=encoder_tokens, max_num_encoder_tokens_while_decoding=enc_decoding)
+
+    auto = auto_kernels(device_type, triton, dtype)
+    kernels = {name: auto[name] if getattr(mc, name) == "auto" else getattr(mc, name)
+               for name in auto}
+    cuda = device_type == "cuda"
+    warmup, offload = mc.kernel_warmup, cc.mm_embedding_offload
+    if engine and warmup is None:
+        warmup = cuda
+    if engine and offload is None:
+        offload = sc.enable_chunked_prefill and cuda
+    model = dataclasses.replace(mc, kernel_warmup=warmup, **kernels)
+    cache = dataclasses.replace(cc, mm_embedding_offload=offload)
+    resolved = Resolved(
+        role=role, device_type=device_type,
+        limits_sized=sc.max_num_seqs is None or sc.max_num_batched_tokens is None,
+        encoder_cache_rows=(int(cc.mm_cache_gb * 2**30) // embedding_row_bytes if engine
+                            else None),
+        cuda_graphs=(engine and cuda and not mc.enforce_eager
+                     and kernels["attention_backend"] == "triton"))
+    return dataclasses.replace(config, model_config=model, cache_config=cache,
+                               scheduler_config=scheduler, resolved=resolved)

@@ -42,6 +42,14 @@ def resolve_device(name: str, rank: int | None = None) -> torch.device:
     return device
 
 
+def device_memory(device: torch.device) -> int | None:
+    """A GPU's total memory in bytes (what its default batch limits are sized by); None for
+    any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

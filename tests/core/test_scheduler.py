@@ -23,9 +23,14 @@ def make_request(rid, prompt_len, images=(), max_tokens=4, hashes=None):
 
 
 def make_scheduler(**kw):
+    """A scheduler with small limits; unless given, an encoder budget of the step budget and an
+    encoder cache of four times the larger of the two."""
     args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512,
                 num_kv_blocks=256, block_size=4)
     args.update(kw)
+    args.setdefault("max_num_encoder_tokens", args["max_num_batched_tokens"])
+    args.setdefault("encoder_cache_rows", 4 * max(args["max_num_encoder_tokens"],
+                                                  args["max_num_batched_tokens"]))
     return Scheduler(**args)
 
 

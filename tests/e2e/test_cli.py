@@ -206,8 +206,11 @@ def test_every_bench_flag_has_help_and_shows_its_default(name, capsys) -> None:
         flag = action.option_strings[0]
         assert action.help, f"{flag} has no help"
         assert _flat(action.help.split(" (default")[0]) in text, flag
-        if not any(action.default is v for v in (None, False)):
-            assert _flat(f"(default: {action.default})") in text, flag
+        if action.default is argparse.SUPPRESS:  # an engine option: the engine's default
+            assert "default" in action.help, flag
+        elif not any(action.default is v for v in (None, False)):
+            assert (_flat(f"(default: {action.default})") in text  # the benchmark's own
+                    or _flat(f"Default here: {action.default} (") in text), flag
     prefix = ap._actions[-1].option_strings[0][:-1]  # e.g. --ou for --out
     with pytest.raises(SystemExit) as exit_:  # no abbreviated flags in benchmarks either
         main(["bench", name, prefix, "x.json"])
@@ -250,3 +253,40 @@ def test_gpu_benchmarks_without_a_gpu_say_so_in_one_line(name) -> None:
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "need a CUDA device" in lines[0], r.stderr[-2000:]
+
+
+def test_benchmarks_take_the_engine_flags_with_the_engines_defaults() -> None:
+    """Each benchmark's engine flags are the engine's own options (`flags.add_engine_options`):
+    unset, they keep the engine's defaults, except those a benchmark's workload fixes (shown
+    in its help); a workload flag of the same name (throughput's --seed draws its requests)
+    or an option the workload sets (offload's max_num_seqs) is left out."""
+    import argparse
+    import importlib
+
+    from vlmserve.benchmarks import engine_options
+    from vlmserve.config import EngineConfig
+
+    def parsed(module: str, argv: list[str]) -> argparse.Namespace:
+        ap = argparse.ArgumentParser()
+        importlib.import_module(f"vlmserve.benchmarks.{module}").add_args(ap)
+        return ap.parse_args(argv)
+
+    every = {f.name for f in EngineConfig.option_fields()}
+    for module, left_out in (("throughput", set()), ("kernels", set()),
+                             ("offload", {"max_num_seqs", "mm_embedding_offload"}),
+                             ("encoder_ipc", set())):
+        ap = argparse.ArgumentParser()
+        importlib.import_module(f"vlmserve.benchmarks.{module}").add_args(ap)
+        assert every - {a.dest for a in ap._actions} == left_out, module
+    assert engine_options(parsed("throughput", []), skip=("seed",)) == {"model": "tiny-qwen2-vl"}
+    # --seed is the workload's (the same name as the engine's seed, which is left out)
+    args = parsed("throughput", ["--seed", "5", "--max-num-seqs", "3", "--enforce-eager"])
+    assert args.seed == 5 and engine_options(args, skip=("seed",)) == {
+        "model": "tiny-qwen2-vl", "max_num_seqs": 3, "enforce_eager": True}
+    assert engine_options(parsed("kernels", [])) == {
+        "model": "qwen2-vl-2b-random", "dtype": "bfloat16", "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192}
+    assert engine_options(parsed("offload", ["--num-kv-blocks", "40"])) == {
+        "model": "tiny-qwen2-vl", "max_num_batched_tokens": 2048, "num_kv_blocks": 40}
+    assert engine_options(parsed("encoder_ipc", ["--device", "cpu"])) == {
+        "model": "tiny-qwen2-vl", "device": "cpu"}

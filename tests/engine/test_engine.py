@@ -354,23 +354,16 @@ def test_device_timeline_counts_busy_and_idle_time(monkeypatch):
 
 
 def test_batch_limits_are_sized_to_the_device_unless_given(llm, caplog):
-    from vlmserve.config import EngineConfig, sized_scheduler_limits, with_sized_limits
-
-    h200, l4 = 140 * 2**30, 24 * 2**30
-    assert sized_scheduler_limits("cuda", h200, serving=False) == (512, 16384)
-    assert sized_scheduler_limits("cuda", h200, serving=True) == (512, 8192)
-    assert sized_scheduler_limits("cuda", l4, serving=False) == (256, 8192)
-    assert sized_scheduler_limits("cuda", l4, serving=True) == (256, 4096)
-    assert sized_scheduler_limits("cpu", None, serving=True) == (64, 2048)
+    """The engine runs with its config resolved for its device (`resolve_config`, whose
+    values per role and device tests/core/test_resolve_config.py pins)."""
     sc = llm.engine.config.scheduler_config  # the fixture set only the step budget
     assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (64, 64)
-    # a server's steps with decodes encode at most half its step budget of image rows
     assert sc.max_num_encoder_tokens_while_decoding is None  # offline: not capped
-    for given, serving, want in ((None, True, 32), (None, False, None), (8, True, 8)):
-        cfg = EngineConfig.from_kwargs(model="m", max_num_batched_tokens=64,
-                                       max_num_encoder_tokens_while_decoding=given)
-        sized = with_sized_limits(cfg, "cuda", h200, serving).scheduler_config
-        assert sized.max_num_encoder_tokens_while_decoding == want
+    # the encoder budget: the step budget, at least the largest image
+    image_rows = llm.engine.core.model_processor.max_image_tokens
+    assert sc.max_num_encoder_tokens == max(64, image_rows)
+    assert llm.engine.scheduler.max_num_encoder_tokens == sc.max_num_encoder_tokens
+    assert llm.engine.config.resolved.role == "offline"
     import logging
 
     with caplog.at_level(logging.INFO, logger="vlmserve.engine.core"):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from vlmserve.config import ModelConfig
+from vlmserve.flags import engine_kwargs
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -27,6 +31,15 @@ def parse_args(args: argparse.Namespace | None, add_args: Callable, doc: str | N
                                  allow_abbrev=False)
     add_args(ap)
     return ap.parse_args()
+
+
+def engine_options(args: argparse.Namespace, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """The engine options of a benchmark's command line (`flags.add_engine_options`): those
+    given or defaulted by the benchmark, and always the model (the engine's default if not);
+    `skip`: those it left out (a workload flag of the same name is not the engine's)."""
+    options = {k: v for k, v in engine_kwargs(args).items() if k not in set(skip)}
+    options.setdefault("model", ModelConfig().model)
+    return options
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from vlmserve.benchmarks import parse_args
+from vlmserve.benchmarks import engine_options, parse_args
+from vlmserve.flags import add_engine_options
 
 SIZES = ((448, 448), (672, 672), (1120, 896))
 
@@ -68,8 +69,7 @@ def main(args: argparse.Namespace | None = None) -> None:
 
     from vlmserve.encoder.encoder import MultimodalEncoder
 
-    enc = MultimodalEncoder(args.model, dtype=args.dtype, device=args.device,
-                            lease_s=args.lease_s)
+    enc = MultimodalEncoder(**engine_options(args), lease_s=args.lease_s)
     dev = enc.device
     rng = torch.Generator().manual_seed(0)
     images = [Image.fromarray(torch.randint(0, 256, (h, w, 3), dtype=torch.uint8,
@@ -148,7 +148,7 @@ def main(args: argparse.Namespace | None = None) -> None:
         return None if a is None else (b - a) * per_k / 2**20
 
     result = {
-        "model": args.model, "device": str(dev), "requests": args.requests,
+        "model": engine_options(args)["model"], "device": str(dev), "requests": args.requests,
         "unopened_per_request": args.unopened_per_request, "elapsed_s": elapsed,
         "growth_mib_per_1000": {
             "producer_allocated": growth("producer", "allocated"),
@@ -188,10 +188,6 @@ def main(args: argparse.Namespace | None = None) -> None:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="tiny-qwen2-vl",
-                    help="checkpoint folder or built-in model (default: %(default)s)")
-    ap.add_argument("--dtype", default="auto", help="(default: %(default)s)")
-    ap.add_argument("--device", default="auto", help="(default: %(default)s)")
     ap.add_argument("--requests", type=int, default=1000,
                     help="requests after the warm-up (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=30,
@@ -204,6 +200,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lease-s", type=float, default=3600.0,
                     help="handle lease of the producer (default: %(default)s)")
     ap.add_argument("--out", default=None, help="write the result and samples as JSON here")
+    add_engine_options(ap)  # the encoder takes the engine's options (those of its tower)
 
 
 if __name__ == "__main__":

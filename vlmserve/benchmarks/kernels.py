@@ -16,9 +16,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from vlmserve.benchmarks import parse_args
+from vlmserve.benchmarks import engine_options, parse_args
 from vlmserve.benchmarks.attention_kernels import measure_roofline
 from vlmserve.benchmarks.datasets import random_mm
+from vlmserve.flags import add_engine_options
 from vlmserve.multimodal.inputs import pixel_values
 
 
@@ -331,27 +332,23 @@ def vision_batch(llm, ceilings: dict, num_images: int = 16, size: int = 896,
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="qwen2-vl-2b-random",
-                    help="checkpoint folder or built-in model name")
     ap.add_argument("--num-requests", type=int, default=512,
                     help="requests of the prefill workload")
     ap.add_argument("--image-sizes", default="448,672,896",
                     help="square image sides in pixels, comma-separated, drawn per image")
     ap.add_argument("--decode-batches", default="1,64",
                     help="decode batch sizes to time, comma-separated")
-    ap.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
-    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
-    ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
-    ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
-    ap.add_argument("--quantization", default="auto",
-                    help="our engine's quantization: auto, none, fp8 (the projections' weights "
-                         "quantized to block-wise FP8 as they load)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                    help="tokens in a step (the prefill chunk)")
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and vision")
     ap.add_argument("--profile", action="store_true", 
                     help="kernel tables of decode graphs and the vision batch")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    # the engine's own options; these defaults are the workload the figures were taken with
+    add_engine_options(ap, defaults={
+        "model": ("qwen2-vl-2b-random", "the shapes measured: Qwen2-VL-2B's"),
+        "dtype": ("bfloat16", "the ceilings it is compared with are bf16 matmul rates"),
+        "max_num_seqs": (256, "the largest decode batch measured; CUDA graphs captured up to "
+                         "it"),
+        "max_num_batched_tokens": (8192, "the prefill chunk measured, 8,192 tokens")})
 
 
 def main(args: argparse.Namespace | None = None) -> None:
@@ -362,14 +359,11 @@ def main(args: argparse.Namespace | None = None) -> None:
     from vlmserve import LLM
     from vlmserve.models.builtin import resolve_model
 
-    path = str(resolve_model(args.model))
+    options = engine_options(args)
+    options["model"] = str(resolve_model(options["model"]))
     ceilings = measure_roofline()
     print(json.dumps(ceilings))
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=256,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              fused_ops=args.fused_ops, quantization=args.quantization,
-              vision_attention_backend=args.vision_attention_backend)
+    llm = LLM(**options)
     results: dict = {"model": args.model, "ceilings": ceilings, "decode": []}
 
     def report(key, row):

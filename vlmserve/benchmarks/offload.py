@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from vlmserve.benchmarks import parse_args, table
+from vlmserve.benchmarks import engine_options, parse_args, table
 from vlmserve.benchmarks.datasets import random_mm
+from vlmserve.flags import add_engine_options
 
 
 def run_mode(reqs, warmup, offload: bool, args) -> dict:
@@ -27,9 +28,8 @@ def run_mode(reqs, warmup, offload: bool, args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_requests,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.kv_blocks,
-              mm_embedding_offload=offload, attention_backend=args.attention_backend)
+    llm = LLM(**engine_options(args), max_num_seqs=args.num_requests,
+              mm_embedding_offload=offload)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([r.prompt for r in warmup], params, use_tqdm=False)
     if torch.cuda.is_available():
@@ -84,9 +84,6 @@ def summary_table(results: list[dict], summary: dict) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="tiny-qwen2-vl",
-                    help="checkpoint folder or built-in model name")
-    ap.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
     ap.add_argument("--num-requests", type=int, default=64,
                     help="requests (all admitted at once: max_num_seqs)")
     ap.add_argument("--images-per-request", type=int, default=4, help="images in each request")
@@ -94,14 +91,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-len", type=int, default=50, help="text tokens of each prompt")
     ap.add_argument("--output-len", type=int, default=64,
                     help="output tokens of each request (fixed: ignore_eos)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="tokens in a step (also the size of each ping-pong buffer)")
-    ap.add_argument("--kv-blocks", type=int, default=None,
-                    help="KV cache blocks (default: sized to the device)")
-    ap.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     ap.add_argument("--on-first", action="store_true",
                     help="run offload on before off (check that order does not matter)")
     ap.add_argument("--out", default=None, help="write the full results as JSON here")
+    # the engine's own options; max_num_seqs is --num-requests and the offload each mode's
+    add_engine_options(ap, skip=("max_num_seqs", "mm_embedding_offload"), defaults={
+        "max_num_batched_tokens": (2048, "part of the workload: a 1344 px image's 2,304 rows "
+                                   "span two steps, so the offloaded rows are prefetched; also "
+                                   "the size of each ping-pong buffer")})
 
 
 def main(args: argparse.Namespace | None = None) -> None:
@@ -110,7 +107,7 @@ def main(args: argparse.Namespace | None = None) -> None:
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class
 
-    args.model = str(resolve_model(args.model))
+    args.model = str(resolve_model(engine_options(args)["model"]))
     cfg = load_hf_config(args.model)
     tok = resolve_model_class(cfg).input_processor_cls(args.model, cfg).tokenizer
     reqs = random_mm(tok, num_requests=args.num_requests, image_sizes=[args.image_size],

@@ -1,6 +1,9 @@
 """Offline throughput: our engine and (optionally) transformers `generate` on the same requests.
 
     python -m vlmserve.benchmarks.throughput --model qwen2-vl-2b-random --num-requests 64
+
+Our engine takes every engine option, with the engine's defaults (batch limits sized to the
+device, as `LLM(...)`); the JSON records the limits it ran with (`engine_limits`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
-from vlmserve.benchmarks import parse_args, table
+from vlmserve.benchmarks import engine_options, parse_args, table
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
+from vlmserve.flags import add_engine_options
 
 
 def _sync() -> None:
@@ -127,11 +131,16 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
                                  use_tqdm=use_tqdm)
 
     generate(warm)()
+    sc = llm.engine.config.scheduler_config  # as resolved for this device
+    limits = {"max_num_seqs": sc.max_num_seqs,
+              "max_num_batched_tokens": sc.max_num_batched_tokens,
+              "max_num_encoder_tokens": sc.max_num_encoder_tokens}
     steps = _StepTimes(llm.engine)
     first, outs = _pass_account(llm, steps, generate(reqs, use_tqdm=True))
     result = _summary("vlmserve", reqs, [len(o.prompt_token_ids) for o in outs],
                       [len(o.outputs[0].token_ids) for o in outs], first["elapsed_s"])
     result.update({k: v for k, v in first.items() if k != "elapsed_s"})
+    result["engine_limits"] = limits
     if more_passes:
         passes = [first] + [_pass_account(llm, steps, generate(more))[0]
                             for more in more_passes]
@@ -286,9 +295,11 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# engine options left out: --seed draws the requests (greedy: the engine's seed is unused)
+_NOT_ENGINE = ("seed",)
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="tiny-qwen2-vl",
-                    help="checkpoint folder or built-in model name")
     ap.add_argument("--dataset", default="random-mm", help="random-mm or a .jsonl file")
     ap.add_argument("--num-requests", type=int, default=64, help="requests (random-mm)")
     ap.add_argument("--image-sizes", default="448,672,896",
@@ -318,24 +329,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes of ours (random-mm; each with new images); the first "
                          "is compared with transformers, all are reported with their median")
-    ap.add_argument("--dtype", default="auto",
-                    help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, "
-                         "float32")
-    ap.add_argument("--max-num-seqs", type=int, default=256,
-                    help="our engine's max_num_seqs (requests in a step)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                    help="our engine's max_num_batched_tokens (tokens in a step)")
-    ap.add_argument("--attention-backend", default="auto",
-                    help="our engine's attention_backend: auto, torch, triton")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="no decode CUDA graphs in our engine")
-    ap.add_argument("--fused-ops", default="auto", help="auto, eager, triton, compile")
-    ap.add_argument("--vision-attention-backend", default="torch", help="torch or triton")
-    ap.add_argument("--quantization", default="auto",
-                    help="our engine's quantization: auto, none, fp8 (the projections' weights "
-                         "quantized to block-wise FP8 as they load)")
     ap.add_argument("--out", default=None,
                     help="write the full results (every counter, profiles) as JSON here")
+    # the engine's own options and defaults (--model and --dtype also for transformers)
+    add_engine_options(ap, skip=_NOT_ENGINE)
 
 
 def main(args: argparse.Namespace | None = None) -> list[dict]:
@@ -345,7 +342,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class
 
-    path = str(resolve_model(args.model))
+    engine = engine_options(args, skip=_NOT_ENGINE)
+    path = engine["model"] = str(resolve_model(engine["model"]))
     hf_config = load_hf_config(path)
     processor = resolve_model_class(hf_config).input_processor_cls(path, hf_config)
     if args.repeats < 1 or (args.repeats > 1 and args.dataset != "random-mm"):
@@ -388,16 +386,11 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
 
     if args.backend in ("vlmserve", "both"):
-        report(run_vlmserve(reqs, warm, dict(
-            model=path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-            fused_ops=args.fused_ops, vision_attention_backend=args.vision_attention_backend,
-            quantization=args.quantization),
-            more, profiled, device_profiled))
+        report(run_vlmserve(reqs, warm, engine, more, profiled, device_profiled))
     if args.backend in ("hf", "both"):
-        dtype = torch.bfloat16 if torch.cuda.is_available() and args.dtype == "auto" else (
-            torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype))
+        name = engine.get("dtype", "auto")
+        dtype = torch.bfloat16 if torch.cuda.is_available() and name == "auto" else (
+            torch.float32 if name in ("auto", "float32") else getattr(torch, name))
         report(run_hf(reqs, warm if args.warmup == "full" else warm[:2], path,
                       args.hf_batch_size, dtype, processor))
     print()

@@ -61,11 +61,11 @@ class Scheduler:
         max_model_len: int,
         num_kv_blocks: int,
         block_size: int,
+        max_num_encoder_tokens: int,
+        encoder_cache_rows: int,
         enable_chunked_prefill: bool = True,
-        max_num_encoder_tokens: int | None = None,
         max_num_prefill_tokens_while_decoding: int | None = None,
         max_num_encoder_tokens_while_decoding: int | None = None,
-        encoder_cache_rows: int | None = None,
         retain_encoder_outputs: bool = False,
         plan_prefetch: bool = True,
         enable_prefix_caching: bool = False,
@@ -75,15 +75,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        # image rows a step may encode, and the encoder cache's rows: both as resolved
+        # (`config.resolve_config`), like every budget here
+        self.max_num_encoder_tokens = max_num_encoder_tokens
         # prompt tokens a step with decodes may carry (None: no limit but the step budget)
         self.max_num_prefill_tokens_while_decoding = max_num_prefill_tokens_while_decoding
         # image rows such a step may encode beyond its first image (None: the encoder budget)
         self.max_num_encoder_tokens_while_decoding = max_num_encoder_tokens_while_decoding
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.encoder_cache = EncoderCacheManager(
-            encoder_cache_rows or 4 * max(self.max_num_encoder_tokens, max_num_batched_tokens),
-            retain=retain_encoder_outputs)
+        self.encoder_cache = EncoderCacheManager(encoder_cache_rows,
+                                                 retain=retain_encoder_outputs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from vlmserve.config import EngineConfig, sized_scheduler_limits
+from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.distributed.parallel_state import split_by_rows
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
 from vlmserve.encoder.parallel import EncoderGroup, Followers
 from vlmserve.inputs.processor import InputProcessor, PromptInput
+from vlmserve.layers.attention import triton_available
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.builtin import resolve_model
@@ -34,7 +35,7 @@ from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
 from vlmserve.transfer.delivered import DeliveredImages
 from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
-from vlmserve.utils import resolve_device, resolve_dtype
+from vlmserve.utils import device_memory, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -66,10 +67,8 @@ def encoder_input_processor(model_path: str, hf_config, mm_processor_kwargs=None
                             ) -> InputProcessor:
     """The engine's admission preprocessing for the checkpoint at ``model_path`` (tokenizer
     and image processor; no weights): what an encoder and its server's front end share."""
-    model_processor = resolve_model_class(hf_config).input_processor_cls(
-        model_path, hf_config, mm_processor_kwargs)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    return InputProcessor(model_processor, text.vocab_size)
+    return InputProcessor.for_model(model_path, hf_config,
+                                    mm_processor_kwargs=mm_processor_kwargs)
 
 
 def build_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -116,13 +115,18 @@ class MultimodalEncoder:
                  export_only_delivered: bool = True, tp_timeout_s: float = 300.0,
                  _group: EncoderGroup | None = None, **kwargs: Any) -> None:
         # _group: set by parallel.py when this encoder is a follower rank
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        mc = self.config.model_config
-        world = self.config.parallel_config.tensor_parallel_size
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        world = config.parallel_config.tensor_parallel_size
         self.followers: Followers | None = None  # rank 0 of a tensor-parallel encoder
-        self.group = _group  # the ranks' group (set on every rank when world > 1)
-        self.device = resolve_device(mc.device, rank if world > 1 else None)
-        if world > 1 and _group is None:
+        self.group = _group  # the ranks' group (set on every rank under tensor parallelism)
+        self.device = resolve_device(config.model_config.device,
+                                     rank if config.tensor_parallel else None)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.device)
+        self.config = resolve_config(
+            config, "encoder", self.device.type, device_memory(self.device),
+            triton=triton_available(self.device), dtype=str(self.dtype).removeprefix("torch."))
+        mc = self.config.model_config
+        if config.tensor_parallel and _group is None:
             if rank != 0:
                 raise ValueError("a tensor-parallel encoder starts its ranks 1..N-1 itself; "
                                  f"create it with rank=0 (got rank={rank})")
@@ -145,11 +149,7 @@ class MultimodalEncoder:
         self.transport = transport
         self.rank = rank
         # image rows one forward of the encoder server takes (`encode` itself takes any)
-        sc = self.config.scheduler_config
-        self.max_rows_per_forward = sc.max_num_encoder_tokens or sc.max_num_batched_tokens or (
-            sized_scheduler_limits(self.device.type, None if self.device.type != "cuda" else
-                                   torch.cuda.get_device_properties(self.device).total_memory,
-                                   serving=False)[1])
+        self.max_rows_per_forward = self.config.scheduler_config.max_num_encoder_tokens
         self.export_only_delivered = export_only_delivered
         self._stats = EncoderStats()
         self._export_stream: torch.cuda.Stream | None = None
@@ -158,7 +158,6 @@ class MultimodalEncoder:
         self.model_path = resolve_model(mc.model)
         self.hf_config = load_hf_config(self.model_path)
         model_cls = resolve_model_class(self.hf_config)
-        self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
         self.vision = build_encoder(self.hf_config, self.dtype, self.device)
         # only the encoder's tensors are read from disk

@@ -21,17 +21,19 @@ from typing import Any
 
 import torch
 
-from vlmserve.config import EngineConfig, with_sized_limits
+from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.errors import PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor
+from vlmserve.layers.attention import triton_available
 from vlmserve.models.metadata import eos_token_ids, load_model_processor, text_config
+from vlmserve.models.registry import image_row_width
 from vlmserve.request import Request, RequestStatus
 from vlmserve.transfer.consumer_ledger import consumer_ledger
-from vlmserve.utils import resolve_device
+from vlmserve.utils import device_memory, resolve_device, resolve_dtype
 from vlmserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -102,23 +104,24 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model_processor=None, serving: bool = False
                  ) -> None:
-        """`serving`: for a server (the batch limits the user left unset are sized for one:
-        `config.sized_scheduler_limits`)."""
-        device = resolve_device(config.model_config.device)
-        memory = (torch.cuda.get_device_properties(device).total_memory
-                  if device.type == "cuda" else None)
-        given = config.scheduler_config
-        sized = given.max_num_seqs is None or given.max_num_batched_tokens is None
-        config = with_sized_limits(config, device.type, memory, serving)
-        self.config = config
-        mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
+        """`serving`: for a server (its role in `resolve_config`: a server's batch limits and
+        image rows beside decodes); `config` is resolved here for this device and model."""
+        mc = config.model_config
+        device = resolve_device(mc.device)
         self.model_path, self.hf_config, processor = load_model_processor(
             mc.model, mc.mm_processor_kwargs)
         self.model_processor = model_processor or processor
+        dtype = resolve_dtype(mc.dtype, device)
+        config = resolve_config(
+            config, "serving" if serving else "offline", device.type, device_memory(device),
+            triton=triton_available(device), dtype=str(dtype).removeprefix("torch."),
+            max_image_tokens=self.model_processor.max_image_tokens,
+            embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize)
+        self.config = config
+        mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
         self.max_model_len = mc.max_model_len or text_config(
             self.hf_config).max_position_embeddings
-        executor_cls = (MultiprocExecutor if config.parallel_config.tensor_parallel_size > 1
-                        else UniprocExecutor)
+        executor_cls = MultiprocExecutor if config.tensor_parallel else UniprocExecutor
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
         kv_tokens = self.executor.num_kv_blocks * cc.block_size
@@ -135,19 +138,15 @@ class EngineCore:
             num_kv_blocks=self.executor.num_kv_blocks,
             block_size=cc.block_size,
             enable_chunked_prefill=sc.enable_chunked_prefill,
-            max_num_encoder_tokens=sc.max_num_encoder_tokens or max(
-                sc.max_num_batched_tokens, self.model_processor.max_image_tokens),
+            max_num_encoder_tokens=sc.max_num_encoder_tokens,
             max_num_prefill_tokens_while_decoding=sc.max_num_prefill_tokens_while_decoding,
             max_num_encoder_tokens_while_decoding=sc.max_num_encoder_tokens_while_decoding,
-            encoder_cache_rows=self.executor.encoder_cache_rows,
+            encoder_cache_rows=config.resolved.encoder_cache_rows,
             retain_encoder_outputs=cc.enable_mm_cache,
-            plan_prefetch=self.executor.mm_offload,
+            plan_prefetch=cc.mm_embedding_offload,
             enable_prefix_caching=cc.enable_prefix_caching,
         )
-        warmup = mc.kernel_warmup
-        if warmup is None:
-            warmup = self.executor.device.type == "cuda"
-        if warmup:
+        if mc.kernel_warmup:
             self.executor.warmup(self.model_processor)
         self.eos_token_ids = eos_token_ids(self.model_path, self.model_processor.tokenizer)
         self.executor.runner.enable_structured_outputs(
@@ -161,7 +160,7 @@ class EngineCore:
             mc.model, ex.device, str(ex.dtype).removeprefix("torch."), self.max_model_len,
             kv_tokens, ex.num_kv_blocks, cc.block_size, sc.max_num_seqs,
             sc.max_num_batched_tokens,
-            " (sized to the device)" if sized else "",
+            " (sized to the device)" if config.resolved.limits_sized else "",
             sc.max_num_encoder_tokens_while_decoding or "not capped",
             "on" if cc.enable_prefix_caching else "off")
         self.async_scheduling = sc.async_scheduling

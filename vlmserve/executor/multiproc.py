@@ -69,8 +69,7 @@ def serve_rank(tp: TensorParallel) -> None:
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
     tp.gather_object(executor.load_stats)
-    warmup = config.model_config.kernel_warmup
-    if warmup or (warmup is None and executor.device.type == "cuda"):
+    if config.model_config.kernel_warmup:  # resolved by rank 0, as its own
         executor.warmup()  # the same fake steps as rank 0's: their collectives pair up
     previous = None
     while (so := tp.broadcast_object()) is not None:

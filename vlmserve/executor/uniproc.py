@@ -12,7 +12,6 @@ import torch
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.layers.attention import get_paged_attention_backend, paged_attention_reference
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
@@ -26,10 +25,12 @@ logger = logging.getLogger(__name__)
 
 class UniprocExecutor:
     """Model, KV cache and runner in this process. With `tp`, this process is one rank of a
-    tensor-parallel group (see executor/multiproc.py)."""
+    tensor-parallel group (see executor/multiproc.py). `config` is resolved
+    (`config.resolve_config`: rank 0's, on every rank)."""
 
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
                  tp: TensorParallel | None = None) -> None:
+        assert config.resolved is not None, "the executor takes a resolved config"
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.config, self.model_path, self.hf_config = config, model_path, hf_config
         self.max_model_len = max_model_len
@@ -47,28 +48,22 @@ class UniprocExecutor:
             model, config, max_model_len)
         if tp is not None:
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
-        offload = cc.mm_embedding_offload
-        if offload is None:
-            offload = sc.enable_chunked_prefill and self.device.type == "cuda"
-        self.mm_offload = offload
+        self.mm_offload = cc.mm_embedding_offload
         self.bytes_per_embedding_row = model.row_width * self.dtype.itemsize
         # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
-        self.encoder_cache_rows = int(cc.mm_cache_gb * 2**30) // self.bytes_per_embedding_row
+        self.encoder_cache_rows = config.resolved.encoder_cache_rows
         self.fused_ops = FusedOps.for_device(mc.fused_ops, self.device)
         model.set_fused_ops(self.fused_ops)
         self.vision_attention_fn = get_vision_attention_backend(mc.vision_attention_backend,
                                                                 self.device, self.dtype)
         model.set_vision_attention_backend(self.vision_attention_fn)
-        backend = get_paged_attention_backend(mc.attention_backend, self.device)
-        graphs = (self.device.type == "cuda" and not mc.enforce_eager
-                  and backend is not paged_attention_reference)
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
-            mm_offload=offload, max_num_batched_tokens=sc.max_num_batched_tokens,
+            mm_offload=self.mm_offload, max_num_batched_tokens=sc.max_num_batched_tokens,
             attention_backend=mc.attention_backend,
-            cuda_graph_max_batch=sc.max_num_seqs if graphs else 0,
+            cuda_graph_max_batch=sc.max_num_seqs if config.resolved.cuda_graphs else 0,
             max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows,
-            tp=tp if tp is not None and tp.world_size > 1 else None,
+            tp=tp,
             encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data")
         self.load_stats = dataclasses.replace(
             self.load_stats, host_cache_bytes=self.runner.store.host_pool_bytes)
@@ -104,12 +99,9 @@ class UniprocExecutor:
             processor = type(self.runner.model).input_processor_cls(
                 self.model_path, self.hf_config, self.config.model_config.mm_processor_kwargs)
         sc = self.config.scheduler_config
-        image_rows = processor.max_image_tokens  # as the engine core's encoder budget
         limits = Limits(
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            max_encoder_rows=sc.max_num_encoder_tokens or max(sc.max_num_batched_tokens,
-                                                              image_rows))
+            max_model_len=self.max_model_len, max_encoder_rows=sc.max_num_encoder_tokens)
         self.runner.warmup(limits, processor, fused_ops=self.fused_ops,
                            vision_attention_fn=self.vision_attention_fn,
                            image_sizes=image_sizes)

@@ -43,9 +43,8 @@ from vlmserve.frontend.preprocess import (
 )
 from vlmserve.frontend.streams import EngineDeadError, RequestStream, RequestTiming
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.models.metadata import load_model_processor, sampling_defaults, text_config
+from vlmserve.models.metadata import load_model_processor, sampling_defaults
 from vlmserve.models.processing import ChatTemplateOptions
-from vlmserve.models.registry import image_row_width
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
@@ -88,9 +87,8 @@ class AsyncLLM:
             path, hf_config, model_processor = load_model_processor(
                 config.model_config.model, config.model_config.mm_processor_kwargs)
             self.sampling_defaults = sampling_defaults(config, path)
-            text = text_config(hf_config)
-            self.input_processor = InputProcessor(model_processor, text.vocab_size,
-                                                  image_row_width(hf_config), image_cache_bytes)
+            self.input_processor = InputProcessor.for_model(path, hf_config, model_processor,
+                                                            image_cache_bytes=image_cache_bytes)
             self.output_processor = OutputProcessor(model_processor.tokenizer)
             self.model_name: str = config.model_config.model
             self._encoder = Encoder()
@@ -283,9 +281,9 @@ class AsyncLLM:
             self._kill_core()
 
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
-        return start_pool(self._preprocess_workers, self.config.model_config,
-                           self.input_processor.vocab_size, self.limits, self.eos_token_ids,
-                           wait, self.image_cache_bytes, self._preprocess_threads)
+        return start_pool(self._preprocess_workers, self.config.model_config, self.limits,
+                          self.eos_token_ids, wait, self.image_cache_bytes,
+                          self._preprocess_threads)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

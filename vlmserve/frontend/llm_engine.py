@@ -11,8 +11,7 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.errors import PromptTooLongError
 from vlmserve.frontend.output import OutputProcessor
 from vlmserve.inputs.processor import InputProcessor, PromptInput
-from vlmserve.models.metadata import sampling_defaults, text_config
-from vlmserve.models.registry import image_row_width
+from vlmserve.models.metadata import sampling_defaults
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
@@ -24,16 +23,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        self.config = self.core.config  # with the batch limits sized to the device
+        self.config = self.core.config  # resolved for this device (`resolve_config`)
         self.scheduler, self.executor = self.core.scheduler, self.core.executor
         self.model_path, self.hf_config = self.core.model_path, self.core.hf_config
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = self.core.eos_token_ids
         model_processor = self.core.model_processor
         self.tokenizer = model_processor.tokenizer
-        text = text_config(self.hf_config)
-        self.input_processor = InputProcessor(model_processor, text.vocab_size,
-                                              image_row_width(self.hf_config))
+        self.input_processor = InputProcessor.for_model(self.model_path, self.hf_config,
+                                                        model_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.config, self.model_path)
         self._ids = itertools.count()

@@ -19,7 +19,6 @@ from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.models.metadata import load_model_processor
-from vlmserve.models.registry import image_row_width
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
 
@@ -88,15 +87,15 @@ def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
                          consumer_rows=limits.encoder_cache_rows) if urls else None
 
 
-def _init_worker(mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
-                 eos_token_ids: tuple[int, ...], image_cache_bytes: int = 0,
-                 threads: int = 1) -> None:
+def _init_worker(mc: ModelConfig, limits: AdmissionLimits, eos_token_ids: tuple[int, ...],
+                 image_cache_bytes: int = 0, threads: int = 1) -> None:
     global _worker
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
-    _, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
-    _worker = (InputProcessor(model_processor, vocab_size, image_row_width(hf_config),
-                              image_cache_bytes), limits, eos_token_ids, Encoder())
+    path, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
+    _worker = (InputProcessor.for_model(path, hf_config, model_processor,
+                                        image_cache_bytes=image_cache_bytes),
+               limits, eos_token_ids, Encoder())
     freeze_startup_heap()
 
 
@@ -120,16 +119,16 @@ def _ready() -> int:
     return os.getpid()
 
 
-def start_pool(workers: int, mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
-                eos_token_ids: tuple[int, ...], wait: bool = True,
-                image_cache_bytes: int = 0, threads: int = 1
-                ) -> concurrent.futures.ProcessPoolExecutor:
+def start_pool(workers: int, mc: ModelConfig, limits: AdmissionLimits,
+               eos_token_ids: tuple[int, ...], wait: bool = True,
+               image_cache_bytes: int = 0, threads: int = 1
+               ) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
     threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
     first requests do not pay for it); `mc`: the model and its processor's options."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads))
+        initargs=(mc, limits, eos_token_ids, image_cache_bytes, threads))
     if not wait:
         return pool
     pids: set[int] = set()

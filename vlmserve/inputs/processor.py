@@ -13,6 +13,8 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError, InvalidSamplingParamsError
 from vlmserve.layers.grammar import check_structured
+from vlmserve.models.metadata import text_config
+from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 from vlmserve.multimodal.video import Video, load_video
@@ -128,6 +130,22 @@ class InputProcessor:
         self.hidden_size = hidden_size  # of image embeddings given encoded (None: unchecked)
         self.image_cache = (PreparedImageCache(image_cache_bytes) if image_cache_bytes > 0
                             and hasattr(model_processor, "prepare") else None)
+
+    @classmethod
+    def for_model(cls, model_path, hf_config, model_processor=None,
+                  mm_processor_kwargs: dict | None = None, image_cache_bytes: int = 0
+                  ) -> InputProcessor:
+        """The engine's admission preprocessing for the checkpoint at `model_path` (config
+        `hf_config`), as every front end, preprocessing process and encoder builds it: the
+        model's input processor (`model_processor`, else built with `mm_processor_kwargs`),
+        its vocabulary (token ids and logit biases checked against it) and the width of its
+        image embedding rows (rows given encoded checked against it)."""
+        model_cls = resolve_model_class(hf_config)
+        if model_processor is None:
+            model_processor = model_cls.input_processor_cls(model_path, hf_config,
+                                                            mm_processor_kwargs)
+        return cls(model_processor, text_config(hf_config).vocab_size,
+                   model_cls.image_row_width(hf_config), image_cache_bytes)
 
     def _images(self, prompt: dict[str, Any], load: ImageLoader, options: Any) -> list:
         """The prompt's images, loaded; from the cache of processed images when every one

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vlmserve.config import auto_kernels
+
 
 @dataclass
 class AttentionGroup:
@@ -169,10 +171,10 @@ def triton_available(device: torch.device) -> bool:
 
 
 def get_paged_attention_backend(name: str, device: torch.device):
-    """`torch` (reference, any device), `triton` (CUDA), or `auto`: triton on CUDA when
-    importable."""
+    """`torch` (reference, any device), `triton` (CUDA), or `auto` (`config.auto_kernels`:
+    triton on CUDA when importable; an engine's config comes resolved)."""
     if name == "auto":
-        name = "triton" if triton_available(device) else "torch"
+        name = auto_kernels(device.type, triton_available(device), None)["attention_backend"]
     if name == "torch":
         return paged_attention_reference
     if name == "triton":

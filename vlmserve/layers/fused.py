@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from vlmserve.config import auto_kernels
 from vlmserve.layers.attention import triton_available, write_kv
 from vlmserve.layers.fp8 import linear as fp8_linear
 
@@ -161,9 +162,10 @@ class FusedOps:
 
     @classmethod
     def for_device(cls, kind: str, device: torch.device) -> FusedOps:
-        """`auto`: Triton kernels on CUDA when triton imports, eager elsewhere."""
+        """`auto` (`config.auto_kernels`): Triton kernels on CUDA when triton imports, eager
+        elsewhere (an engine's config comes resolved)."""
         if kind == "auto":
-            kind = "triton" if triton_available(device) else "eager"
+            kind = auto_kernels(device.type, triton_available(device), None)["fused_ops"]
         if kind == "triton" and device.type != "cuda":
             raise ValueError("the triton fused ops need a CUDA device")
         return cls(kind)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmserve.config import auto_kernels
+
 # Segments join the current bucket when no longer than this (launch overhead dominates) ...
 _SMALL_SEGMENT = 256
 # ... or when at least this fraction of the bucket's longest segment (bounds padding waste).
@@ -215,10 +217,11 @@ def get_vision_attention_backend(name: str, device: torch.device, dtype: torch.d
     """None (torch SDPA, grouped by segment length) for `torch`; a function of
     ``(q, k, v, cu_seqlens, max_seqlen)`` making one launch for every image or window for
     `flash` (torch's varlen FlashAttention; fp16 or bf16) and `triton` (ours), CUDA only;
-    `auto`: `flash` on CUDA in fp16 or bf16, else `torch`."""
+    `auto` (`config.auto_kernels`): `flash` on CUDA in fp16 or bf16, else `torch` (an
+    engine's config comes resolved)."""
     if name == "auto":
-        name = ("flash" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-                else "torch")
+        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+        name = auto_kernels(device.type, False, dtype_name)["vision_attention_backend"]
     if name == "torch":
         return None
     if name == "flash":

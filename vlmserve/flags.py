@@ -1,0 +1,98 @@
+"""Command-line flags generated from option dataclasses: the engine's options
+(`EngineConfig.option_fields()`) for `vlmserve serve` / `generate` and the benchmarks, the
+server's (`entrypoints/args.py`). Each field becomes `--field-name` with its
+`metadata["help"]`, its type (Optional ints parse as ints) and, for bools, `--x/--no-x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any, Union, get_args, get_origin
+
+from vlmserve.config import EngineConfig
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object given on the command line (`--mm-processor-kwargs '{"max_pixels": 1}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_json_object.__name__ = "json"  # the metavar: --mm-processor-kwargs JSON
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The non-None type of a field annotated `X` or `X | None` (annotations may be strings)."""
+    t = f.type
+    if isinstance(t, str):
+        names = [p.strip() for p in t.split("|") if p.strip() != "None"]
+        if len(names) == 1 and names[0].startswith("dict"):
+            return _json_object
+        return _TYPES.get(names[0], str) if len(names) == 1 else str
+    if get_origin(t) in (Union, types.UnionType):
+        args = [a for a in get_args(t) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return t if isinstance(t, type) else str
+
+
+def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                      fields: Iterable[dataclasses.Field], skip: Iterable[str] = (),
+                      defaults: Mapping[str, tuple[Any, str]] | None = None) -> list[str]:
+    """Add `--name` per field; options not given stay absent from the namespace, so the
+    dataclass defaults apply. `defaults`: fields whose default the caller sets instead, by
+    name, as (value, why): the help shows both, and the option is in the namespace at that
+    value unless given. Returns the names added."""
+    added = []
+    skipped = set(skip)
+    defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in fields}
+    assert not unknown, f"defaults for unknown options: {sorted(unknown)}"
+    for f in fields:
+        if f.name in skipped:
+            continue
+        typ = _field_type(f)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text:
+            help_text += f" (default: {default})"
+        given_default = argparse.SUPPRESS
+        if f.name in defaults:
+            given_default, why = defaults[f.name]
+            help_text = help_text.replace("(default:", "(the engine's default:")
+            help_text += f" Default here: {given_default} ({why})."
+        flag = "--" + f.name.replace("_", "-")
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=given_default, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            parser.add_argument(flag, dest=f.name, type=typ, default=given_default,
+                                help=help_text, choices=choices,
+                                metavar="{" + ",".join(choices) + "}" if choices
+                                else typ.__name__.upper())
+        added.append(f.name)
+    return added
+
+
+def add_engine_options(parser: argparse.ArgumentParser, skip: Iterable[str] = (),
+                       defaults: Mapping[str, tuple[Any, str]] | None = None) -> list[str]:
+    """The engine's options as flags (see `add_field_options`), in a group of their own."""
+    group = parser.add_argument_group("engine options (same names as LLM(...))")
+    return add_field_options(group, EngineConfig.option_fields(), skip, defaults)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line, for `EngineConfig.from_kwargs`."""
+    return {f.name: getattr(args, f.name) for f in EngineConfig.option_fields()
+            if hasattr(args, f.name)}
