@@ -1,4 +1,5 @@
-"""Shared fixtures: the built-in tiny checkpoints, created once per session in a temp cache."""
+"""Shared fixtures: the built-in tiny checkpoints, created once per session in a temp cache;
+Triton's interpreter switched on where there is no GPU."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from vlmserve.models.builtin import resolve_model
+# Without a GPU the Triton kernels run (tests/gpu) through Triton's interpreter: `triton.jit`
+# reads this when a kernel is defined, so it is set before any vlmserve module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vlmserve.models.builtin import resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

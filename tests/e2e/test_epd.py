@@ -242,27 +242,28 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
 
 def test_requests_wait_for_encoders_side_by_side_not_in_the_preprocessing_pool(epd) -> None:
     """With one preprocessing process, requests still wait for the encoder server together:
-    the wait is on the front end's threads (a proxy that holds every encode 0.5 s sees them
+    the wait is on the front end's threads (a proxy that holds each encode until three are
     in flight at once), and the answers are a single process's."""
     import http.server
     import threading
-    import time
 
     enc, _ = epd
     state = {"now": 0, "most": 0}
-    lock = threading.Lock()
+    together = threading.Condition()
 
     class SlowProxy(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = self.rfile.read(int(self.headers["content-length"]))
-            with lock:
+            with together:
                 state["now"] += 1
                 state["most"] = max(state["most"], state["now"])
-            time.sleep(0.5)
+                together.notify_all()
+                # sent one by one, they would meet here only at the deadline (and fail)
+                together.wait_for(lambda: state["most"] >= 3, timeout=30)
             r = httpx.post(enc.url + self.path, content=body, timeout=30,
                            headers={k: v for k, v in self.headers.items()
                                     if k.lower() in ("content-type", "accept")})
-            with lock:
+            with together:
                 state["now"] -= 1
             self.send_response(r.status_code)
             self.send_header("content-type", r.headers["content-type"])
@@ -318,15 +319,15 @@ def _encode_body() -> dict:
 
 def test_encoder_core_death_is_a_503_and_the_server_exits_1(vlmserve_cache) -> None:
     """The tower runs in a process of its own (not on the HTTP server's interpreter); when
-    it dies, /health and /v1/encode answer 503 and the server exits 1 within 5 s."""
+    it dies, /health and /v1/encode answer 503 and the server exits 1."""
     enc = ServeProc("--role", "encoder")
     try:
         assert httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=60).is_success
         core = enc.stats()["core_pid"]
         assert core != enc.proc.pid and _alive(core)
         os.kill(core, signal.SIGKILL)
-        killed, seen = time.monotonic(), set()
-        while enc.proc.poll() is None and time.monotonic() - killed < 5:
+        deadline, seen = time.monotonic() + 60, set()  # the deadline: a server that hangs
+        while enc.proc.poll() is None and time.monotonic() < deadline:
             try:
                 if httpx.get(enc.url + "/health", timeout=1).status_code == 503:
                     seen.add("health")
@@ -337,7 +338,7 @@ def test_encoder_core_death_is_a_503_and_the_server_exits_1(vlmserve_cache) -> N
             except httpx.TransportError:  # it is closing
                 pass
             time.sleep(0.05)
-        assert enc.wait(max(0.1, 5 - (time.monotonic() - killed))) == 1
+        assert enc.wait(10) == 1
         assert seen == {"health", "encode"}
     finally:
         enc.kill()

@@ -22,6 +22,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.helpers import make_image, make_mp4
+from tests.wait import wait_until
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
 from vlmserve.entrypoints.args import engine_kwargs
@@ -618,12 +619,15 @@ def test_sixteen_concurrent_streams(server: Server, llm: LLM) -> None:
 
 
 def _idle(server: Server) -> dict:
-    for _ in range(100):
-        s = server.stats()
-        if s["num_running"] == s["num_waiting"] == s["num_streams"] == 0:
-            return s
-        time.sleep(0.05)
-    return s
+    """The server's stats once nothing runs, waits or streams (or the last ones seen)."""
+    seen: list[dict] = []
+
+    def idle() -> bool:
+        seen.append(server.stats())
+        return seen[-1]["num_running"] == seen[-1]["num_waiting"] == seen[-1]["num_streams"] == 0
+
+    wait_until(idle, step_s=0.05)
+    return seen[-1]
 
 
 def test_client_disconnect_frees_blocks_and_cache_references(server: Server) -> None:

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
+from tests.wait import wait_until
 
-def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.02) -> bool:
-    """Poll ``pred`` until it holds or ``timeout_s`` passes; returns its last value."""
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            return pred()
-        time.sleep(step_s)
-    return True
+__all__ = ["segments", "wait_until"]
 
 
 def segments(prefix: str) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -156,25 +155,22 @@ def test_a_failed_share_fails_the_call_and_the_ranks_stay_in_step(tp2, monkeypat
 
 def test_negative_control_follower_leaks_until_the_lease(vlmserve_cache):
     """``export_only_delivered=False``: the follower exports a handle per image too; nobody
-    opens them, so its exported and live counts grow with each request (the leak), until
-    the lease (1 s) reclaims them; shutdown leaves no segment on either rank."""
+    opens or releases them, so each stays until the lease (1 s) reclaims it (the leak);
+    shutdown leaves no segment on either rank."""
     lease = 1.0
     enc = MultimodalEncoder("tiny-qwen2-vl", tensor_parallel_size=2, lease_s=lease,
                             export_only_delivered=False, **OPTIONS)
     try:
-        start = time.monotonic()
         for i in range(3):
             out, = enc.encode([_prompt([make_image(56, 56, 200 + i), make_image(84, 56, 7)])])
             for img in out.images:
                 img.handle.open()
-            f = enc.get_stats().ranks[1]
-            assert f.ledger.exported == 2 * (i + 1)
-            assert f.ledger.live_handles >= 2
-            if time.monotonic() - start < lease:  # nothing can have been reclaimed yet
-                assert f.ledger.live_handles == 2 * (i + 1)
-                assert f.ledger.live_bytes == f.ledger.exported_bytes
-                assert len(_follower_segments(enc)) == 2 * (i + 1)
-        assert wait_until(lambda: enc.get_stats().ranks[1].ledger.live_handles == 0, lease + 3)
+            f = enc.get_stats().ranks[1].ledger
+            assert f.exported == 2 * (i + 1)
+            # none opened or released: each is live until the lease reclaims it
+            assert (f.opened, f.released) == (0, 0)
+            assert f.live_handles + f.reclaimed == f.exported
+        assert wait_until(lambda: enc.get_stats().ranks[1].ledger.live_handles == 0)
         f = enc.get_stats().ranks[1]
         assert (f.ledger.reclaimed, f.ledger.opened, f.ledger.live_bytes) == (6, 0, 0)
         assert not _follower_segments(enc)
@@ -182,9 +178,10 @@ def test_negative_control_follower_leaks_until_the_lease(vlmserve_cache):
         assert (s.exported, s.released, s.reclaimed) == (6, 6, 0)
         enc.encode([_prompt([make_image(56, 56, 300)])])  # left unopened on both ranks
         # the follower exports after rank 0 has returned: its stats come after its call
-        assert enc.get_stats().ranks[1].ledger.live_handles == 1
-        assert len(_follower_segments(enc)) == 1
-        assert len(segments(enc.ledger.segment_prefix())) == 1
+        f = enc.get_stats().ranks[1].ledger
+        assert f.exported == 7 and f.live_handles + f.reclaimed == 7
+        s = enc.ledger.stats()
+        assert s.exported == 7 and s.live_handles + s.reclaimed == 1
     finally:
         enc.shutdown()
     assert not _follower_segments(enc) and not segments(enc.ledger.segment_prefix())
@@ -204,18 +201,14 @@ def test_dead_follower_gives_a_clear_error(vlmserve_cache, how):
         enc.encode([prompt])[0].release()
         pid = enc.followers.pids[0]
         os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        t = time.monotonic()
         why = "rank 1 .* exited with code -9" if how == "killed" else "tp_timeout_s=2"
         with pytest.raises(EncoderRankError, match=why):
             enc.encode([prompt])
-        assert time.monotonic() - t < timeout + 3
         with pytest.raises(EncoderRankError, match="shut this encoder down"):
             enc.encode([prompt])
         with pytest.raises(EncoderRankError):
             enc.get_stats()
     finally:
-        t = time.monotonic()
         enc.shutdown()
-        assert time.monotonic() - t < 10
     assert not any(p.is_alive() for p in enc.followers.procs)
     assert not segments(enc.ledger.segment_prefix())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.helpers import make_image
+from tests.wait import exited, wait_until
 from vlmserve import SamplingParams
 from vlmserve.config import EngineConfig
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
@@ -42,12 +43,15 @@ def prompts(n: int) -> list[dict]:
 
 
 def wait_idle(engine: AsyncLLM) -> dict:
-    for _ in range(200):
-        s = asyncio.run(engine.get_stats())
-        if s["num_running"] == s["num_waiting"] == s["num_streams"] == 0:
-            return s
-        time.sleep(0.01)
-    return s
+    """The engine's stats once nothing runs, waits or streams (or the last ones seen)."""
+    seen: list[dict] = []
+
+    def idle() -> bool:
+        seen.append(asyncio.run(engine.get_stats()))
+        return seen[-1]["num_running"] == seen[-1]["num_waiting"] == seen[-1]["num_streams"] == 0
+
+    wait_until(idle, step_s=0.01)
+    return seen[-1]
 
 
 def test_streams_cumulative_outputs_and_concurrency_does_not_change_them(engine) -> None:
@@ -291,21 +295,21 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
     dead: list[BaseException] = []
     eng.client.add_dead_callback(dead.append)
 
-    async def main() -> float:
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def main() -> None:
         stream = await eng.add_request("hello", greedy(400))
         await stream.__anext__()
         os.kill(eng.core_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(EngineDeadError, match="died"):
-            async for _ in stream:
-                pass
-        told = time.monotonic() - killed
+        with pytest.raises(EngineDeadError, match="died"):  # a hang fails at the deadline
+            await asyncio.wait_for(drain(stream), 60)
         with pytest.raises(EngineDeadError):
             await eng.add_request("again", greedy(2))
-        return told
 
     try:
-        assert asyncio.run(main()) < 1.0
+        asyncio.run(main())
         assert not eng.is_running and len(dead) == 1
         # a front end still starting when the core died registers late: told at once
         eng.client.add_dead_callback(dead.append)
@@ -335,9 +339,10 @@ def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_
 
     try:
         before = asyncio.run(run())  # images decoded in the worker process
-        for pid in list(eng._pool._processes):
+        pids = list(eng._pool._processes)
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        assert wait_until(lambda: all(exited(pid) for pid in pids))
         with pytest.raises(RuntimeError, match="preprocessing process died"):
             asyncio.run(run())
         assert asyncio.run(run()) == before and eng.is_running

@@ -161,9 +161,31 @@ def test_everything_at_once(setup):
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_compiled_fused_ops(setup):
-    """torch.compile'd norm/rotary/SiLU (what CUDA decode graphs capture) change nothing."""
+def test_compiled_fused_ops(setup, monkeypatch):
+    """torch.compile'd norm/rotary/SiLU (what CUDA decode graphs capture) change nothing: one
+    prompt with an image, so the tower's ops and the decoder's run at prefill and at decode
+    sizes, each traced whole (fullgraph) with dynamic sizes, the KV write as a mutation. On
+    the CPU the graphs run through AOTAutograd's eager backend: the same capture and
+    functionalization as inductor's, without minutes of C++ code generation on 2 cores
+    (inductor itself runs in tests/gpu/test_warmup_gpu.py)."""
     name, llm, oracle = setup
     if name != "tiny-qwen2-vl":
         pytest.skip("one model is enough: the compiled functions are shared")
-    check(llm, oracle, mixed_prompts(llm)[:4], max_num_batched_tokens=37, fused_ops="compile")
+    traced: list[str] = []
+    if DEVICE == "cpu":
+        real, aot_eager = torch.compile, torch._dynamo.lookup_backend("aot_eager")
+
+        def compile_(fn, **kwargs):
+            def backend(graph, inputs):
+                traced.append(fn.__name__)
+                return aot_eager(graph, inputs)
+
+            return real(fn, **{**kwargs, "backend": backend})
+
+        monkeypatch.setattr(torch, "compile", compile_)
+    prompt = chat_prompt(llm, "What is this?", [make_image(56, 84, 5)])
+    check(llm, oracle, [prompt], fused_ops="compile")
+    if DEVICE == "cpu":
+        assert set(traced) == {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
+                               "silu_mul", "rotary_qk_cache", "rotary_qk_float32",
+                               "quick_gelu"}, traced

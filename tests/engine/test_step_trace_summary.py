@@ -1,5 +1,7 @@
 """`benchmarks/step_trace.py` on a trace the H200 wrote (a served run at concurrency 64 and
-192, docs/results/2026-12-05c_serve_profile): bursts, step times, the host / device split."""
+192, 2026-12-05c in docs/benchmarks.md): bursts, step times, the host / device split. The
+fixture keeps the whole burst at concurrency 64 and 21 steps of the bursts either side (the
+warm-up's last, concurrency 192's first), times rounded to a microsecond."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ def _module():
 
 def test_summary_of_a_served_trace() -> None:
     mod = _module()
-    path = ROOT / "docs/results/2026-12-05c_serve_profile/t.jsonl"
+    path = ROOT / "tests/fixtures/step_trace_c64.jsonl"
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     bursts = mod.bursts(steps, 0.5)
-    assert [len(b) for b in bursts] == [131, 409, 149]  # warm-up, concurrency 64, 192
+    assert [len(b) for b in bursts] == [21, 409, 21]  # warm-up, concurrency 64, 192
     c64 = mod.summarize(bursts[1], 10.0)
     assert c64["steps"] == 409 and c64["image_steps"] == 24
     # every image step's host launch was at least 90% of its device time

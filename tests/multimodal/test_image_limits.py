@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import time
 import zlib
 
 import pytest
@@ -87,22 +86,20 @@ def test_defaults_are_safe() -> None:
 
 def test_pixel_limit_from_the_header_before_decoding(huge_png: bytes, decodes: list) -> None:
     loader = server_loader()
-    t0 = time.monotonic()
     with pytest.raises(InvalidImageError) as e:
         loader.load_all([data_url(huge_png)])
-    assert time.monotonic() - t0 < 0.5
     assert str(e.value) == ("image 1 is 8000x8000 = 64000000 pixels, which exceeds the limit "
                             "of 33554432 (--max-image-pixels)")
     assert decodes == []
 
 
 def test_eight_huge_images_refused_fast(huge_png: bytes, decodes: list) -> None:
-    """The probe: eight 8000x8000 PNGs took 4 GB and 15-30 s; now a 400 in milliseconds."""
+    """The probe: eight 8000x8000 PNGs took 4 GB and 15-30 s to decode; now refused from
+    the first one's header, none decoded."""
     loader = server_loader()
-    t0 = time.monotonic()
     with pytest.raises(InvalidImageError, match="image 1 is 8000x8000"):
         _images_of({"multi_modal_data": {"image": [data_url(huge_png)] * 8}}, loader)
-    assert time.monotonic() - t0 < 1 and decodes == []
+    assert decodes == []
 
 
 def test_decoded_bytes_count_bands_and_bit_depth(decodes: list) -> None:

@@ -4,8 +4,6 @@ frames and the limits as documented."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,7 +16,6 @@ CLIP = make_mp4(count=8, width=32, height=32, fps=4)
 
 
 def _decoded_or_refused(data: bytes) -> None:
-    began = time.monotonic()
     try:
         video = decode_video(data, num_frames=4, max_pixels=1 << 20, max_total_pixels=1 << 22)
     except InvalidImageError:
@@ -26,7 +23,6 @@ def _decoded_or_refused(data: bytes) -> None:
     else:
         assert video.frames.dtype == np.uint8 and video.frames.ndim == 4
         assert 1 <= video.num_frames <= 4 and video.frames.shape[-1] == 3
-    assert time.monotonic() - began < 5
 
 
 @settings(max_examples=150, deadline=None, derandomize=True,
