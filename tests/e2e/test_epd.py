@@ -120,6 +120,56 @@ def test_encode_endpoint_json_and_its_errors(epd) -> None:
     assert httpx.get(enc.url + "/health").status_code == 200
 
 
+def _pixel_image(**kw) -> dict:
+    """A preprocessed 56x56 image as JSON (4 tokens: a 4x4 patch grid, merged 2x2), with
+    ``kw`` over it."""
+    return {"mm_hash": "p" * 64, "encoder_meta": [1, 4, 4], "length": 4, "shape": [56, 56, 3],
+            "pixels": base64.b64encode(bytes(range(56)) * 168).decode(), **kw}
+
+
+@pytest.mark.parametrize("image, transport, words", [
+    # the reproduction: (-1, -1, 3) passed prod(shape) == len(pixels) and killed the core
+    ({"mm_hash": "x", "encoder_meta": [1, 2, 2], "length": 1, "shape": [-1, -1, 3],
+      "pixels": "BwcH"}, "bytes", ["shape", "-1"]),
+    (_pixel_image(shape=[0, 56, 3]), "bytes", ["shape"]),
+    (_pixel_image(shape=[56, 56, 4]), "bytes", ["shape"]),
+    (_pixel_image(shape=[2**40, 2**40, 3]), "bytes", ["shape"]),
+    (_pixel_image(shape=[1, 56, 56, 3, 1]), "bytes", ["shape"]),
+    (_pixel_image(shape=[28, 112, 3]), "bytes", ["encoder_meta"]),
+    (_pixel_image(pixels="AAAA"), "bytes", ["bytes of pixels"]),
+    (_pixel_image(encoder_meta=[]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[0, 4, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, -4, -4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 4, 8]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[2, 4, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 2**70, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(shape=[42, 42, 3], pixels=base64.b64encode(bytes(42 * 42 * 3)).decode(),
+                  encoder_meta=[1, 3, 3], length=2), "bytes", ["shape"]),
+    (_pixel_image(length=3), "bytes", ["length", "4"]),
+    (_pixel_image(length=0), "bytes", ["length"]),
+    (_pixel_image(), "cuda", ["cuda"]),  # a CPU encoder has no CUDA handles to give
+])
+def test_malformed_pixel_images_are_400s_and_the_encoder_lives(epd, image, transport,
+                                                                words) -> None:
+    """Preprocessed pixels are checked against what the server's own processor computes for
+    their shape (grid, token count) before the core sees them: each mistake is a 400 naming
+    it, and the encoder core (the same process) still encodes a good image after it."""
+    enc, _ = epd
+    core = enc.stats()["core_pid"]
+    r = httpx.post(enc.url + "/v1/encode", json={"transport": transport, "images": [image]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+    r = httpx.post(enc.url + "/v1/encode", json={"transport": "bytes",
+                                                  "images": [_pixel_image()]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert msgspec.json.decode(r.content, type=EncodeResponse).images[0].handle.shape[0] == 4
+    assert httpx.get(enc.url + "/health").status_code == 200
+    assert enc.stats()["core_pid"] == core
+
+
 def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     llm = ServeProc("--encoder-url", dead, "--preprocess-workers", "0")

@@ -81,6 +81,19 @@ class LlavaInputProcessor(HFInputProcessor):
         """Most placeholder tokens one image can become (every image: the same)."""
         return self.num_image_tokens
 
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere: its pixels must be the
+        tower's square (``[S, S, 3]``) and its ``encoder_meta`` empty, as this processor gives
+        them; `InvalidImageError` naming the mismatch."""
+        s = self.image_size
+        if tuple(shape) != (s, s, 3):
+            raise InvalidImageError(f"pixels of shape {list(shape)}: this processor gives "
+                                    f"[{s}, {s}, 3]")
+        if tuple(encoder_meta):
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)}: this model's images "
+                                    "have none ([])")
+        return self.num_image_tokens
+
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image], options: None = None) -> ProcessedPrompt:
         """Tokenize, resize and crop the images, expand each ``<image>`` placeholder.

@@ -188,6 +188,26 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size**2
 
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere, from the shape of its uint8
+        pixels as this processor gives them (``[H, W, 3]``; a video's frames ``[F, H, W,
+        3]``, F whole temporal patches), whose grid its ``encoder_meta`` must be;
+        `InvalidImageError` naming the mismatch."""
+        p, factor = self.patch_size, self.patch_size * self.merge_size
+        frames_per_patch = self.pixel_transform.temporal_patch_size
+        frames, height, width = ((1, *shape[:2]) if len(shape) == 3 else tuple(shape[:3])
+                                 if len(shape) == 4 else (0, 0, 0))
+        if not frames or height % factor or width % factor or (
+                len(shape) == 4 and frames % frames_per_patch):
+            raise InvalidImageError(
+                f"pixels of shape {list(shape)}: this processor gives [H, W, 3] (a video: [F, "
+                f"H, W, 3], F a multiple of {frames_per_patch}), H and W multiples of {factor}")
+        grid = (max(1, frames // frames_per_patch), height // p, width // p)
+        if tuple(encoder_meta) != grid:
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)} does not fit pixels "
+                                    f"of shape {list(shape)}: their patch grid is {list(grid)}")
+        return self.num_image_tokens(grid)
+
     def prepare(self, image: Image.Image, options: tuple[int, int] | None = None
                 ) -> PreparedImage:
         """The host part of the image processor for one image: its content hash and its

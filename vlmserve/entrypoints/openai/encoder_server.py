@@ -60,11 +60,13 @@ from vlmserve.transfer.wire import (
 
 logger = logging.getLogger("vlmserve.encoder_server")
 MSGPACK = "application/msgpack"
+MAX_PIXEL_DIM = 1 << 16  # a dimension of a preprocessed image's pixels, at most
 
 
 def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
-                      cfg: ServerConfig) -> FastAPI:
-    """The front end's app over a started encoder core (``core`` starts on the app's loop)."""
+                      cfg: ServerConfig, cuda: bool | None = None) -> FastAPI:
+    """The front end's app over a started encoder core (``core`` starts on the app's loop);
+    ``cuda``: whether the core's encoder is on a CUDA device (None: not known here)."""
     processor = input_processor.model_processor
     # data URLs, and paths under --allowed-local-media-path; no remote fetching here
     loader = RestrictedImageLoader(
@@ -85,12 +87,27 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
     json_decoder = msgspec.json.Decoder(EncodeRequest)
     msgpack_decoder = msgspec.msgpack.Decoder(EncodeRequest)
 
-    def checked(img: PixelImage) -> PixelImage:
-        n = math.prod(img.shape)
-        if (len(img.shape) not in (3, 4) or img.shape[-1] != 3 or n <= 0
-                or len(img.pixels) != n or not 0 < img.length <= processor.max_image_tokens):
-            raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes of "
-                                    f"pixels for shape {img.shape}, {img.length} tokens")
+    def checked(i: int, img: PixelImage) -> PixelImage:
+        """A preprocessed image as this server's own processor would have made it: uint8
+        pixels of a shape it gives, ``encoder_meta`` the grid it computes for that shape and
+        ``length`` its token count for them (else `InvalidImageError` naming the mismatch)."""
+        shape = list(img.shape)
+        if len(shape) not in (3, 4) or shape[-1] != 3 or not all(
+                0 < d <= MAX_PIXEL_DIM for d in shape):
+            raise InvalidImageError(f"image {i}: shape {shape}: expected [H, W, 3] or [N, H, "
+                                    f"W, 3], each dimension from 1 to {MAX_PIXEL_DIM}")
+        if len(img.pixels) != math.prod(shape):
+            raise InvalidImageError(f"image {i}: {len(img.pixels)} bytes of pixels for shape "
+                                    f"{shape}: expected {math.prod(shape)} (one byte each)")
+        try:
+            tokens = processor.pixel_tokens(shape, img.encoder_meta)
+        except InvalidImageError as e:
+            raise InvalidImageError(f"image {i}: {e}") from None
+        if img.length != tokens or not 0 < tokens <= processor.max_image_tokens:
+            raise InvalidImageError(
+                f"image {i}: length {img.length}: this server computes {tokens} tokens for "
+                f"encoder_meta {list(img.encoder_meta)}, at most {processor.max_image_tokens} "
+                "an image")
         return img
 
     def preprocess(req: EncodeRequest) -> tuple[ProcessedPrompt | None, list[PixelImage]]:
@@ -102,6 +119,10 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
             raise InvalidRequestError(f"images: at most {cfg.limit_mm_per_prompt} per request")
         if req.transport not in TRANSPORTS:
             raise InvalidRequestError(f"transport: one of {', '.join(TRANSPORTS)}")
+        if cuda is False and (req.transport == "cuda" or req.transport == "auto"
+                              and cfg.encoder_transport == "cuda"):
+            raise InvalidRequestError("transport: cuda handles need an encoder on a CUDA "
+                                      "device; this one runs on the CPU (shm or bytes)")
         urls = [src for src in req.images if isinstance(src, str)]
         if req.prompt is not None:
             if len(urls) != len(req.images):
@@ -112,8 +133,8 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         decoded = iter(input_processor.process({
             "prompt_token_ids": [processor.image_token_id, 0] * len(urls),
             "multi_modal_data": {"image": loader.load_all(urls)}}).images if urls else ())
-        return None, [pixel_image(next(decoded)) if isinstance(src, str) else checked(src)
-                      for src in req.images]
+        return None, [pixel_image(next(decoded)) if isinstance(src, str) else checked(i, src)
+                      for i, src in enumerate(req.images)]
 
     api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
 
