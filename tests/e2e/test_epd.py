@@ -251,9 +251,10 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
 
 
 def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
-    """`--api-key` guards /v1/encode (401 without it), and a body over `--max-request-bytes`
-    is a 413 before it is read, as on the LLM server; an LLM server whose pixels it refuses
-    answers its client with a 503, not a 400."""
+    """`--api-key` guards /v1/encode, /stats and the schema (401 without it; /health and
+    /metrics stay open), and a body over `--max-request-bytes` is a 413 before it is read, as
+    on the LLM server; an LLM server whose pixels it refuses answers its client with a 503,
+    not a 400."""
     enc = ServeProc("--role", "encoder", "--api-key", "sesame", "--max-request-bytes", "200000")
     try:
         body = {"images": [data_url(make_image(56, 56, 5))], "transport": "bytes"}
@@ -262,6 +263,12 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
         r = httpx.post(enc.url + "/v1/encode", json=body, timeout=60,
                        headers={"authorization": "Bearer sesame"})
         assert r.status_code == 200, r.text
+        for path in ("/stats", "/docs", "/openapi.json"):  # the server's internals too
+            assert httpx.get(enc.url + path).status_code == 401, path
+            assert httpx.get(enc.url + path, headers={"authorization": "Bearer sesame"}
+                             ).status_code == 200, path
+        for path in ("/health", "/metrics"):
+            assert httpx.get(enc.url + path).status_code == 200, path
         big = {"images": [data_url(make_image(400, 400, 6))], "transport": "bytes"}
         r = httpx.post(enc.url + "/v1/encode", json=big, timeout=60,
                        headers={"authorization": "Bearer sesame"})

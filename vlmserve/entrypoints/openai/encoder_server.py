@@ -44,6 +44,7 @@ from vlmserve.entrypoints.openai.http_util import (
     error_response,
     install_error_handlers,
     read_body,
+    require_key,
 )
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.inputs.processor import InputProcessor
@@ -147,6 +148,7 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         return error_response(503, str(e), type="server_error")
 
     install_error_handlers(app)
+    require_key(app, api_key)  # /stats, /docs, /openapi.json
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
