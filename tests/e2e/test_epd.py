@@ -170,6 +170,44 @@ def test_malformed_pixel_images_are_400s_and_the_encoder_lives(epd, image, trans
     assert enc.stats()["core_pid"] == core
 
 
+def test_a_clients_mm_hash_names_only_its_own_pixels(vlmserve_cache) -> None:
+    """Two pixel images under one mm_hash (a client may claim any hash) reach the encoder
+    core under names that bind their pixels: one forward never gives one of them the
+    other's rows. The same pixels keep one name (encoded once); answers carry the hash
+    the client gave."""
+    from fastapi.testclient import TestClient
+
+    from vlmserve.encoder.encoder import encoder_input_processor
+    from vlmserve.entrypoints.args import ServerConfig
+    from vlmserve.entrypoints.openai.encoder_server import build_encoder_app
+    from vlmserve.models.metadata import load_model_processor
+
+    class Core:  # the encoder core's client, recording what it is sent
+        dead = None
+        sent: list = []
+
+        async def start(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def encode(self, images, transport, *args, **kwargs):
+            self.sent += images
+            return [None] * len(images)
+
+    path, hf_config, _ = load_model_processor(MODEL)
+    core = Core()
+    app = build_encoder_app(core, encoder_input_processor(path, hf_config), ServerConfig(),
+                            cuda=False)
+    other = base64.b64encode(bytes(range(1, 57)) * 168).decode()
+    images = [_pixel_image(), _pixel_image(pixels=other), _pixel_image()]
+    with TestClient(app) as client:
+        r = client.post("/v1/encode", json={"transport": "bytes", "images": images})
+    assert r.status_code == 200, r.text
+    assert [img["mm_hash"] for img in r.json()["images"]] == ["p" * 64] * 3
+    names = [img.mm_hash for img in core.sent]
+    assert names[0] != names[1] and names[0] == names[2]
+
+
 def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     llm = ServeProc("--encoder-url", dead, "--preprocess-workers", "0")

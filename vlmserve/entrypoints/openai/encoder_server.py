@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -109,7 +110,12 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
                 f"image {i}: length {img.length}: this server computes {tokens} tokens for "
                 f"encoder_meta {list(img.encoder_meta)}, at most {processor.max_image_tokens} "
                 "an image")
-        return img
+        # the name the core knows it by binds its pixels: a client's mm_hash is a claim, and
+        # two images of one name in one forward would share one image's rows
+        digest = hashlib.blake2b(repr((shape, list(img.encoder_meta))).encode(),
+                                 digest_size=16)
+        digest.update(img.pixels)
+        return msgspec.structs.replace(img, mm_hash=f"{img.mm_hash}/{digest.hexdigest()}")
 
     def preprocess(req: EncodeRequest) -> tuple[ProcessedPrompt | None, list[PixelImage]]:
         """The request's prompt (with a prompt) and its images as pixels (the engine's own
@@ -168,9 +174,11 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         else:
             handles = await core.encode(images, transport, req.consumer, req.consumer_rows,
                                         began)
+            names = [src.mm_hash if isinstance(src, PixelImage) else img.mm_hash
+                     for src, img in zip(req.images, images, strict=True)]
             resp = EncodeResponse(images=[EncodedImageWire(
-                mm_hash=img.mm_hash, length=img.length, encoder_meta=tuple(img.encoder_meta),
-                handle=h) for img, h in zip(images, handles, strict=True)])
+                mm_hash=name, length=img.length, encoder_meta=tuple(img.encoder_meta),
+                handle=h) for name, img, h in zip(names, images, handles, strict=True)])
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")
