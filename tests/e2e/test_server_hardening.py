@@ -323,3 +323,49 @@ def test_required_tool_calls_stream_as_their_text_grows() -> None:
     assert [e["function"] for e in cut.feed('ther", "parameters": {"a')] == [
         {"name": "weather", "arguments": ""}, {"arguments": '{"a'}]
     assert cut.begun == 1 and cut.count == 0  # begun, not complete
+
+
+def test_a_tool_call_nested_past_the_parsers_depth_is_text() -> None:
+    """`<tool_call>` and 1,200 `[` (what a regex can make a model write) is no call: the
+    text is content, whole or streamed in pieces (it raised RecursionError: a 500, or a
+    stream cut short)."""
+    from vlmserve.entrypoints.openai.protocol import FunctionDefinition
+    from vlmserve.entrypoints.openai.tool_calls import HermesCalls, auto_calls_of, tool_calls_of
+
+    text = "<tool_call>" + "[" * 1200
+    assert auto_calls_of(text) == (text, [])
+    calls, content = HermesCalls(), ""
+    for i in range(0, len(text), 100):
+        content += calls.feed(text[i:i + 100])[0]
+    got, events = calls.feed("", final=True)
+    assert content + got == text and events == []
+    closed = text + "</tool_call>"
+    assert auto_calls_of(closed) == (closed, [])
+    assert tool_calls_of("required", "[" * 1200) is None
+    assert tool_calls_of(FunctionDefinition(name="f"), "[" * 1200) is None
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_and_done() -> None:
+    """Whatever fails while a stream's events are made, the client gets an error event and
+    `[DONE]`, and the request is aborted."""
+    from vlmserve.entrypoints.openai.streaming import event_stream
+
+    class Stream:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def events():
+        yield 'data: {"choices": []}\n\n'
+        raise RecursionError("maximum recursion depth exceeded")
+
+    async def body(response) -> list[str]:
+        return [chunk async for chunk in response.body_iterator]
+
+    stream = Stream()
+    got = asyncio.run(body(event_stream(events(), [stream])))
+    assert got[0] == 'data: {"choices": []}\n\n' and got[-1] == "data: [DONE]\n\n"
+    error = json.loads(got[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "RecursionError" in error["message"]
+    assert stream.aborted
