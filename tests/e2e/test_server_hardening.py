@@ -325,6 +325,23 @@ def test_required_tool_calls_stream_as_their_text_grows() -> None:
     assert cut.begun == 1 and cut.count == 0  # begun, not complete
 
 
+# other bad input that raised inside the server
+@pytest.mark.parametrize("kw, words", [
+    ({"stop_token_ids": [2**70]}, ["stop_token_ids"]),
+    ({"stop_token_ids": [-1]}, ["stop_token_ids"]),
+    ({"structured_outputs": {"json": "[" * 1200 + "]" * 1200}}, ["json", "nested"]),
+    ({"structured_outputs": {"json": '{"type": "array", "items": ' * 300 + "{}" + "}" * 300}},
+     ["json", "nested"]),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, ["regex", "matches nothing"]),
+    ({"structured_outputs": {"regex": r"ab[^\d\D]c|x{0}[^\w\W]"}},
+     ["regex", "matches nothing"]),
+])
+def test_bad_sampling_input_is_a_400(srv, kw, words) -> None:
+    for stream in (False, True):
+        assert_400(post(srv, chat_body(stream=stream, **kw)), *words)
+    assert_serving(srv)
+
+
 def test_a_tool_call_nested_past_the_parsers_depth_is_text() -> None:
     """`<tool_call>` and 1,200 `[` (what a regex can make a model write) is no call: the
     text is content, whole or streamed in pieces (it raised RecursionError: a 500, or a

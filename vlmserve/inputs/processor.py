@@ -229,13 +229,17 @@ class InputProcessor:
         return self._checked(self.model_processor.process(text, ids, images, options))
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """`params.validate()`, its logit biases name tokens of the vocabulary, and its
-        structured output's grammar parses."""
+        """`params.validate()`, its logit biases and stop token ids name tokens of the
+        vocabulary, and its structured output's grammar parses (and can match)."""
         params.validate()
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidSamplingParamsError(f"logit_bias token id {bad[0]} is outside the "
                                              f"vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(f"stop_token_ids: token id {bad[0]} is outside "
+                                             f"the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             check_structured(params.structured_outputs)
 
