@@ -156,6 +156,24 @@ class LlavaNextInputProcessor(HFInputProcessor):
                                     f"{height} pixels is {1 + rows * cols} tiles")
         return self.num_image_tokens(height, width)
 
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images encoded elsewhere, each described by
+        its ``encoder_meta`` (`meta_tokens`; hashes and pixels left empty): what a client's
+        embeddings are checked against."""
+        counts = []
+        for i, meta in enumerate(encoder_metas):
+            try:
+                counts.append(self.meta_tokens(tuple(meta)))
+            except InvalidImageError as e:
+                raise InvalidImageError(f"image {i}: {e}") from None
+        out_ids, offsets = _expand(self.token_ids(prompt, prompt_token_ids),
+                                   self.image_token_id, counts)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return ProcessedPrompt(prompt, out_ids, images=[
+            ImageInput("", off, n, empty, tuple(meta), None)
+            for off, n, meta in zip(offsets, counts, encoder_metas, strict=True)])
+
     def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
         """The token count of an image preprocessed elsewhere: its tiles ``[tiles, S, S, 3]``
         and ``encoder_meta`` as this processor gives them (`meta_tokens`)."""

@@ -208,6 +208,30 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                                     f"of shape {list(shape)}: their patch grid is {list(grid)}")
         return self.num_image_tokens(grid)
 
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images with these ``encoder_meta``s (patch
+        grids; images encoded elsewhere: their hashes empty, their pixels shapes on the meta
+        device): token ids, offsets, lengths, grids and positions, what a client's
+        embeddings are checked against. A grid this processor never gives an image (not
+        (1, h, w) of positive h and w, multiples of the merge size, within
+        `max_image_tokens`) is an `InvalidImageError`."""
+        p, m = self.patch_size, self.merge_size
+        prepared = []
+        for i, meta in enumerate(encoder_metas):
+            meta = list(meta)
+            if (len(meta) != 3 or meta[0] != 1 or not all(0 < x <= 1 << 20 for x in meta)
+                    or meta[1] % m or meta[2] % m
+                    or self.num_image_tokens(meta) > self.max_image_tokens):
+                raise InvalidImageError(
+                    f"image {i}: encoder_meta {meta} is not an image's patch grid: expected "
+                    f"[1, h, w], h and w positive multiples of {m}, at most "
+                    f"{self.max_image_tokens} tokens")
+            pixels = torch.empty((meta[1] * p, meta[2] * p, 3), dtype=torch.uint8,
+                                 device="meta")
+            prepared.append(PreparedImage("", pixels, 0))
+        return self.process(prompt, prompt_token_ids, prepared)
+
     def prepare(self, image: Image.Image, options: tuple[int, int] | None = None
                 ) -> PreparedImage:
         """The host part of the image processor for one image: its content hash and its
