@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -42,12 +43,13 @@ def _sources(prompt: dict[str, Any], kind: str) -> list:
     return list(items) if isinstance(items, (list, tuple)) else [items]
 
 
-def _video(src: Any, load: Any, i: int) -> Video:
+def _video(src: Any, load: Any, i: int, pixels_before: int = 0) -> Video:
     """Video ``i`` of a prompt: frames, or a file decoded (by a server's loader, under its
-    limits, when ``load`` has one)."""
+    limits, when ``load`` has one: the request's pixel limit less ``pixels_before``, what
+    its images and earlier videos hold)."""
     try:
         if isinstance(src, (bytes, bytearray, memoryview, str)) and hasattr(load, "load_video"):
-            return load.load_video(src)
+            return load.load_video(src, pixels_before)
         return load_video(src)
     except InvalidImageError as e:
         raise InvalidImageError(f"video {i}: {e}") from None
@@ -283,7 +285,11 @@ class InputProcessor:
             sources = _sources(prompt, "video")
             if sources and not getattr(self.model_processor, "takes_videos", False):
                 raise InvalidRequestError("this model does not take video inputs")
-            videos = [_video(v, load, i) for i, v in enumerate(sources)]
+            used = sum(img.source_pixels if isinstance(img, PreparedImage)
+                       else img.width * img.height for img in images)
+            for i, v in enumerate(sources):  # one pixel budget for the request
+                videos.append(_video(v, load, i, used))
+                used += int(np.prod(videos[-1].frames.shape[:3]))
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
