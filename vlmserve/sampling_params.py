@@ -25,6 +25,22 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # repetition penalty
 MAX_PENALTY, MAX_BIAS, MAX_REPETITION_PENALTY = 2.0, 100.0, 2.0
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SCHEMA_DEPTH = 64  # levels of objects and arrays a JSON schema may nest
+
+
+def _check_depth(schema: Any) -> None:
+    """`InvalidSamplingParamsError` if a JSON schema nests objects and arrays more than
+    `MAX_SCHEMA_DEPTH` levels deep (walked without recursion)."""
+    todo = [(schema, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidSamplingParamsError(
+                f"structured outputs: json is nested too deeply (more than {MAX_SCHEMA_DEPTH} "
+                "levels of objects and arrays)")
+        children = (value.values() if isinstance(value, dict)
+                    else value if isinstance(value, list) else ())
+        todo += [(c, depth + 1) for c in children if isinstance(c, dict | list)]
 
 
 @dataclass
@@ -56,6 +72,8 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, str | dict):
             raise InvalidSamplingParamsError("structured outputs: json must be a JSON schema "
                                              "(an object or its JSON text)")
+        if isinstance(self.json, dict):
+            _check_depth(self.json)
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -79,6 +97,11 @@ class StructuredOutputsParams:
             except ValueError as e:
                 raise InvalidSamplingParamsError(
                     f"structured outputs: json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise InvalidSamplingParamsError(
+                    f"structured outputs: json is nested too deeply (at most "
+                    f"{MAX_SCHEMA_DEPTH} levels)") from None
+            _check_depth(value)
         text = (json.dumps(value, sort_keys=True) if kind in ("json", "choice")
                 else "" if kind == "json_object" else value)
         return kind, text, not self.disable_any_whitespace
@@ -176,8 +199,8 @@ class SamplingParams:
             bad(f"seed must be a 64-bit integer (in [-2**63, 2**64 - 1]), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
+        if any(not is_int(t) or not 0 <= t < 1 << 31 for t in self.stop_token_ids):
+            bad("stop_token_ids must be token ids (non-negative integers below 2**31)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):

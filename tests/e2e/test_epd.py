@@ -120,6 +120,94 @@ def test_encode_endpoint_json_and_its_errors(epd) -> None:
     assert httpx.get(enc.url + "/health").status_code == 200
 
 
+def _pixel_image(**kw) -> dict:
+    """A preprocessed 56x56 image as JSON (4 tokens: a 4x4 patch grid, merged 2x2), with
+    ``kw`` over it."""
+    return {"mm_hash": "p" * 64, "encoder_meta": [1, 4, 4], "length": 4, "shape": [56, 56, 3],
+            "pixels": base64.b64encode(bytes(range(56)) * 168).decode(), **kw}
+
+
+@pytest.mark.parametrize("image, transport, words", [
+    # the reproduction: (-1, -1, 3) passed prod(shape) == len(pixels) and killed the core
+    ({"mm_hash": "x", "encoder_meta": [1, 2, 2], "length": 1, "shape": [-1, -1, 3],
+      "pixels": "BwcH"}, "bytes", ["shape", "-1"]),
+    (_pixel_image(shape=[0, 56, 3]), "bytes", ["shape"]),
+    (_pixel_image(shape=[56, 56, 4]), "bytes", ["shape"]),
+    (_pixel_image(shape=[2**40, 2**40, 3]), "bytes", ["shape"]),
+    (_pixel_image(shape=[1, 56, 56, 3, 1]), "bytes", ["shape"]),
+    (_pixel_image(shape=[28, 112, 3]), "bytes", ["encoder_meta"]),
+    (_pixel_image(pixels="AAAA"), "bytes", ["bytes of pixels"]),
+    (_pixel_image(encoder_meta=[]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[0, 4, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, -4, -4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 4, 8]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[2, 4, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(encoder_meta=[1, 2**70, 4]), "bytes", ["encoder_meta"]),
+    (_pixel_image(shape=[42, 42, 3], pixels=base64.b64encode(bytes(42 * 42 * 3)).decode(),
+                  encoder_meta=[1, 3, 3], length=2), "bytes", ["shape"]),
+    (_pixel_image(length=3), "bytes", ["length", "4"]),
+    (_pixel_image(length=0), "bytes", ["length"]),
+    (_pixel_image(), "cuda", ["cuda"]),  # a CPU encoder has no CUDA handles to give
+])
+def test_malformed_pixel_images_are_400s_and_the_encoder_lives(epd, image, transport,
+                                                                words) -> None:
+    """Preprocessed pixels are checked against what the server's own processor computes for
+    their shape (grid, token count) before the core sees them: each mistake is a 400 naming
+    it, and the encoder core (the same process) still encodes a good image after it."""
+    enc, _ = epd
+    core = enc.stats()["core_pid"]
+    r = httpx.post(enc.url + "/v1/encode", json={"transport": transport, "images": [image]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+    r = httpx.post(enc.url + "/v1/encode", json={"transport": "bytes",
+                                                  "images": [_pixel_image()]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert msgspec.json.decode(r.content, type=EncodeResponse).images[0].handle.shape[0] == 4
+    assert httpx.get(enc.url + "/health").status_code == 200
+    assert enc.stats()["core_pid"] == core
+
+
+def test_a_clients_mm_hash_names_only_its_own_pixels(vlmserve_cache) -> None:
+    """Two pixel images under one mm_hash (a client may claim any hash) reach the encoder
+    core under names that bind their pixels: one forward never gives one of them the
+    other's rows. The same pixels keep one name (encoded once); answers carry the hash
+    the client gave."""
+    from fastapi.testclient import TestClient
+
+    from vlmserve.encoder.encoder import encoder_input_processor
+    from vlmserve.entrypoints.args import ServerConfig
+    from vlmserve.entrypoints.openai.encoder_server import build_encoder_app
+    from vlmserve.models.metadata import load_model_processor
+
+    class Core:  # the encoder core's client, recording what it is sent
+        dead = None
+        sent: list = []
+
+        async def start(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def encode(self, images, transport, *args, **kwargs):
+            self.sent += images
+            return [None] * len(images)
+
+    path, hf_config, _ = load_model_processor(MODEL)
+    core = Core()
+    app = build_encoder_app(core, encoder_input_processor(path, hf_config), ServerConfig(),
+                            cuda=False)
+    other = base64.b64encode(bytes(range(1, 57)) * 168).decode()
+    images = [_pixel_image(), _pixel_image(pixels=other), _pixel_image()]
+    with TestClient(app) as client:
+        r = client.post("/v1/encode", json={"transport": "bytes", "images": images})
+    assert r.status_code == 200, r.text
+    assert [img["mm_hash"] for img in r.json()["images"]] == ["p" * 64] * 3
+    names = [img.mm_hash for img in core.sent]
+    assert names[0] != names[1] and names[0] == names[2]
+
+
 def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     llm = ServeProc("--encoder-url", dead, "--preprocess-workers", "0")
@@ -201,9 +289,10 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
 
 
 def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
-    """`--api-key` guards /v1/encode (401 without it), and a body over `--max-request-bytes`
-    is a 413 before it is read, as on the LLM server; an LLM server whose pixels it refuses
-    answers its client with a 503, not a 400."""
+    """`--api-key` guards /v1/encode, /stats and the schema (401 without it; /health and
+    /metrics stay open), and a body over `--max-request-bytes` is a 413 before it is read, as
+    on the LLM server; an LLM server whose pixels it refuses answers its client with a 503,
+    not a 400."""
     enc = ServeProc("--role", "encoder", "--api-key", "sesame", "--max-request-bytes", "200000")
     try:
         body = {"images": [data_url(make_image(56, 56, 5))], "transport": "bytes"}
@@ -212,6 +301,12 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
         r = httpx.post(enc.url + "/v1/encode", json=body, timeout=60,
                        headers={"authorization": "Bearer sesame"})
         assert r.status_code == 200, r.text
+        for path in ("/stats", "/docs", "/openapi.json"):  # the server's internals too
+            assert httpx.get(enc.url + path).status_code == 401, path
+            assert httpx.get(enc.url + path, headers={"authorization": "Bearer sesame"}
+                             ).status_code == 200, path
+        for path in ("/health", "/metrics"):
+            assert httpx.get(enc.url + path).status_code == 200, path
         big = {"images": [data_url(make_image(400, 400, 6))], "transport": "bytes"}
         r = httpx.post(enc.url + "/v1/encode", json=big, timeout=60,
                        headers={"authorization": "Bearer sesame"})

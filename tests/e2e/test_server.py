@@ -843,6 +843,16 @@ def test_api_key(server: Server, monkeypatch) -> None:
             assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
             ok = {"Authorization": "Bearer sekret"}
             assert client.get("/v1/models", headers=ok).status_code == 200
+            # the server's internals and schema too; probes and scrapers need no key
+            for path in ("/stats", "/docs", "/openapi.json"):
+                r = client.get(path)
+                assert r.status_code == 401, path
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert client.get(path, headers={"Authorization": "Bearer no"}
+                                  ).status_code == 401
+                assert client.get(path, headers=ok).status_code == 200, path
+            for path in ("/health", "/ping", "/version", "/metrics"):
+                assert client.get(path).status_code == 200, path
             r = client.post("/v1/chat/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 

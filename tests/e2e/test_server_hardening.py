@@ -5,7 +5,10 @@ chat request is answered."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -24,9 +27,13 @@ STALL_S = 5
 
 @pytest.fixture(scope="module")
 def srv(vlmserve_cache: Path):
+    # shm handles from clients accepted (a trusted client's option): their checks are tested
     proc = ServeProc("--max-prompt-chars", "20000", "--request-body-timeout", "2",
                      "--health-stall-timeout", str(STALL_S),
-                     env={"PYTHONPATH": FAULTS, "VLMSERVE_POISON_SEED": str(POISON_SEED),
+                     "--accept-encoder-handles", "bytes,shm",
+                     env={"PYTHONPATH": os.pathsep.join(filter(None, [
+                              FAULTS, os.environ.get("PYTHONPATH")])),
+                          "VLMSERVE_POISON_SEED": str(POISON_SEED),
                           "VLMSERVE_STALL_SEED": str(STALL_SEED)})
     yield proc
     proc.kill()
@@ -328,3 +335,281 @@ def test_required_tool_calls_stream_as_their_text_grows() -> None:
     assert [e["function"] for e in cut.feed('ther", "parameters": {"a')] == [
         {"name": "weather", "arguments": ""}, {"arguments": '{"a'}]
     assert cut.begun == 1 and cut.count == 0  # begun, not complete
+
+
+# ---- what a client sends is checked against what the server computes ------------------------
+
+
+@functools.cache
+def _model() -> tuple:
+    """(input processor, image row width) of the served model, built here as the server's."""
+    from vlmserve.models.metadata import load_model_processor
+    from vlmserve.models.registry import image_row_width
+
+    _, hf_config, processor = load_model_processor(MODEL)
+    return processor, image_row_width(hf_config)
+
+
+def _chat_text(messages: list[dict]) -> str:
+    """The prompt text the server renders for these chat messages."""
+    from vlmserve.inputs.chat import parse_chat_messages
+
+    return _model()[0].apply_chat_template(parse_chat_messages(messages)[0])
+
+
+PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe."
+          "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _rows_bytes(rows, name: str = "rows") -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({name: rows})).decode()
+
+
+def encoded(images: list, text: str = PROMPT, rows: list | None = None) -> dict:
+    """`multi_modal_embeddings` for ``text`` and ``images`` as an encoder server answers
+    them, made here: the images' real content hashes, grids, offsets, lengths and the prompt's
+    positions, with bytes handles of ``rows`` (default: random rows)."""
+    import msgspec
+    import torch
+
+    from vlmserve.transfer.wire import BytesWire, output_to_wire
+
+    processor, width = _model()
+    processed = processor.process(text, None, images)
+    handles = []
+    for i, img in enumerate(processed.images):
+        r = rows[i] if rows is not None else torch.randn(img.length, width)
+        handles.append(BytesWire(handle_id=f"client-{i}", shape=tuple(r.shape), dtype="float32",
+                                 release_address=None, expires_at=time.time() + 600,
+                                 data=base64.b64decode(_rows_bytes(r))))
+    return json.loads(msgspec.json.encode(output_to_wire(processed, handles)))
+
+
+def complete(srv: ServeProc, mme: dict, text: str = PROMPT, **kw) -> httpx.Response:
+    return post(srv, {"model": MODEL, "prompt": text, "max_tokens": 4, "temperature": 0,
+                      "ignore_eos": True, "multi_modal_embeddings": mme, **kw},
+                path="/v1/completions")
+
+
+def test_client_embeddings_cannot_change_another_requests_answer(srv) -> None:
+    """Rows a client plants under a real image's content hash (its recipe is public) are
+    served to that client alone: a later ordinary request with that image, the same prompt
+    (so the same prefix-cache keys, were the client's hash trusted), answers as a single
+    process does."""
+    import torch
+
+    from tests.e2e.test_server import data_url, greedy, user
+    from tests.engine.helpers import make_image
+    from vlmserve import LLM
+
+    image = make_image(84, 56, 4711)  # seen by no other request of this server
+    conv = user("Describe.", data_url(image))
+    ref = LLM(MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              max_num_batched_tokens=256)
+    want = ref.chat([conv], greedy(8), use_tqdm=False)[0].outputs[0].text
+    text = _chat_text(conv)
+    planted = encoded([image], text, rows=[torch.full((6, _model()[1]), 30.0)])
+    assert planted["images"][0]["length"] == 6
+    r = complete(srv, planted, text, max_tokens=8)
+    assert r.status_code == 200, r.text  # the client's own rows, for its own request
+    assert r.json()["choices"][0]["text"] != want
+    r = post(srv, chat_body(messages=conv, max_tokens=8, temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert_serving(srv)
+
+
+IMAGE_ROWS = 6  # make_image(84, 56): a 6x4 patch grid, merged 2x2
+
+
+def _set_handle(**fields):
+    def edit(mme: dict) -> None:
+        mme["images"][0]["handle"].update(fields)
+    return edit
+
+
+def _rows(n: int, width: int, name: str = "rows") -> str:
+    import torch
+
+    return _rows_bytes(torch.randn(n, width), name)
+
+
+def _shm(segment: str):
+    """An shm handle (as a trusted client's) naming ``segment``."""
+    def edit(mme: dict) -> None:
+        h = mme["images"][0]["handle"]
+        mme["images"][0]["handle"] = {
+            "kind": "shm", "handle_id": "s1", "shape": h["shape"], "dtype": "float32",
+            "release_address": None, "expires_at": h["expires_at"], "segment": segment}
+    return edit
+
+
+def _edit(path: str, value):
+    def edit(mme: dict) -> None:
+        *head, last = path.split(".")
+        d = mme
+        for k in head:
+            d = d[int(k)] if k.isdigit() else d[k]
+        d[last] = value(d[last]) if callable(value) else value
+    return edit
+
+
+BAD_EMBEDDINGS = [  # (what, edit of the encoded body, words of the 400)
+    ("not safetensors", _set_handle(data=base64.b64encode(b"not safetensors").decode()),
+     ["safetensors"]),
+    ("no rows tensor", _set_handle(data=_rows(IMAGE_ROWS, 64, name="x")), ["rows"]),
+    ("wrong width", _set_handle(shape=[IMAGE_ROWS, 65], data=_rows(IMAGE_ROWS, 65)),
+     ["shape", "65"]),
+    ("expired lease", _set_handle(expires_at=1.0), ["lease"]),
+    ("float8 dtype", _set_handle(dtype="float8_e4m3fn"), ["dtype", "float8_e4m3fn"]),
+    ("qint8 dtype", _set_handle(dtype="qint8"), ["dtype", "qint8"]),
+    ("not a dtype", _set_handle(dtype="Tensor"), ["dtype"]),
+    ("3-D shape", _set_handle(shape=[1, IMAGE_ROWS, 64]), ["shape"]),
+    ("position_offset 2**70", _edit("position_offset", 2**70), ["position_offset"]),
+    ("2-row prompt_positions", _edit("prompt_positions", lambda p: p[:2]),
+     ["prompt_positions"]),
+    ("a position past 64 bits", _edit("prompt_positions", lambda p: [[2**70] + r[1:] for r in p]),
+     ["prompt_positions"]),
+    ("positions shorter than the prompt", _edit("prompt_positions", lambda p: [r[:-1] for r in p]),
+     ["prompt_positions"]),
+    ("one row broadcast to the declared shape", _set_handle(data=_rows(1, 64)), ["shape"]),
+    ("offset past the prompt", _edit("images.0.offset", 500), ["offset"]),
+    ("negative offset", _edit("images.0.offset", -1), ["offset"]),
+    ("length 0", lambda m: (_edit("images.0.length", 0)(m), _set_handle(
+        shape=[0, 64], data=_rows(0, 64))(m)), ["length"]),
+    ("a grid that is not the image's", _edit("images.0.encoder_meta", [1, 4, 4]),
+     ["encoder_meta"]),
+    ("a grid of no image", _edit("images.0.encoder_meta", [1, -2, 3]), ["encoder_meta"]),
+    ("token ids not the prompt's", _edit("prompt_token_ids", lambda ids: ids[:-1]),
+     ["prompt_token_ids"]),
+    ("shm: a missing segment", _shm("vlmserve-test-no-such-segment"), ["segment"]),
+    ("shm: a name with /", _shm("a/b"), ["segment"]),
+    ("shm: ..", _shm(".."), ["segment"]),
+    ("shm: NUL", _shm("a\x00b"), ["segment"]),
+    ("shm: empty name", _shm(""), ["segment"]),
+    ("shm: 300 characters", _shm("a" * 300), ["segment"]),
+]
+
+
+@pytest.mark.parametrize("what, edit, words", BAD_EMBEDDINGS, ids=[b[0] for b in BAD_EMBEDDINGS])
+def test_malformed_multi_modal_embeddings_are_400s(srv, what, edit, words) -> None:
+    from tests.engine.helpers import make_image
+
+    mme = encoded([make_image(84, 56, 7)])
+    assert len(mme["images"]) == 1 and mme["images"][0]["length"] == IMAGE_ROWS
+    edit(mme)
+    r = complete(srv, mme)
+    assert_400(r, *words)
+    assert_serving(srv)
+
+
+def test_an_shm_segment_smaller_than_declared_is_a_400(srv) -> None:
+    from multiprocessing.shared_memory import SharedMemory
+
+    from tests.engine.helpers import make_image
+
+    shm = SharedMemory(create=True, size=16)
+    try:
+        mme = encoded([make_image(84, 56, 7)])
+        _shm(shm.name.lstrip("/"))(mme)
+        assert_400(complete(srv, mme), "segment", "16")
+    finally:
+        shm.close()
+        shm.unlink()
+    assert_serving(srv)
+
+
+def test_two_images_with_one_hash_and_different_lengths_are_a_400(srv) -> None:
+    from tests.engine.helpers import make_image
+
+    text = PROMPT.replace("<|image_pad|>", "<|image_pad|><|vision_end|><|vision_start|>"
+                                           "<|image_pad|>", 1)
+    mme = encoded([make_image(84, 56, 8), make_image(56, 56, 9)], text)
+    mme["images"][1]["mm_hash"] = mme["images"][0]["mm_hash"]
+    assert_400(complete(srv, mme, text), "mm_hash")
+    assert_serving(srv)
+
+
+def test_a_retried_body_and_an_image_listed_twice_are_served(srv) -> None:
+    """A client's retry (the same body again) and one image's rows given for two
+    placeholders are served: client handles are not held by this server's ledger of opens."""
+    from tests.engine.helpers import make_image
+
+    mme = encoded([make_image(84, 56, 10)])
+    first = complete(srv, mme)
+    assert first.status_code == 200, first.text
+    again = complete(srv, mme)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    text = PROMPT.replace("<|image_pad|>", "<|image_pad|><|vision_end|><|vision_start|>"
+                                           "<|image_pad|>", 1)
+    twice = encoded([make_image(84, 56, 10)] * 2, text)
+    twice["images"][1]["handle"] = twice["images"][0]["handle"]
+    r = complete(srv, twice, text)
+    assert r.status_code == 200, r.text
+    assert_serving(srv)
+
+
+# other bad input that raised inside the server
+@pytest.mark.parametrize("kw, words", [
+    ({"stop_token_ids": [2**70]}, ["stop_token_ids"]),
+    ({"stop_token_ids": [-1]}, ["stop_token_ids"]),
+    ({"structured_outputs": {"json": "[" * 1200 + "]" * 1200}}, ["json", "nested"]),
+    ({"structured_outputs": {"json": '{"type": "array", "items": ' * 300 + "{}" + "}" * 300}},
+     ["json", "nested"]),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, ["regex", "matches nothing"]),
+    ({"structured_outputs": {"regex": r"ab[^\d\D]c|x{0}[^\w\W]"}},
+     ["regex", "matches nothing"]),
+])
+def test_bad_sampling_input_is_a_400(srv, kw, words) -> None:
+    for stream in (False, True):
+        assert_400(post(srv, chat_body(stream=stream, **kw)), *words)
+    assert_serving(srv)
+
+
+def test_a_tool_call_nested_past_the_parsers_depth_is_text() -> None:
+    """`<tool_call>` and 1,200 `[` (what a regex can make a model write) is no call: the
+    text is content, whole or streamed in pieces (it raised RecursionError: a 500, or a
+    stream cut short)."""
+    from vlmserve.entrypoints.openai.protocol import FunctionDefinition
+    from vlmserve.entrypoints.openai.tool_calls import HermesCalls, auto_calls_of, tool_calls_of
+
+    text = "<tool_call>" + "[" * 1200
+    assert auto_calls_of(text) == (text, [])
+    calls, content = HermesCalls(), ""
+    for i in range(0, len(text), 100):
+        content += calls.feed(text[i:i + 100])[0]
+    got, events = calls.feed("", final=True)
+    assert content + got == text and events == []
+    closed = text + "</tool_call>"
+    assert auto_calls_of(closed) == (closed, [])
+    assert tool_calls_of("required", "[" * 1200) is None
+    assert tool_calls_of(FunctionDefinition(name="f"), "[" * 1200) is None
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_and_done() -> None:
+    """Whatever fails while a stream's events are made, the client gets an error event and
+    `[DONE]`, and the request is aborted."""
+    from vlmserve.entrypoints.openai.streaming import event_stream
+
+    class Stream:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def events():
+        yield 'data: {"choices": []}\n\n'
+        raise RecursionError("maximum recursion depth exceeded")
+
+    async def body(response) -> list[str]:
+        return [chunk async for chunk in response.body_iterator]
+
+    stream = Stream()
+    got = asyncio.run(body(event_stream(events(), [stream])))
+    assert got[0] == 'data: {"choices": []}\n\n' and got[-1] == "data: [DONE]\n\n"
+    error = json.loads(got[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "RecursionError" in error["message"]
+    assert stream.aborted

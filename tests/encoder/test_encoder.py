@@ -5,6 +5,9 @@ requests; only delivering ranks export."""
 
 from __future__ import annotations
 
+import os
+
+import msgspec
 import pytest
 import torch
 from safetensors import safe_open
@@ -13,6 +16,7 @@ from tests.encoder.helpers import segments, wait_until
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM
 from vlmserve.encoder.encoder import MultimodalEncoder
+from vlmserve.encoder.service import forwards
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vlmserve.transfer.handles import BytesHandle, ShmHandle
 
@@ -151,3 +155,36 @@ def test_launched_forwards_finish_in_any_interleaving(vlmserve_cache):
         assert all(isinstance(h, BytesHandle) for h in handles)
         assert all(torch.equal(h.open(), w) for h, w in zip(handles, want[0], strict=True))
         assert wait_until(lambda: enc.get_stats().ledger.live_handles == 0, 5)
+
+
+def test_the_encoder_core_fails_only_the_offending_job(vlmserve_cache, tmp_path):
+    """Jobs the front end should have refused (pixels that do not fit their shape, a grid
+    the tower cannot take) reach the encoder core beside a good one in one round: each bad
+    job is answered with its error, the good one with its handle, and the core goes on."""
+    from vlmserve.encoder.service import EncodeJob, EncoderCoreProc, JobDone
+    from vlmserve.transfer.wire import from_wire, pixel_image
+
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", mm_embedding_offload=False)
+    good = pixel_image(llm.engine.input_processor.process(_prompts(llm)[0]).images[0])
+    with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu") as enc:
+        proc = EncoderCoreProc(enc, f"ipc://{tmp_path}/core", os.getpid())
+        answers: dict[int, JobDone] = {}
+        proc._send = lambda identity, msg: answers.__setitem__(msg.job_id, msg)
+        bad_shape = msgspec.structs.replace(good, mm_hash="a" * 64, shape=(-1, -1, 3),
+                                            pixels=b"\x07" * 3)
+        bad_grid = msgspec.structs.replace(good, mm_hash="b" * 64, encoder_meta=(1, 2, 2))
+        jobs = [EncodeJob(i, "bytes", [img]) for i, img in
+                enumerate([good, bad_shape, bad_grid, good])]
+        try:
+            for job in jobs:
+                proc.sender[id(job)] = b"front end"
+            launched = [proc._launch(group) for group in forwards(jobs, 10_000)]
+            proc._finish_all([item for item in launched if item is not None])
+        finally:
+            proc.close()
+        assert sorted(answers) == [0, 1, 2, 3] and not proc.sender
+        for i in (1, 2):
+            assert answers[i].error is not None and answers[i].handles == []
+        for i in (0, 3):
+            assert answers[i].error is None
+            assert from_wire(answers[i].handles[0]).open().shape[0] == good.length

@@ -156,3 +156,39 @@ def test_close_reclaims_everything():
     assert (s.live_handles, s.reclaimed) == (0, 5)
     with pytest.raises(RuntimeError):
         ledger.export(rows())
+
+
+def test_a_handle_is_checked_before_its_rows_take_memory(monkeypatch, tmp_path):
+    """A 1 KB bytes handle declaring 2,000,000 rows (or holding one row to broadcast), or a
+    shared-memory segment smaller than declared, is refused before `open` allocates the
+    declared rows."""
+    import time
+    from multiprocessing.shared_memory import SharedMemory
+
+    from safetensors.torch import save
+
+    from vlmserve.transfer.consumer_ledger import ConsumerLedger
+    from vlmserve.transfer.handles import HandleError, ShmHandle
+
+    allocated = []
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real(*a, **k))
+    later = time.time() + 60
+    one_row = save({"rows": torch.zeros(1, 64)})
+    seen = ConsumerLedger()
+    for shape in [(2_000_000, 64), (6, 64)]:
+        with pytest.raises(HandleError, match="shape"):
+            BytesHandle(f"c-{shape[0]}", shape, "float32", None, later, data=one_row).open(
+                ledger=seen)
+    with pytest.raises(HandleError, match="not safetensors"):
+        BytesHandle("c-x", (6, 64), "float32", None, later, data=b"\xff" * 64).open(ledger=seen)
+    shm = SharedMemory(create=True, size=64)
+    try:
+        with pytest.raises(HandleError, match="fewer than"):
+            ShmHandle("s-1", (2_000_000, 64), "float32", None, later,
+                      segment=shm.name.lstrip("/")).open(ledger=seen)
+    finally:
+        shm.close()
+        shm.unlink()
+    assert allocated == []
+    seen.close()

@@ -111,3 +111,31 @@ def test_cuda_handles_on_the_wire_open_in_another_process() -> None:
             assert wait_until(lambda: ledger.stats().live_handles == 0, 10)
     finally:
         _stop(proc)
+
+
+def test_handles_from_clients_name_no_address_the_server_contacts() -> None:
+    """A client's handles of every kind lose the release address they came with (the
+    server connects to no address a client names) and each gets an id of its own (a retry
+    is no second open): opening them reads the rows and connects nowhere."""
+    from vlmserve.transfer.consumer_ledger import ConsumerLedger
+    from vlmserve.transfer.wire import EncodedImageWire, EncoderOutputWire, output_from_wire
+
+    rows = torch.randn(3, 8)
+    with HandleLedger(lease_s=30) as ledger:
+        sent = [msgspec.structs.replace(to_wire(ledger.export(rows, kind)),
+                                        release_address="tcp://127.0.0.1:9")
+                for kind in ("shm", "bytes")]
+        wire = EncoderOutputWire(prompt=None, prompt_token_ids=[1, 2, 3], images=[
+            EncodedImageWire(mm_hash="x", length=3, encoder_meta=(), handle=h) for h in sent])
+        consumer = ConsumerLedger()
+        try:
+            for _ in range(2):  # the same body twice
+                out = output_from_wire(wire, ("bytes", "shm"))
+                assert [i.handle.release_address for i in out.images] == [None, None]
+                assert not {i.handle.handle_id for i in out.images} & {h.handle_id
+                                                                       for h in sent}
+                for img in out.images:
+                    assert torch.equal(img.handle.open(ledger=consumer), rows)
+            assert consumer._ctx is None and not consumer._sockets
+        finally:
+            consumer.close()

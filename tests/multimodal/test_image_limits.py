@@ -167,3 +167,43 @@ def test_undecodable_image_names_the_part() -> None:
 def test_remote_urls_are_never_fetched_by_the_loader() -> None:
     with pytest.raises(InvalidImageError, match="remote image URLs are not allowed"):
         RestrictedImageLoader().load_all(["http://127.0.0.1:1/x.png"])
+
+
+def test_request_pixels_are_one_budget_for_images_and_videos(vlmserve_cache,
+                                                             monkeypatch) -> None:
+    """`--max-request-pixels` holds a request's images and videos together: a video each
+    within it, but not all of them, is refused before the one over it is decoded (each
+    video was checked alone: 8 large videos were decoded before the request's 400)."""
+    from tests.engine.helpers import make_mp4
+    from vlmserve.inputs.processor import InputProcessor
+    from vlmserve.models.metadata import load_model_processor
+    from vlmserve.multimodal import video
+
+    _, _, model_processor = load_model_processor("tiny-qwen2-vl")
+    processor = InputProcessor(model_processor, 448)
+    decoded = []
+    real = video.decode_video
+
+    def spy(data, num_frames, max_pixels=None, max_total_pixels=None, *a):
+        decoded.append(max_total_pixels)
+        return real(data, num_frames, max_pixels, max_total_pixels, *a)
+
+    monkeypatch.setattr("vlmserve.multimodal.image.decode_video", spy)
+    clip = data_url_of(make_mp4())  # 12 frames of 64x48: 36,864 pixels
+    pads = "<|vision_start|><|video_pad|><|vision_end|>"
+    loader = RestrictedImageLoader(max_request_pixels=50_000)
+    one = processor.process({"prompt": pads + "x", "multi_modal_data": {"video": [clip]}},
+                            loader)
+    assert len(one.images) == 1
+    with pytest.raises(InvalidImageError, match="--max-request-pixels"):
+        processor.process({"prompt": pads * 2 + "x", "multi_modal_data": {
+            "video": [clip, clip]}}, loader)
+    assert decoded == [50_000, 50_000, 50_000 - 36_864]  # the second refused from its header
+    image = data_url(solid_png(120, 120))  # 14,400 pixels: the video no longer fits
+    with pytest.raises(InvalidImageError, match="--max-request-pixels"):
+        processor.process({"prompt": "<|vision_start|><|image_pad|><|vision_end|>" + pads,
+                           "multi_modal_data": {"image": [image], "video": [clip]}}, loader)
+
+
+def data_url_of(data: bytes, mime: str = "video/mp4") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()

@@ -186,31 +186,71 @@ class EncoderCoreProc:
                 self.stopping = True
 
     def _launch(self, group: list[EncodeJob]) -> tuple | None:
-        """The group's images its consumers do not hold, in one forward (queued)."""
-        enc, t = self.encoder, self.times
+        """The group's images its consumers do not hold, in one forward (queued). Only the
+        job at fault fails: a job whose images cannot be read is answered with its error,
+        and a forward that fails is run again one job at a time (`_one_by_one`)."""
+        t = self.times
         began = time.monotonic()
         t.jobs += len(group)
         t.queue_s += sum(max(0.0, began - job.sent_at) for job in group)
-        held = [enc.delivered.known(job.consumer, job.consumer_rows,
-                                    [img.mm_hash for img in job.images])
-                if job.consumer is not None else set() for job in group]
-        prompts = [ProcessedPrompt(None, [], [self._image(img) for img in job.images
-                                             if img.mm_hash not in known])
-                   for job, known in zip(group, held, strict=True)]
-        try:
-            return group, held, enc.launch(prompts, transport=group[0].transport), began
-        except Exception as e:  # noqa: BLE001 - each waiting request is told
-            self._failed(group, e)
+        group, held, prompts = self._readable(group)
+        if not group:
             return None
+        try:
+            return group, held, self.encoder.launch(prompts, transport=group[0].transport), began
+        except Exception as e:  # noqa: BLE001 - each waiting request is told
+            self._one_by_one(group, e, began)
+            return None
+
+    def _readable(self, group: list[EncodeJob]
+                  ) -> tuple[list[EncodeJob], list[set[str]], list[ProcessedPrompt]]:
+        """The group's jobs whose images can be read (the others answered with their error),
+        the images each one's consumer holds, and each one's images to encode."""
+        enc = self.encoder
+        jobs, held, prompts = [], [], []
+        for job in group:
+            try:
+                known = (enc.delivered.known(job.consumer, job.consumer_rows,
+                                             [img.mm_hash for img in job.images])
+                         if job.consumer is not None else set())
+                prompt = ProcessedPrompt(None, [], [self._image(img) for img in job.images
+                                                    if img.mm_hash not in known])
+            except Exception as e:  # noqa: BLE001 - this job's own fault
+                self._failed([job], e)
+                continue
+            jobs.append(job)
+            held.append(known)
+            prompts.append(prompt)
+        return jobs, held, prompts
+
+    def _one_by_one(self, group: list[EncodeJob], error: Exception, began: float) -> None:
+        """A forward of ``group`` failed with ``error``: alone, its job fails; else each job
+        is launched and finished alone, so that only the one at fault fails."""
+        if len(group) == 1:
+            self._failed(group, error)
+            return
+        logger.warning("a forward of %d jobs failed (%s: %s); each job again alone",
+                       len(group), type(error).__name__, error)
+        for job in group:
+            jobs, held, prompts = self._readable([job])
+            if not jobs:
+                continue
+            try:
+                work = self.encoder.launch(prompts, transport=job.transport)
+            except Exception as e:  # noqa: BLE001 - this job's own fault
+                self._failed(jobs, e)
+                continue
+            self._finish(jobs, held, work, began)
 
     def _finish(self, group: list[EncodeJob], held: list[set[str]], work: Any,
                 began: float) -> None:
-        """Export the group's forward and answer each job with its handles."""
+        """Export the group's forward and answer each job with its handles (a failure:
+        `_one_by_one`)."""
         enc, t = self.encoder, self.times
         try:
             outputs = enc.finish(work)
         except Exception as e:  # noqa: BLE001 - each waiting request is told
-            self._failed(group, e)
+            self._one_by_one(group, e, began)
             return
         t.forwards += 1
         t.forward_s += time.monotonic() - began

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -19,6 +20,7 @@ from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 from vlmserve.multimodal.video import Video, load_video
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.transfer.handles import ROW_DTYPES
 
 PromptInput = str | dict[str, Any]
 # a source (PIL image, bytes, URL, path) -> RGB; a loader with a `load_all(sources)` method
@@ -43,12 +45,13 @@ def _sources(prompt: dict[str, Any], kind: str) -> list:
     return list(items) if isinstance(items, (list, tuple)) else [items]
 
 
-def _video(src: Any, load: Any, i: int) -> Video:
+def _video(src: Any, load: Any, i: int, pixels_before: int = 0) -> Video:
     """Video ``i`` of a prompt: frames, or a file decoded (by a server's loader, under its
-    limits, when ``load`` has one)."""
+    limits, when ``load`` has one: the request's pixel limit less ``pixels_before``, what
+    its images and earlier videos hold)."""
     try:
         if isinstance(src, (bytes, bytearray, memoryview, str)) and hasattr(load, "load_video"):
-            return load.load_video(src)
+            return load.load_video(src, pixels_before)
         return load_video(src)
     except InvalidImageError as e:
         raise InvalidImageError(f"video {i}: {e}") from None
@@ -118,6 +121,16 @@ class PreparedImageCache:
                 self.bytes -= self._items.popitem(last=False)[1].pixels.numel()
 
 
+def client_rows_key(rows: torch.Tensor, encoder_meta: tuple[int, ...]) -> str:
+    """The key of embedding rows a client sent (the encoder cache's and the prefix cache's):
+    their dtype, shape, grid and bytes, marked as a client's, in a namespace of their own
+    (content hashes are bare hex digests)."""
+    h = hashlib.sha256(f"client rows {rows.dtype} {list(rows.shape)} {list(encoder_meta)}"
+                       .encode())
+    h.update(rows.contiguous().view(-1).view(torch.uint8).numpy())
+    return "client-" + h.hexdigest()
+
+
 class InputProcessor:
     """Wraps the model's own input processor (tokenizer + HF image processor).
     ``image_cache_bytes`` > 0 keeps that many bytes of processed images by source (data URLs
@@ -174,10 +187,15 @@ class InputProcessor:
         return prepared
 
     def _encoded(self, prompt: dict[str, Any]) -> ProcessedPrompt:
-        """A prompt whose images an encoder service encoded (`vlmserve.MultimodalEncoder`):
-        its token ids, positions and embedding rows, taken as they are. Each handle is
-        opened here, once: its rows are copied to this process and the producer frees
-        them."""
+        """A prompt whose images an encoder service encoded (`vlmserve.MultimodalEncoder`, or
+        a client): trusted for nothing but its rows. Its token ids, positions, each image's
+        offset, length and grid must be what this server computes for its prompt and grids
+        (`described_prompt` of the model's processor); each handle must declare rows of a
+        dtype the engine takes and of [length, width], and hold exactly those. Each handle is
+        opened here, once: its rows are copied to this process and the producer frees them.
+        The rows are keyed by their own bytes (`client_rows_key`), never by the hash they
+        came with: rows sent for an image never stand in for that image's own rows in the
+        encoder cache or the prefix cache."""
         out = prompt["multi_modal_embeddings"]
         unknown = set(prompt) - {"prompt", "multi_modal_embeddings"}
         if unknown:
@@ -186,30 +204,80 @@ class InputProcessor:
         if not hasattr(out, "prompt_token_ids") or not hasattr(out, "images"):
             raise InvalidRequestError("multi_modal_embeddings must be an EncoderOutput of "
                                       "vlmserve.MultimodalEncoder")
-        if prompt.get("prompt") is not None and prompt["prompt"] != out.prompt:
-            out.release()
-            raise InvalidRequestError("prompt differs from the prompt multi_modal_embeddings "
-                                      "were encoded for")
-        images = []
         try:
-            for i, img in enumerate(out.images):
-                if img.handle is None:
-                    raise InvalidRequestError(f"image {i} has no embeddings (an encoder rank "
-                                              "that does not deliver results)")
-                rows, hidden = tuple(img.handle.shape)
-                if rows != img.length or (self.hidden_size and hidden != self.hidden_size):
-                    raise InvalidRequestError(
-                        f"image {i}: embeddings of shape {tuple(img.handle.shape)}, expected "
-                        f"({img.length}, {self.hidden_size or hidden})")
-                images.append(ImageInput(img.mm_hash, img.offset, img.length,
-                                         torch.empty(0, dtype=torch.uint8),
-                                         tuple(img.encoder_meta), None,
-                                         embeds=img.handle.open("cpu")))
+            if prompt.get("prompt") is not None and prompt["prompt"] != out.prompt:
+                raise InvalidRequestError("prompt differs from the prompt "
+                                          "multi_modal_embeddings were encoded for")
+            expected = self._expected_layout(out)
+            images = []
+            for i, (img, want) in enumerate(zip(out.images, expected.images, strict=True)):
+                rows = self._client_rows(i, img)
+                images.append(ImageInput(client_rows_key(rows, want.encoder_meta), want.offset,
+                                         want.length, torch.empty(0, dtype=torch.uint8),
+                                         want.encoder_meta, None, embeds=rows))
         except Exception:
             out.release()  # the handles not opened yet go back
             raise
-        return ProcessedPrompt(out.prompt, list(out.prompt_token_ids), images,
-                               out.prompt_positions, out.position_offset)
+        return ProcessedPrompt(expected.prompt, expected.prompt_token_ids, images,
+                               expected.prompt_positions, expected.position_offset)
+
+    def _expected_layout(self, out: Any) -> ProcessedPrompt:
+        """What this server computes for an `EncoderOutput`'s prompt and its images' grids;
+        `InvalidRequestError` naming the first thing ``out`` says otherwise."""
+        bad = InvalidRequestError
+        ids = list(out.prompt_token_ids)
+        metas = [tuple(img.encoder_meta) for img in out.images]
+        want = self.model_processor.described_prompt(
+            out.prompt, None if out.prompt is not None else ids, metas)
+        if ids != want.prompt_token_ids:
+            raise bad(f"multi_modal_embeddings: prompt_token_ids ({len(ids)}) are not the "
+                      f"prompt's tokens with its images' placeholders expanded as this server "
+                      f"expands them for encoder_meta {[list(m) for m in metas]} "
+                      f"({len(want.prompt_token_ids)})")
+        for i, (img, w) in enumerate(zip(out.images, want.images, strict=True)):
+            for name in ("offset", "length"):
+                if getattr(img, name) != getattr(w, name):
+                    raise bad(f"multi_modal_embeddings: image {i}: {name} "
+                              f"{getattr(img, name)}: this server computes {getattr(w, name)} "
+                              f"for its prompt and encoder_meta {list(w.encoder_meta)}")
+        seen: dict[str, tuple] = {}
+        for i, img in enumerate(out.images):
+            first = seen.setdefault(img.mm_hash, (i, img.length, tuple(img.encoder_meta)))
+            if first[1:] != (img.length, tuple(img.encoder_meta)):
+                raise bad(f"multi_modal_embeddings: images {first[0]} and {i} have one mm_hash "
+                          "but different lengths or grids")
+        got, expected = out.prompt_positions, want.prompt_positions
+        if (got is None) != (expected is None) or expected is not None and (
+                tuple(got.shape) != tuple(expected.shape) or not torch.equal(got, expected)):
+            raise bad(f"multi_modal_embeddings: prompt_positions "
+                      f"{None if got is None else list(got.shape)} are not the positions this "
+                      f"server computes for the prompt "
+                      f"({None if expected is None else list(expected.shape)})")
+        if out.position_offset != want.position_offset:
+            raise bad(f"multi_modal_embeddings: position_offset {out.position_offset}: this "
+                      f"server computes {want.position_offset}")
+        return want
+
+    def _client_rows(self, i: int, img: Any) -> torch.Tensor:
+        """Image ``i``'s rows from its handle: declared as [length, width] of a float dtype
+        (checked before anything is allocated) and holding exactly that; any failure to read
+        them is this request's `InvalidRequestError`."""
+        h = img.handle
+        if h is None:
+            raise InvalidRequestError(f"image {i} has no embeddings (an encoder rank that does "
+                                      "not deliver results)")
+        width = self.hidden_size or (h.shape[-1] if h.shape else 0)
+        if h.dtype not in ROW_DTYPES:
+            raise InvalidRequestError(f"image {i}: embeddings of dtype {h.dtype!r}: one of "
+                                      f"{', '.join(ROW_DTYPES)}")
+        if tuple(h.shape) != (img.length, width):
+            raise InvalidRequestError(f"image {i}: embeddings of shape {list(h.shape)}: this "
+                                      f"server takes [{img.length}, {width}] (its rows, the "
+                                      "model's width)")
+        try:
+            return h.open("cpu")
+        except Exception as e:  # noqa: BLE001 - reading the client's handle failed
+            raise InvalidRequestError(f"image {i}: its embeddings cannot be read: {e}") from None
 
     def process(self, prompt: PromptInput, load: ImageLoader = load_image) -> ProcessedPrompt:
         """Validate and preprocess; `load` turns each image source into a decoded image (a
@@ -235,7 +303,11 @@ class InputProcessor:
             sources = _sources(prompt, "video")
             if sources and not getattr(self.model_processor, "takes_videos", False):
                 raise InvalidRequestError("this model does not take video inputs")
-            videos = [_video(v, load, i) for i, v in enumerate(sources)]
+            used = sum(img.source_pixels if isinstance(img, PreparedImage)
+                       else img.width * img.height for img in images)
+            for i, v in enumerate(sources):  # one pixel budget for the request
+                videos.append(_video(v, load, i, used))
+                used += int(np.prod(videos[-1].frames.shape[:3]))
         else:
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt)}")
         if text is not None and not isinstance(text, str):
@@ -247,13 +319,17 @@ class InputProcessor:
         return self._checked(self.model_processor.process(text, ids, images, options))
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """`params.validate()`, its logit biases name tokens of the vocabulary, and its
-        structured output's grammar parses."""
+        """`params.validate()`, its logit biases and stop token ids name tokens of the
+        vocabulary, and its structured output's grammar parses (and can match)."""
         params.validate()
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidSamplingParamsError(f"logit_bias token id {bad[0]} is outside the "
                                              f"vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(f"stop_token_ids: token id {bad[0]} is outside "
+                                             f"the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             check_structured(params.structured_outputs)
 

@@ -59,9 +59,10 @@ def _grammar(xgr, spec: tuple[str, str, bool]):
 
 def check_structured(params: StructuredOutputsParams) -> None:
     """Raise `InvalidSamplingParamsError` naming the problem if ``params`` cannot be compiled
-    (a schema xgrammar cannot hold to, a regular expression or grammar that does not parse)."""
+    (a schema xgrammar cannot hold to, a regular expression or grammar that does not parse)
+    or can match nothing (a regular expression of no string: the output could never end)."""
     xgr = _xgrammar()
-    kind = params.spec[0]
+    kind, text, _ = params.spec
     try:
         _grammar(xgr, params.spec)
     except Exception as e:  # noqa: BLE001 - xgrammar's parse errors have no common base
@@ -69,6 +70,61 @@ def check_structured(params: StructuredOutputsParams) -> None:
         raise InvalidSamplingParamsError(
             f"structured outputs: invalid {kind}: {msg[0] if msg else type(e).__name__}"
         ) from None
+    if kind == "regex" and regex_matches_nothing(text):
+        raise InvalidSamplingParamsError(
+            f"structured outputs: the regex {text[:80]!r} matches nothing (no output could "
+            "ever match it)")
+
+
+def regex_matches_nothing(pattern: str) -> bool:
+    """Whether a regular expression matches no string at all, as Python's `re` reads it (a
+    character class that excludes every character, such as ``[^\\s\\S]``, in every way
+    through the expression). False where it cannot tell: only a sure "nothing" is said."""
+    import re
+    from re import _constants as c
+    from re import _parser
+
+    try:
+        parsed = _parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return False
+    pairs = [{c.CATEGORY_DIGIT, c.CATEGORY_NOT_DIGIT}, {c.CATEGORY_SPACE, c.CATEGORY_NOT_SPACE},
+             {c.CATEGORY_WORD, c.CATEGORY_NOT_WORD}]
+
+    def class_empty(items: list) -> bool:
+        if not items or items[0][0] is not c.NEGATE:
+            return False  # a class of some characters matches them
+        cats = {av for op, av in items if op is c.CATEGORY}
+        if any(pair <= cats for pair in pairs):
+            return True
+        spans = sorted((av, av) if op is c.LITERAL else av for op, av in items[1:]
+                       if op in (c.LITERAL, c.RANGE))
+        reach = -1
+        for lo, hi in spans:
+            if lo > reach + 1:
+                return False
+            reach = max(reach, hi)
+        return reach >= 0x10FFFF
+
+    def empty(seq) -> bool:
+        for op, av in seq:
+            if op is c.IN and class_empty(av):
+                return True
+            if op is c.BRANCH and all(empty(alt) for alt in av[1]):
+                return True
+            if op is c.SUBPATTERN and empty(av[3]):
+                return True
+            if op is c.ATOMIC_GROUP and empty(av):
+                return True
+            if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT) and av[0] > 0 and empty(
+                    av[2]):
+                return True
+        return False
+
+    try:
+        return empty(parsed)
+    except RecursionError:
+        return False
 
 
 class GrammarCompiler:

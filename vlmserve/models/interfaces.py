@@ -35,6 +35,19 @@ class ModelInputProcessor(Protocol):
         another template, no generation prompt, the last message continued, template
         variables."""
 
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere (the encoder server's pixel
+        images): the shape of its uint8 pixels must be one this processor gives, and its
+        ``encoder_meta`` what it computes for them; else `InvalidImageError` naming the
+        mismatch."""
+
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images known only by their ``encoder_meta``
+        (images encoded elsewhere: hashes and pixels empty): token ids, offsets, lengths,
+        grids, positions, what a client's embeddings are checked against; an
+        ``encoder_meta`` it never gives an image is an `InvalidImageError`."""
+
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image]) -> ProcessedPrompt:
         """Token ids with every image's placeholder run expanded to its exact length, one

@@ -44,6 +44,9 @@ class TiledClipPixels(ClipPixels):
         return super().__call__(images.flatten(0, 1) if images.ndim == 5 else images, dtype)
 
 
+MAX_SIDE = 1 << 20  # pixels a side of an image described by its encoder_meta, at most
+
+
 def select_best_resolution(height: int, width: int,
                            pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
     """The (height, width) of ``pinpoints`` that keeps the most of the image (its pixels after
@@ -138,6 +141,49 @@ class LlavaNextInputProcessor(HFInputProcessor):
 
     def num_image_tokens(self, height: int, width: int) -> int:
         return num_image_tokens(height, width, self.pinpoints, self.tile, self.patches)
+
+    def meta_tokens(self, encoder_meta: Sequence[int]) -> int:
+        """The token count of an image whose ``encoder_meta`` is (tiles, original height,
+        width): the tiles must be those this processor cuts an image of that size into;
+        `InvalidImageError` naming the mismatch."""
+        if len(encoder_meta) != 3 or not all(0 < x <= MAX_SIDE for x in encoder_meta):
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)}: expected (tiles, "
+                                    f"height, width), each from 1 to {MAX_SIDE}")
+        tiles, height, width = encoder_meta
+        rows, cols, _ = anyres_geometry(height, width, self.pinpoints, self.tile, self.patches)
+        if tiles != 1 + rows * cols:
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)}: an image of {width}x"
+                                    f"{height} pixels is {1 + rows * cols} tiles")
+        return self.num_image_tokens(height, width)
+
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images encoded elsewhere, each described by
+        its ``encoder_meta`` (`meta_tokens`; hashes and pixels left empty): what a client's
+        embeddings are checked against."""
+        counts = []
+        for i, meta in enumerate(encoder_metas):
+            try:
+                counts.append(self.meta_tokens(tuple(meta)))
+            except InvalidImageError as e:
+                raise InvalidImageError(f"image {i}: {e}") from None
+        out_ids, offsets = _expand(self.token_ids(prompt, prompt_token_ids),
+                                   self.image_token_id, counts)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return ProcessedPrompt(prompt, out_ids, images=[
+            ImageInput("", off, n, empty, tuple(meta), None)
+            for off, n, meta in zip(offsets, counts, encoder_metas, strict=True)])
+
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere: its tiles ``[tiles, S, S, 3]``
+        and ``encoder_meta`` as this processor gives them (`meta_tokens`)."""
+        n = self.meta_tokens(encoder_meta)
+        s = self.tile
+        if tuple(shape) != (encoder_meta[0], s, s, 3):
+            raise InvalidImageError(f"pixels of shape {list(shape)} for encoder_meta "
+                                    f"{list(encoder_meta)}: this processor gives "
+                                    f"[{encoder_meta[0]}, {s}, {s}, 3]")
+        return n
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image], options: None = None) -> ProcessedPrompt:

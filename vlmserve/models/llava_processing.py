@@ -81,6 +81,19 @@ class LlavaInputProcessor(HFInputProcessor):
         """Most placeholder tokens one image can become (every image: the same)."""
         return self.num_image_tokens
 
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere: its pixels must be the
+        tower's square (``[S, S, 3]``) and its ``encoder_meta`` empty, as this processor gives
+        them; `InvalidImageError` naming the mismatch."""
+        s = self.image_size
+        if tuple(shape) != (s, s, 3):
+            raise InvalidImageError(f"pixels of shape {list(shape)}: this processor gives "
+                                    f"[{s}, {s}, 3]")
+        if tuple(encoder_meta):
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)}: this model's images "
+                                    "have none ([])")
+        return self.num_image_tokens
+
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
                 images: Sequence[Image.Image], options: None = None) -> ProcessedPrompt:
         """Tokenize, resize and crop the images, expand each ``<image>`` placeholder.
@@ -88,25 +101,9 @@ class LlavaInputProcessor(HFInputProcessor):
         The prompt holds one ``<image>`` token per image (as the chat template renders it), or
         every image's run already expanded to exactly ``num_image_tokens``.
         """
-        ids = self.token_ids(prompt, prompt_token_ids)
-        n, tid = self.num_image_tokens, self.image_token_id
-        count = ids.count(tid)
-        if count == len(images):  # one placeholder per image: expand each
-            out_ids: list[int] = []
-            offsets: list[int] = []
-            for t in ids:
-                if t == tid:
-                    offsets.append(len(out_ids))
-                    out_ids += [tid] * n
-                else:
-                    out_ids.append(t)
-        elif count == n * len(images) and _runs_of(ids, tid, n):  # expanded already
-            out_ids = ids
-            offsets = [i for i, t in enumerate(ids) if t == tid][::n]
-        else:
-            raise InvalidRequestError(
-                f"the prompt has {count} image placeholder token(s) for {len(images)} "
-                f"image(s): expected one per image, or {n} per image")
+        out_ids, offsets = self._expanded(self.token_ids(prompt, prompt_token_ids),
+                                          len(images))
+        n = self.num_image_tokens
         if not images:
             return ProcessedPrompt(prompt, out_ids, images=[])
         rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
@@ -118,6 +115,41 @@ class LlavaInputProcessor(HFInputProcessor):
             for h, off, img, a in zip(hashes, offsets, rgb, arrays, strict=True)
         ]
         return ProcessedPrompt(prompt, out_ids, images=image_inputs)
+
+    def _expanded(self, ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """The token ids with each image's placeholder expanded, and each run's offset."""
+        n, tid = self.num_image_tokens, self.image_token_id
+        count = ids.count(tid)
+        if count == num_images:  # one placeholder per image: expand each
+            out_ids: list[int] = []
+            offsets: list[int] = []
+            for t in ids:
+                if t == tid:
+                    offsets.append(len(out_ids))
+                    out_ids += [tid] * n
+                else:
+                    out_ids.append(t)
+            return out_ids, offsets
+        if count == n * num_images and _runs_of(ids, tid, n):  # expanded already
+            return ids, [i for i, t in enumerate(ids) if t == tid][::n]
+        raise InvalidRequestError(
+            f"the prompt has {count} image placeholder token(s) for {num_images} "
+            f"image(s): expected one per image, or {n} per image")
+
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images encoded elsewhere (their
+        ``encoder_meta``s must be empty, as this processor's; hashes and pixels left empty):
+        what a client's embeddings are checked against."""
+        for i, meta in enumerate(encoder_metas):
+            if tuple(meta):
+                raise InvalidImageError(f"image {i}: encoder_meta {list(meta)}: this model's "
+                                        "images have none ([])")
+        out_ids, offsets = self._expanded(self.token_ids(prompt, prompt_token_ids),
+                                          len(encoder_metas))
+        empty = torch.empty(0, dtype=torch.uint8)
+        return ProcessedPrompt(prompt, out_ids, images=[
+            ImageInput("", off, self.num_image_tokens, empty, (), None) for off in offsets])
 
     def _resize_crop(self, image: Image.Image, array: np.ndarray) -> torch.Tensor:
         """The image as the HF processor sizes it (resize, then center crop), ``[H, W, 3]``

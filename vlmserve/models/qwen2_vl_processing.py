@@ -188,6 +188,50 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size**2
 
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        """The token count of an image preprocessed elsewhere, from the shape of its uint8
+        pixels as this processor gives them (``[H, W, 3]``; a video's frames ``[F, H, W,
+        3]``, F whole temporal patches), whose grid its ``encoder_meta`` must be;
+        `InvalidImageError` naming the mismatch."""
+        p, factor = self.patch_size, self.patch_size * self.merge_size
+        frames_per_patch = self.pixel_transform.temporal_patch_size
+        frames, height, width = ((1, *shape[:2]) if len(shape) == 3 else tuple(shape[:3])
+                                 if len(shape) == 4 else (0, 0, 0))
+        if not frames or height % factor or width % factor or (
+                len(shape) == 4 and frames % frames_per_patch):
+            raise InvalidImageError(
+                f"pixels of shape {list(shape)}: this processor gives [H, W, 3] (a video: [F, "
+                f"H, W, 3], F a multiple of {frames_per_patch}), H and W multiples of {factor}")
+        grid = (max(1, frames // frames_per_patch), height // p, width // p)
+        if tuple(encoder_meta) != grid:
+            raise InvalidImageError(f"encoder_meta {list(encoder_meta)} does not fit pixels "
+                                    f"of shape {list(shape)}: their patch grid is {list(grid)}")
+        return self.num_image_tokens(grid)
+
+    def described_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
+        """The prompt as `process` makes it for images with these ``encoder_meta``s (patch
+        grids; images encoded elsewhere: their hashes empty, their pixels shapes on the meta
+        device): token ids, offsets, lengths, grids and positions, what a client's
+        embeddings are checked against. A grid this processor never gives an image (not
+        (1, h, w) of positive h and w, multiples of the merge size, within
+        `max_image_tokens`) is an `InvalidImageError`."""
+        p, m = self.patch_size, self.merge_size
+        prepared = []
+        for i, meta in enumerate(encoder_metas):
+            meta = list(meta)
+            if (len(meta) != 3 or meta[0] != 1 or not all(0 < x <= 1 << 20 for x in meta)
+                    or meta[1] % m or meta[2] % m
+                    or self.num_image_tokens(meta) > self.max_image_tokens):
+                raise InvalidImageError(
+                    f"image {i}: encoder_meta {meta} is not an image's patch grid: expected "
+                    f"[1, h, w], h and w positive multiples of {m}, at most "
+                    f"{self.max_image_tokens} tokens")
+            pixels = torch.empty((meta[1] * p, meta[2] * p, 3), dtype=torch.uint8,
+                                 device="meta")
+            prepared.append(PreparedImage("", pixels, 0))
+        return self.process(prompt, prompt_token_ids, prepared)
+
     def prepare(self, image: Image.Image, options: tuple[int, int] | None = None
                 ) -> PreparedImage:
         """The host part of the image processor for one image: its content hash and its

@@ -204,12 +204,28 @@ class RestrictedImageLoader:
     max_image_bytes: int | None = None  # per image, decoded (from the header's size and mode)
     video_num_frames: int = 32  # frames sampled from a video file
 
-    def load_video(self, src: ImageSource) -> Video:
+    def load_video(self, src: ImageSource, pixels_before: int = 0) -> Video:
         """A video file (the front end's fetched bytes, a data URL, or a path inside
         ``allowed_local_dir``) decoded into ``video_num_frames`` frames, each within
-        ``max_pixels`` and all of them within ``max_request_pixels``."""
-        return decode_video(self._read(src, "video"), self.video_num_frames, self.max_pixels,
-                            self.max_request_pixels)
+        ``max_pixels`` and all of them within what ``max_request_pixels`` leaves after the
+        request's images and videos before it (``pixels_before``): one budget a request,
+        checked from the file's headers before any frame is decoded."""
+        left = None
+        if self.max_request_pixels is not None:
+            left = self.max_request_pixels - pixels_before
+            if left <= 0:
+                raise InvalidImageError(
+                    f"the request's images and videos before this video hold {pixels_before} "
+                    f"pixels, the limit of {self.max_request_pixels} (--max-request-pixels)")
+        try:
+            return decode_video(self._read(src, "video"), self.video_num_frames,
+                                self.max_pixels, left)
+        except InvalidImageError as e:
+            if left is None or "exceeds the limit" not in str(e):
+                raise
+            raise InvalidImageError(f"{e}: what the limit of {self.max_request_pixels} for a "
+                                    "request's images and videos together leaves it "
+                                    "(--max-request-pixels)") from None
 
     def __call__(self, src: ImageSource) -> Image.Image:
         return self.load_all([src])[0]

@@ -16,8 +16,10 @@ backing object whose ``free(...)`` the ledger calls once, on release or at the l
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +49,21 @@ class HandleExpiredError(HandleError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# the dtypes of embedding rows a handle may carry (a model's float dtypes)
+ROW_DTYPES = ("float32", "float16", "bfloat16")
+# a shared-memory segment's name: what a producer makes, nothing a path could be made of
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+
+
+def check_segment_name(name: str) -> None:
+    """`HandleError` unless ``name`` is a plain segment name (no ``/``, not ``.`` or
+    ``..``, no NUL, 1 to 200 characters of letters, digits, ``_``, ``.``, ``-``)."""
+    if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise HandleError(f"shared-memory segment name {shown!r}: expected 1 to 200 letters, "
+                          "digits, '_', '.' or '-', not starting with '.' or '-'")
 
 
 @dataclass
@@ -85,6 +102,7 @@ class EmbeddingHandle:
              ledger: ConsumerLedger | None = None) -> torch.Tensor:
         """A new tensor with the rows (on ``device``; default: where they are, the CPU for
         shared memory and bytes), then the handle is released."""
+        self._check_declared()  # before the declared rows take any memory
         dst = torch.empty(self.shape, dtype=self.torch_dtype, device=device or
                           self._default_device())
         return self.copy_into(dst, ledger)
@@ -120,6 +138,10 @@ class EmbeddingHandle:
     def _default_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def _check_declared(self) -> None:
+        """`HandleError` if what the handle holds is not the rows it declares (where that
+        can be seen without reading them)."""
+
     def _read_into(self, dst: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -141,7 +163,15 @@ class ShmHandle(EmbeddingHandle):
 
     kind = "shm"
 
+    def _check_declared(self) -> None:
+        check_segment_name(self.segment)
+        try:
+            _map_segment(self.segment, self.nbytes).close()
+        except HandleExpiredError:  # gone: the read says so, and tells its producer
+            pass
+
     def _read_into(self, dst: torch.Tensor) -> None:
+        check_segment_name(self.segment)
         buf = _map_segment(self.segment, self.nbytes)
         try:
             src = torch.frombuffer(buf, dtype=self.torch_dtype, count=self.numel)
@@ -163,6 +193,10 @@ def _map_segment(name: str, size: int) -> mmap.mmap:
         raise HandleExpiredError(f"shared-memory segment {name} is gone (released or "
                                  "reclaimed)") from None
     try:
+        held = os.fstat(fd).st_size
+        if held < size:
+            raise HandleError(f"shared-memory segment {name} holds {held} bytes, fewer than "
+                              f"the {size} its handle declares")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -428,10 +462,56 @@ class BytesHandle(EmbeddingHandle):
 
     kind = "bytes"
 
+    def _check_declared(self) -> None:
+        """The safetensors header (read alone) must hold the tensor ``rows`` of the declared
+        shape and dtype, and the data its bytes."""
+        data = self.data
+        size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+        try:
+            if not 0 < size <= min(len(data) - 8, 1 << 20):
+                raise ValueError("no header")
+            header = json.loads(bytes(data[8:8 + size]))
+            rows = header.get("rows") if isinstance(header, dict) else None
+        except (ValueError, RecursionError) as e:
+            raise HandleError(f"handle {self.handle_id}: its data is not safetensors "
+                              f"({e})") from None
+        if not isinstance(rows, dict):
+            names = (sorted(str(k) for k in header if k != "__metadata__")[:4]
+                     if isinstance(header, dict) else [])
+            raise HandleError(f"handle {self.handle_id}: its safetensors hold no tensor "
+                              f"'rows' (only {names})")
+        offsets = rows.get("data_offsets")
+        if (rows.get("shape") != list(self.shape)
+                or _SAFETENSORS_DTYPES.get(rows.get("dtype")) != self.dtype
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(x, int) for x in offsets)
+                or offsets[1] - offsets[0] != self.nbytes or 8 + size + offsets[1] > len(data)):
+            raise HandleError(f"handle {self.handle_id}: its data holds rows of shape "
+                              f"{rows.get('shape')} {rows.get('dtype')}, its handle declares "
+                              f"shape {list(self.shape)} {self.dtype}")
+
     def _read_into(self, dst: torch.Tensor) -> None:
         from safetensors.torch import load
 
-        dst.copy_(load(self.data)["rows"])
+        try:
+            tensors = load(bytes(self.data))
+        except Exception as e:  # noqa: BLE001 - safetensors' errors have no common base
+            raise HandleError(f"handle {self.handle_id}: its data is not safetensors "
+                              f"({type(e).__name__}: {e})") from None
+        rows = tensors.get("rows")
+        if rows is None:
+            raise HandleError(f"handle {self.handle_id}: its safetensors hold no tensor "
+                              f"'rows' (only {sorted(tensors)[:4]})")
+        if tuple(rows.shape) != tuple(self.shape) or rows.dtype != self.torch_dtype:
+            # never broadcast: rows of another shape are not the rows declared
+            raise HandleError(f"handle {self.handle_id}: its data holds rows of shape "
+                              f"{list(rows.shape)} {dtype_name(rows.dtype)}, its handle "
+                              f"declares shape {list(self.shape)} {self.dtype}")
+        dst.copy_(rows)
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F64": "float64"}
 
 
 class BytesBacking:

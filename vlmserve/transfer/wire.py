@@ -8,6 +8,7 @@ front end and forwarded to the engine core without running code that came with i
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -16,11 +17,13 @@ import torch
 
 from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
 from vlmserve.transfer.handles import (
+    ROW_DTYPES,
     BytesHandle,
     CudaIpcHandle,
     EmbeddingHandle,
     HandleError,
     ShmHandle,
+    check_segment_name,
 )
 
 
@@ -84,9 +87,14 @@ def to_wire(h: EmbeddingHandle) -> HandleWire:
 
 def from_wire(w: HandleWire) -> EmbeddingHandle:
     common = (w.handle_id, tuple(w.shape), w.dtype, w.release_address, w.expires_at)
-    if not hasattr(torch, w.dtype) or not isinstance(getattr(torch, w.dtype), torch.dtype):
-        raise HandleError(f"handle {w.handle_id}: unknown dtype {w.dtype!r}")
+    if w.dtype not in ROW_DTYPES:
+        raise HandleError(f"handle {w.handle_id}: dtype {w.dtype!r}: embedding rows are one "
+                          f"of {', '.join(ROW_DTYPES)}")
+    if len(w.shape) != 2 or not all(0 <= d < 1 << 40 for d in w.shape):
+        raise HandleError(f"handle {w.handle_id}: shape {list(w.shape)}: embedding rows are "
+                          "[rows, width]")
     if isinstance(w, ShmWire):
+        check_segment_name(w.segment)
         return ShmHandle(*common, segment=w.segment)
     if isinstance(w, BytesWire):
         return BytesHandle(*common, data=w.data)
@@ -182,18 +190,34 @@ def output_to_wire(out: Any, handles: Sequence[HandleWire] | None = None
 def output_from_wire(w: EncoderOutputWire, kinds: Sequence[str] = ("bytes",)) -> Any:
     """`EncoderOutputWire` -> `EncoderOutput` from a client; handles of a kind not in
     ``kinds`` are refused (`ValueError`): a shared-memory segment name or a CUDA IPC handle
-    from a client would let it make the server read memory it names. A bytes handle's release
-    address is dropped (the server contacts no address a client names; its producer holds
-    nothing for it and reclaims it at the lease)."""
+    from a client would let it make the server read memory it names. Every handle's release
+    address is dropped (the server contacts no address a client names; a producer reclaims
+    what it holds at the lease), and each bytes or shared-memory handle gets an id of its own
+    (a client's retry, or one image's rows given twice, is no second open of one handle).
+    What the rest says is checked against what the server computes by the admission
+    (`InputProcessor`)."""
     for i, img in enumerate(w.images):
         kind = type(img.handle).__name__.removesuffix("Wire").lower()
+        if img.handle is None:
+            raise ValueError(f"image {i}: no handle of its rows")
         if kind not in kinds:
             raise ValueError(f"image {i}: {kind} handles are not accepted here (only "
                              f"{', '.join(kinds)}; see --accept-encoder-handles)")
-    positions = (None if w.prompt_positions is None
-                 else torch.tensor(w.prompt_positions, dtype=torch.int64))
-    handles = [from_wire(msgspec.structs.replace(i.handle, release_address=None)
-                         if isinstance(i.handle, BytesWire) else i.handle) for i in w.images]
+    positions = None
+    if w.prompt_positions is not None:
+        try:
+            positions = torch.tensor(w.prompt_positions, dtype=torch.int64)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+            raise ValueError(f"prompt_positions: not a table of 64-bit integers ({e})") from None
+    handles = []
+    for i, img in enumerate(w.images):
+        fresh = ({} if isinstance(img.handle, CudaWire)
+                 else {"handle_id": f"client-{uuid.uuid4().hex}"})
+        try:
+            handles.append(from_wire(msgspec.structs.replace(img.handle, release_address=None,
+                                                             **fresh)))
+        except HandleError as e:
+            raise ValueError(f"image {i}: {e}") from None
     return EncoderOutput(w.prompt, list(w.prompt_token_ids),
                          [EncodedImage(i.mm_hash, i.offset, i.length, tuple(i.encoder_meta), h)
                           for i, h in zip(w.images, handles, strict=True)],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ from vlmserve.entrypoints.openai.http_util import (
     error_response,
     install_error_handlers,
     read_body,
+    require_key,
 )
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.inputs.processor import InputProcessor
@@ -60,11 +62,13 @@ from vlmserve.transfer.wire import (
 
 logger = logging.getLogger("vlmserve.encoder_server")
 MSGPACK = "application/msgpack"
+MAX_PIXEL_DIM = 1 << 16  # a dimension of a preprocessed image's pixels, at most
 
 
 def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
-                      cfg: ServerConfig) -> FastAPI:
-    """The front end's app over a started encoder core (``core`` starts on the app's loop)."""
+                      cfg: ServerConfig, cuda: bool | None = None) -> FastAPI:
+    """The front end's app over a started encoder core (``core`` starts on the app's loop);
+    ``cuda``: whether the core's encoder is on a CUDA device (None: not known here)."""
     processor = input_processor.model_processor
     # data URLs, and paths under --allowed-local-media-path; no remote fetching here
     loader = RestrictedImageLoader(
@@ -85,13 +89,33 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
     json_decoder = msgspec.json.Decoder(EncodeRequest)
     msgpack_decoder = msgspec.msgpack.Decoder(EncodeRequest)
 
-    def checked(img: PixelImage) -> PixelImage:
-        n = math.prod(img.shape)
-        if (len(img.shape) not in (3, 4) or img.shape[-1] != 3 or n <= 0
-                or len(img.pixels) != n or not 0 < img.length <= processor.max_image_tokens):
-            raise InvalidImageError(f"image {img.mm_hash[:12]}: {len(img.pixels)} bytes of "
-                                    f"pixels for shape {img.shape}, {img.length} tokens")
-        return img
+    def checked(i: int, img: PixelImage) -> PixelImage:
+        """A preprocessed image as this server's own processor would have made it: uint8
+        pixels of a shape it gives, ``encoder_meta`` the grid it computes for that shape and
+        ``length`` its token count for them (else `InvalidImageError` naming the mismatch)."""
+        shape = list(img.shape)
+        if len(shape) not in (3, 4) or shape[-1] != 3 or not all(
+                0 < d <= MAX_PIXEL_DIM for d in shape):
+            raise InvalidImageError(f"image {i}: shape {shape}: expected [H, W, 3] or [N, H, "
+                                    f"W, 3], each dimension from 1 to {MAX_PIXEL_DIM}")
+        if len(img.pixels) != math.prod(shape):
+            raise InvalidImageError(f"image {i}: {len(img.pixels)} bytes of pixels for shape "
+                                    f"{shape}: expected {math.prod(shape)} (one byte each)")
+        try:
+            tokens = processor.pixel_tokens(shape, img.encoder_meta)
+        except InvalidImageError as e:
+            raise InvalidImageError(f"image {i}: {e}") from None
+        if img.length != tokens or not 0 < tokens <= processor.max_image_tokens:
+            raise InvalidImageError(
+                f"image {i}: length {img.length}: this server computes {tokens} tokens for "
+                f"encoder_meta {list(img.encoder_meta)}, at most {processor.max_image_tokens} "
+                "an image")
+        # the name the core knows it by binds its pixels: a client's mm_hash is a claim, and
+        # two images of one name in one forward would share one image's rows
+        digest = hashlib.blake2b(repr((shape, list(img.encoder_meta))).encode(),
+                                 digest_size=16)
+        digest.update(img.pixels)
+        return msgspec.structs.replace(img, mm_hash=f"{img.mm_hash}/{digest.hexdigest()}")
 
     def preprocess(req: EncodeRequest) -> tuple[ProcessedPrompt | None, list[PixelImage]]:
         """The request's prompt (with a prompt) and its images as pixels (the engine's own
@@ -102,6 +126,10 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
             raise InvalidRequestError(f"images: at most {cfg.limit_mm_per_prompt} per request")
         if req.transport not in TRANSPORTS:
             raise InvalidRequestError(f"transport: one of {', '.join(TRANSPORTS)}")
+        if cuda is False and (req.transport == "cuda" or req.transport == "auto"
+                              and cfg.encoder_transport == "cuda"):
+            raise InvalidRequestError("transport: cuda handles need an encoder on a CUDA "
+                                      "device; this one runs on the CPU (shm or bytes)")
         urls = [src for src in req.images if isinstance(src, str)]
         if req.prompt is not None:
             if len(urls) != len(req.images):
@@ -112,8 +140,8 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         decoded = iter(input_processor.process({
             "prompt_token_ids": [processor.image_token_id, 0] * len(urls),
             "multi_modal_data": {"image": loader.load_all(urls)}}).images if urls else ())
-        return None, [pixel_image(next(decoded)) if isinstance(src, str) else checked(src)
-                      for src in req.images]
+        return None, [pixel_image(next(decoded)) if isinstance(src, str) else checked(i, src)
+                      for i, src in enumerate(req.images)]
 
     api_key = cfg.api_key or os.environ.get("VLMSERVE_API_KEY") or None
 
@@ -126,6 +154,7 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         return error_response(503, str(e), type="server_error")
 
     install_error_handlers(app)
+    require_key(app, api_key)  # /stats, /docs, /openapi.json
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:
@@ -145,9 +174,11 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         else:
             handles = await core.encode(images, transport, req.consumer, req.consumer_rows,
                                         began)
+            names = [src.mm_hash if isinstance(src, PixelImage) else img.mm_hash
+                     for src, img in zip(req.images, images, strict=True)]
             resp = EncodeResponse(images=[EncodedImageWire(
-                mm_hash=img.mm_hash, length=img.length, encoder_meta=tuple(img.encoder_meta),
-                handle=h) for img, h in zip(images, handles, strict=True)])
+                mm_hash=name, length=img.length, encoder_meta=tuple(img.encoder_meta),
+                handle=h) for name, img, h in zip(names, images, handles, strict=True)])
         if MSGPACK in request.headers.get("accept", "") or binary:
             return Response(msgspec.msgpack.encode(resp), media_type=MSGPACK)
         return Response(msgspec.json.encode(resp), media_type="application/json")

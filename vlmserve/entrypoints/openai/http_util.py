@@ -20,14 +20,48 @@ from vlmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 
+_NO_KEY = "invalid or missing API key: send `Authorization: Bearer KEY`"
+# what --api-key guards besides the endpoints that check it themselves: the server's
+# internals (process ids, cache counters) and its schema; /health, /ping, /version and
+# /metrics stay open for probes and scrapers, as vLLM's
+KEYED_PATHS = frozenset({"/stats", "/docs", "/docs/oauth2-redirect", "/redoc",
+                         "/openapi.json"})
+
+
+def _key_ok(given: str, api_key: str) -> bool:
+    return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+
 def check_bearer(request: Request, api_key: str | None) -> None:
     """A 401 unless the request carries `Authorization: Bearer <api_key>` (if a key is set)."""
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                       code="invalid_api_key")
+    if not _key_ok(request.headers.get("authorization", ""), api_key):
+        raise ApiError(401, _NO_KEY, code="invalid_api_key")
+
+
+def require_key(app: FastAPI, api_key: str | None, paths: frozenset[str] = KEYED_PATHS
+                ) -> None:
+    """With a key, requests to ``paths`` need it (a 401 in OpenAI's format otherwise):
+    FastAPI's own /docs and /openapi.json included. A plain ASGI check of the path, so no
+    other request (a stream) pays for it."""
+    if api_key is None:
+        return
+
+    class KeyedPaths:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] in paths:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not _key_ok(given.decode("latin-1"), api_key):
+                    await error_response(401, _NO_KEY, code="invalid_api_key")(
+                        scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(KeyedPaths)
 
 
 async def read_body(request: Request, cfg: ServerConfig) -> bytearray:

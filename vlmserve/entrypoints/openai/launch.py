@@ -43,7 +43,12 @@ from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
-from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
+from vlmserve.utils import (
+    die_with_parent,
+    freeze_startup_heap,
+    limit_host_threads,
+    resolve_device,
+)
 
 logger = logging.getLogger("vlmserve.server")
 DEAD_EXIT_DELAY_S = 1.0
@@ -203,7 +208,8 @@ def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: sock
     server = _Server(uvicorn.Config(None, log_level=cfg.log_level,
                                     timeout_graceful_shutdown=cfg.shutdown_timeout))
     core = EncoderCoreClient(address, core_pid, on_dead=server.core_died, owns_core=owns_core)
-    server.config.app = build_encoder_app(core, processor, cfg)
+    cuda = resolve_device(kwargs.get("device") or "auto").type == "cuda"
+    server.config.app = build_encoder_app(core, processor, cfg, cuda=cuda)
     freeze_startup_heap()
     logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
                 kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,

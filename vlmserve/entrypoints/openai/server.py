@@ -28,6 +28,7 @@ from vlmserve.entrypoints.openai.http_util import (
     error_response,
     install_error_handlers,
     read_body,
+    require_key,
 )
 from vlmserve.entrypoints.openai.logprobs import (
     TokenTexts,
@@ -402,6 +403,7 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     install_error_handlers(app)
+    require_key(app, serving.api_key)  # /stats, /docs, /openapi.json
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -37,6 +38,8 @@ from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, c
 from vlmserve.frontend.streams import EngineDeadError, RequestFailedError, RequestStream
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class _TextChunk:
@@ -280,6 +283,11 @@ def event_stream(events: AsyncIterator[str], streams: list[RequestStream]
                 yield event
         except (EngineDeadError, RequestFailedError) as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            yield _sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - whatever failed, the stream ends properly
+            logger.exception("a stream failed")
+            yield _sse(ErrorResponse(error=ErrorInfo(
+                message=f"internal server error: {type(e).__name__}", type="server_error")))
             yield _sse("[DONE]")
         finally:
             for stream in streams:

@@ -95,7 +95,7 @@ def tool_calls_of(mode: str | FunctionDefinition, text: str) -> list[ToolCall] |
     if not isinstance(mode, str):
         try:
             json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return [ToolCall(function=FunctionCall(name=mode.name, arguments=text))]
     try:
@@ -103,7 +103,7 @@ def tool_calls_of(mode: str | FunctionDefinition, text: str) -> list[ToolCall] |
         return [ToolCall(function=FunctionCall(name=c["name"],
                                                arguments=json.dumps(c["parameters"])))
                 for c in calls]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -176,7 +176,7 @@ def _hermes_call(body: str) -> ToolCall | None:
     not one)."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than it can be read
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
