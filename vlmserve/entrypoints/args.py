@@ -128,6 +128,9 @@ class ServerConfig:
         False, "Serve tool_choice \"auto\" (the default when a request has tools): the model "
         "decides whether to call tools, and its calls are read from its text by "
         "--tool-call-parser.")
+    max_tools: int = _opt(
+        128, "Most tools one request may send (OpenAI's limit); their schemas also count "
+        "toward --max-grammar-bytes when the answer is held to them.")
     tool_call_parser: str | None = _opt(
         None, "The model's tool-call format, for --enable-auto-tool-choice: hermes "
         "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2-VL, Qwen2.5-VL).")

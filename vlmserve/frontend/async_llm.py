@@ -209,7 +209,8 @@ class AsyncLLM:
         if self._pool is None:
             return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
                                            self.eos_token_ids, self._encoder, prompt, params,
-                                           rid, image_loader, default_max_tokens)
+                                           rid, image_loader, default_max_tokens,
+                                           self.config.structured_outputs_config)
         return await self._in_pool(preprocess_in_worker, prompt, params, rid, image_loader,
                                    default_max_tokens)
 
@@ -285,7 +286,8 @@ class AsyncLLM:
     def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
         return start_pool(self._preprocess_workers, self.config.model_config,
                            self.input_processor.vocab_size, self.limits, self.eos_token_ids,
-                           wait, self.image_cache_bytes, self._preprocess_threads)
+                           wait, self.image_cache_bytes, self._preprocess_threads,
+                           self.config.structured_outputs_config)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

@@ -12,12 +12,13 @@ import os
 
 import torch
 
-from vlmserve.config import ModelConfig
+from vlmserve.config import ModelConfig, StructuredOutputsConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import load_model_processor
 from vlmserve.models.registry import image_row_width
 from vlmserve.sampling_params import SamplingParams
@@ -27,12 +28,17 @@ from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_thre
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
                 params: SamplingParams, request_id: str, image_loader: ImageLoader,
-                default_max_tokens: int | None = None) -> tuple[str | None, list[int], list]:
+                default_max_tokens: int | None = None,
+                grammar_limits: StructuredOutputsConfig | None = None
+                ) -> tuple[str | None, list[int], list]:
     """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
     raises an `InvalidRequestError`. A max_tokens given must fit the context after the
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
-    or as many as the context leaves room for. Images travel as pixels (`send_to_encoders`
-    then has encoder servers encode them, if the server has any)."""
+    or as many as the context leaves room for. A structured output is checked against
+    `grammar_limits` (the engine's) before its grammar is parsed. Images travel as pixels
+    (`send_to_encoders` then has encoder servers encode them, if the server has any)."""
+    if params.structured_outputs is not None and grammar_limits is not None:
+        check_grammar_limits(params.structured_outputs, grammar_limits)
     input_processor.check_sampling(params)
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
@@ -78,6 +84,7 @@ def send_to_encoders(client: EncoderClient, frames: list, hidden_size: int | Non
 _NO_PIXELS = torch.empty((0, 0, 3), dtype=torch.uint8)
 # (input processor, limits, eos ids, message encoder) in a pool process
 _worker: tuple | None = None
+_grammar_limits: StructuredOutputsConfig | None = None  # the engine's, in a pool process
 
 
 def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
@@ -90,13 +97,15 @@ def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
 
 def _init_worker(mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
                  eos_token_ids: tuple[int, ...], image_cache_bytes: int = 0,
-                 threads: int = 1) -> None:
-    global _worker
+                 threads: int = 1, grammar_limits: StructuredOutputsConfig | None = None
+                 ) -> None:
+    global _worker, _grammar_limits
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
     _, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
     _worker = (InputProcessor(model_processor, vocab_size, image_row_width(hf_config),
                               image_cache_bytes), limits, eos_token_ids, Encoder())
+    _grammar_limits = grammar_limits
     freeze_startup_heap()
 
 
@@ -105,7 +114,7 @@ def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id
                           ) -> tuple[str | None, list[int], list]:
     assert _worker is not None
     text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
-                                         default_max_tokens)
+                                         default_max_tokens, _grammar_limits)
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 
@@ -122,14 +131,16 @@ def _ready() -> int:
 
 def start_pool(workers: int, mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
-                image_cache_bytes: int = 0, threads: int = 1
+                image_cache_bytes: int = 0, threads: int = 1,
+                grammar_limits: StructuredOutputsConfig | None = None
                 ) -> concurrent.futures.ProcessPoolExecutor:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
     threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
     first requests do not pay for it); `mc`: the model and its processor's options."""
     pool = concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads))
+        initargs=(mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads,
+                  grammar_limits))
     if not wait:
         return pool
     pids: set[int] = set()

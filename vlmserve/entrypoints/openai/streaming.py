@@ -34,6 +34,7 @@ from vlmserve.entrypoints.openai.responses import (
     UsageInfo,
 )
 from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, call_id
+from vlmserve.errors import InvalidRequestError
 from vlmserve.frontend.streams import EngineDeadError, RequestFailedError, RequestStream
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -280,6 +281,10 @@ def event_stream(events: AsyncIterator[str], streams: list[RequestStream]
                 yield event
         except (EngineDeadError, RequestFailedError) as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            yield _sse("[DONE]")
+        except InvalidRequestError as e:  # found once running: a grammar refused compiling
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e),
+                                                     type="invalid_request_error")))
             yield _sse("[DONE]")
         finally:
             for stream in streams:
