@@ -1,14 +1,12 @@
 """A front end's request preprocessing: prompt -> checked `AddRequest` frames, in the front
 end's threads or in a pool of processes of its own (image decoding, hashing and tokenization
 then take no share of the front end's interpreter lock, so a burst of images does not stall
-its event loop and streams)."""
+its event loop and streams; a process that dies is replaced and only the request it ran is
+retried: frontend/process_pool.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import multiprocessing as mp
-import os
 
 import torch
 
@@ -17,6 +15,7 @@ from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
+from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import load_model_processor
@@ -125,27 +124,14 @@ def tokenize_in_worker(prompt: PromptInput, image_loader: ImageLoader) -> list[i
     return _worker[0].process(prompt, image_loader).prompt_token_ids
 
 
-def _ready() -> int:
-    return os.getpid()
-
-
 def start_pool(workers: int, mc: ModelConfig, vocab_size: int, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], wait: bool = True,
                 image_cache_bytes: int = 0, threads: int = 1,
-                grammar_limits: StructuredOutputsConfig | None = None
-                ) -> concurrent.futures.ProcessPoolExecutor:
+                grammar_limits: StructuredOutputsConfig | None = None) -> ProcessPool:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
     threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
-    first requests do not pay for it); `mc`: the model and its processor's options."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads,
-                  grammar_limits))
-    if not wait:
-        return pool
-    pids: set[int] = set()
-    for _ in range(20):  # idle workers take the pings: ask until every one has answered
-        pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])
-        if len(pids) >= workers:
-            break
-    return pool
+    first requests do not pay for it); `mc`: the model and its processor's options. A process
+    that dies is replaced, the request it was running retried once (`ProcessPool`)."""
+    return ProcessPool(workers, _init_worker,
+                       (mc, vocab_size, limits, eos_token_ids, image_cache_bytes, threads,
+                        grammar_limits), wait=wait, name="preprocessing")
