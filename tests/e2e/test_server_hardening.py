@@ -5,6 +5,7 @@ chat request is answered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -22,6 +23,8 @@ STALL_SEED = 4343  # never scheduled
 STALL_S = 5
 HANG = "HANGS-FOR-EVER"  # a grammar holding this compiles for ever
 COMPILE_S = 2  # --grammar-compile-timeout
+CONNECTIONS = 32  # --limit-concurrency
+HEADER_S = 3  # --request-header-timeout
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,8 @@ def srv(vlmserve_cache: Path):
     proc = ServeProc("--max-prompt-chars", "20000", "--request-body-timeout", "2",
                      "--health-stall-timeout", str(STALL_S),
                      "--grammar-compile-timeout", str(COMPILE_S),
+                     "--limit-concurrency", str(CONNECTIONS),
+                     "--request-header-timeout", str(HEADER_S),
                      env={"PYTHONPATH": path, "VLMSERVE_POISON_SEED": str(POISON_SEED),
                           "VLMSERVE_STALL_SEED": str(STALL_SEED),
                           "VLMSERVE_GRAMMAR_HANG": HANG})
@@ -258,6 +263,37 @@ def test_a_grammar_past_its_compile_deadline_fails_its_request_alone(srv) -> Non
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["type"] == "invalid_request_error" and lines[-1] == "data: [DONE]", lines
     assert "--grammar-compile-timeout" in error["message"]
+    assert_serving(srv)
+
+
+def test_idle_and_slow_header_connections_are_closed(srv) -> None:
+    """Past --limit-concurrency a new connection closes the one idle longest, so normal
+    requests are answered while the cap is full of idle connections; a connection that sends
+    no request head, or sends it a byte at a time, is closed at --request-header-timeout."""
+    import select
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+
+    def wait_closed(s: socket.socket) -> None:
+        """Read until the server closes (EOF, or a reset); fails at the socket's timeout."""
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(4096):
+                pass
+
+    idle = [connect() for _ in range(CONNECTIONS + 4)]
+    for s in idle[:4]:  # the oldest made room for the newest
+        wait_closed(s)
+    assert_serving(srv)  # beside CONNECTIONS idle ones
+    slow = connect()
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    deadline = time.monotonic() + 30  # bounds a broken test only
+    while not select.select([slow], [], [], 0.25)[0]:
+        assert time.monotonic() < deadline, "the slow header was never cut"
+        slow.sendall(b"X")
+    wait_closed(slow)
+    for s in idle:
+        wait_closed(s)
     assert_serving(srv)
 
 

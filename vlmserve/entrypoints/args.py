@@ -79,6 +79,18 @@ class ServerConfig:
         "this many seconds, or does not answer within it.")
     request_body_timeout: float = _opt(
         30.0, "Seconds a client may take to send a request's body (408 after).")
+    request_header_timeout: float = _opt(
+        10.0, "Seconds a connection may take to send a request's line and headers, from its "
+        "opening or the end of its last response; it is closed after (with a 408 if they "
+        "had begun).")
+    timeout_keep_alive: int = _opt(
+        5, "Seconds an idle connection is kept open after a response (uvicorn's option).")
+    limit_concurrency: int | None = _opt(
+        None, "Most connections each front end keeps open: one beyond it closes the "
+        "connection that has waited longest for a request's headers, or, when every "
+        "connection has a request in progress, is answered 503 and closed (default: the "
+        "file limit, which the server raises to its hard limit up to 65536, less 256 files "
+        "for its own use).")
     max_prompt_chars: int | None = _opt(
         None, "Most characters of text in one request (its messages or prompt), checked "
         "before tokenizing (default: 32 per token of the context length).")
