@@ -157,11 +157,44 @@ class ParallelConfig:
         "intermediate columns (the number of experts must divide by the ranks).")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on structured outputs (and tool calls, held to their schema): what a request may
+    ask for, checked before anything compiles, and what one grammar's compile may take."""
+
+    max_grammar_bytes: int = _opt(
+        256 << 10, "Largest structured output a request may ask for, in bytes: its JSON "
+        "schema (as JSON; with tool_choice \"required\" or a named function, the tools' "
+        "schemas together), regular expression, grammar or choices together.")
+    max_grammar_nesting: int = _opt(
+        64, "Deepest nesting of a JSON schema's objects and arrays a request may send.")
+    max_grammar_choices: int = _opt(1024, "Most choices of a request's `choice` output.")
+    grammar_compile_timeout: float = _opt(
+        30.0, "Seconds one grammar may take to compile (in a compile process, which is "
+        "ended after it); its request is refused naming this option.")
+    grammar_compile_workers: int = _opt(
+        2, "Processes that compile grammars, each one grammar at a time, smallest first; "
+        "grammars over 16 KiB never take the last free one.")
+    grammar_compile_memory_gb: float = _opt(
+        2.0, "Memory (GiB) one grammar's compile may add to its process before it is ended "
+        "and its request refused naming this option.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_grammar_bytes", "max_grammar_nesting", "max_grammar_choices",
+                     "grammar_compile_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("grammar_compile_timeout", "grammar_compile_memory_gb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+
 _SECTIONS = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 
@@ -188,6 +221,8 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
     # set by `resolve_config` (not an option): None while the options are as the user gave them
     resolved: Resolved | None = None
 

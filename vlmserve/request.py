@@ -72,6 +72,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        self.refused = False  # that error is the client's input (a 400), not a step's fault
         # prefix caching: keys of its full blocks so far, and how many are registered
         self.block_keys: list[bytes] = []
         self.num_registered_blocks = 0

@@ -958,6 +958,39 @@ def test_auto_tool_calls_read_from_the_models_text(server: Server, llm: LLM) -> 
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_tools_and_grammars_past_their_limits_are_400s_naming_the_option(server: Server
+                                                                         ) -> None:
+    """Tools are capped (--max-tools, OpenAI's 128), and a grammar's size, nesting and
+    choices are checked before anything compiles: a 400 naming the option that raises the
+    limit, also for a schema nested past what a JSON reader recurses; the server serves on."""
+    from vlmserve.config import StructuredOutputsConfig
+
+    cfg = StructuredOutputsConfig()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": "tiny", "messages": user("Hi"), "max_tokens": 2}
+    for extra, option in [
+        ({"tools": [tool] * 129, "tool_choice": "required"}, "--max-tools"),
+        ({"tools": [tool] * 129, "tool_choice": "none"}, "--max-tools"),
+        ({"structured_outputs": {"choice": [f"c{i}" for i in range(
+            cfg.max_grammar_choices + 1)]}}, "--max-grammar-choices"),
+        ({"structured_outputs": {"regex": "a" * (cfg.max_grammar_bytes + 1)}},
+         "--max-grammar-bytes"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(
+                cfg.max_grammar_bytes // 20)}}}}}, "--max-grammar-bytes"),
+        ({"structured_outputs": {"json": '{"a": ' * 600 + "1" + "}" * 600}},
+         "--max-grammar-nesting"),
+    ]:
+        for stream in (False, True):
+            r = httpx.post(server.url + "/v1/chat/completions",
+                           json=body | extra | {"stream": stream}, timeout=60)
+            assert r.status_code == 400, (option, r.text)
+            assert option in r.json()["error"]["message"], r.text
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=body | {
+        "tools": [tool] * 128, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert ok.status_code == 200, ok.text
+
+
 def test_tool_calls_named_and_required(server: Server, llm: LLM) -> None:
     """tool_choice naming a function, or "required": the answer is a tool call whose
     arguments follow the function's parameter schema (structured outputs, compact JSON): the

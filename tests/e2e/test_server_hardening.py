@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import json
 import os
@@ -23,18 +24,25 @@ FAULTS = str(Path(__file__).parent / "fault_injection")
 POISON_SEED = 4242  # the sampler raises for this seed
 STALL_SEED = 4343  # never scheduled
 STALL_S = 5
+HANG = "HANGS-FOR-EVER"  # a grammar holding this compiles for ever
+COMPILE_S = 2  # --grammar-compile-timeout
+CONNECTIONS = 32  # --limit-concurrency
+HEADER_S = 3  # --request-header-timeout
 
 
 @pytest.fixture(scope="module")
 def srv(vlmserve_cache: Path):
     # shm handles from clients accepted (a trusted client's option): their checks are tested
+    path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
     proc = ServeProc("--max-prompt-chars", "20000", "--request-body-timeout", "2",
                      "--health-stall-timeout", str(STALL_S),
                      "--accept-encoder-handles", "bytes,shm",
-                     env={"PYTHONPATH": os.pathsep.join(filter(None, [
-                              FAULTS, os.environ.get("PYTHONPATH")])),
-                          "VLMSERVE_POISON_SEED": str(POISON_SEED),
-                          "VLMSERVE_STALL_SEED": str(STALL_SEED)})
+                     "--grammar-compile-timeout", str(COMPILE_S),
+                     "--limit-concurrency", str(CONNECTIONS),
+                     "--request-header-timeout", str(HEADER_S),
+                     env={"PYTHONPATH": path, "VLMSERVE_POISON_SEED": str(POISON_SEED),
+                          "VLMSERVE_STALL_SEED": str(STALL_SEED),
+                          "VLMSERVE_GRAMMAR_HANG": HANG})
     yield proc
     proc.kill()
 
@@ -236,6 +244,61 @@ def test_a_kv_cache_smaller_than_the_context_cannot_livelock(vlmserve_cache) -> 
         assert_serving(small)
     finally:
         small.kill()
+
+
+def test_a_grammar_past_its_compile_deadline_fails_its_request_alone(srv) -> None:
+    """Its compile process is ended at the deadline; the request gets a 400 naming the option
+    (streamed: an error event, then [DONE]); another structured request is answered while it
+    compiles."""
+    url = srv.url + "/v1/chat/completions"
+    hang = chat_body(structured_outputs={"regex": HANG})
+    ok = chat_body(structured_outputs={"choice": ["ok"]}, temperature=0, ignore_eos=False)
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(client.post(url, json=hang), client.post(url, json=ok))
+
+    hung, answered = asyncio.run(both())
+    assert_400(hung, f"within {COMPILE_S} s (--grammar-compile-timeout)")
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["message"]["content"] == "ok"
+    with httpx.stream("POST", url, json=hang | {"stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "invalid_request_error" and lines[-1] == "data: [DONE]", lines
+    assert "--grammar-compile-timeout" in error["message"]
+    assert_serving(srv)
+
+
+def test_idle_and_slow_header_connections_are_closed(srv) -> None:
+    """Past --limit-concurrency a new connection closes the one idle longest, so normal
+    requests are answered while the cap is full of idle connections; a connection that sends
+    no request head, or sends it a byte at a time, is closed at --request-header-timeout."""
+    import select
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+
+    def wait_closed(s: socket.socket) -> None:
+        """Read until the server closes (EOF, or a reset); fails at the socket's timeout."""
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(4096):
+                pass
+
+    idle = [connect() for _ in range(CONNECTIONS + 4)]
+    for s in idle[:4]:  # the oldest made room for the newest
+        wait_closed(s)
+    assert_serving(srv)  # beside CONNECTIONS idle ones
+    slow = connect()
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    deadline = time.monotonic() + 30  # bounds a broken test only
+    while not select.select([slow], [], [], 0.25)[0]:
+        assert time.monotonic() < deadline, "the slow header was never cut"
+        slow.sendall(b"X")
+    wait_closed(slow)
+    for s in idle:
+        wait_closed(s)
+    assert_serving(srv)
 
 
 def test_health_reports_an_engine_that_makes_no_progress(srv) -> None:

@@ -160,3 +160,38 @@ def assert_prompts_hit(llm, prompts: list, encoded: int) -> None:
     assert s["prefix_cache_hit_tokens"] > 0.8 * sum(
         len(llm.engine.input_processor.process(p).prompt_token_ids) for p in prompts)
     assert s["num_images_encoded"] == encoded
+
+
+class GatedLoader:
+    """An image loader for a preprocessing process that, before loading, leaves a file
+    `started-PID-N` in `folder` and waits until `folder/gate` exists: a test knows which
+    processes are busy with a request and holds them there (picklable)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, src):
+        import os
+        import time
+        import uuid
+
+        from vlmserve.multimodal.image import load_image
+
+        marker = os.path.join(self.folder, f"started-{os.getpid()}-{uuid.uuid4().hex}")
+        open(marker, "w").close()  # noqa: SIM115 - an empty file
+        deadline = time.monotonic() + 120  # bounds a broken test only
+        while not os.path.exists(os.path.join(self.folder, "gate")):
+            assert time.monotonic() < deadline, "the gate never opened"
+            time.sleep(0.01)
+        return load_image(src)
+
+
+class KillingLoader:
+    """An image loader that kills the process it runs in (a request whose input crashes its
+    preprocessing process; picklable)."""
+
+    def __call__(self, src):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.helpers import make_image
-from tests.wait import exited, wait_until
+from tests.wait import wait_until
 from vlmserve import SamplingParams
 from vlmserve.config import EngineConfig
 from vlmserve.errors import InvalidImageError, InvalidRequestError, PromptTooLongError
@@ -326,28 +326,95 @@ def test_the_core_dying_ends_every_stream_and_is_reported(vlmserve_cache: Path) 
         asyncio.run(eng2.add_request("x", greedy(2)))
 
 
-def test_a_dead_preprocessing_process_fails_one_request_not_the_engine(vlmserve_cache: Path
-                                                                      ) -> None:
+@pytest.fixture(scope="module")
+def pooled(vlmserve_cache: Path) -> Iterator[AsyncLLM]:
+    """A front end with 2 preprocessing processes."""
+    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=2)
+    yield eng
+    eng.shutdown()
+
+
+def _image_prompts(n: int) -> list[dict]:
+    return [p for p in prompts(2 * n) if p["multi_modal_data"]["image"]]
+
+
+async def _last_tokens(eng: AsyncLLM, prompt: dict, loader=None) -> list[int]:
+    kw = {} if loader is None else {"image_loader": loader}
+    stream = await eng.add_request(prompt, greedy(4), **kw)
+    return [o.outputs[0].token_ids async for o in stream][-1]
+
+
+def _answers(eng: AsyncLLM, ps: list[dict]) -> list[list[int]]:
+    async def run() -> list:
+        return await asyncio.gather(*(_last_tokens(eng, p) for p in ps))
+    return asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def _live_pids(eng: AsyncLLM, n: int) -> set[int]:
+    """The pool's processes, once `n` of them run (a dead one's replacement takes seconds
+    to load the model's processor)."""
+    deadline = time.monotonic() + 120  # bounds a broken test only
+    while len(pids := eng._pool.pids()) < n:
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.05)
+    return set(pids)
+
+
+def _started(folder: Path) -> set[int]:
+    """Pids of the preprocessing processes a `GatedLoader` holds."""
+    return {int(f.name.split("-")[1]) for f in folder.glob("started-*")}
+
+
+def test_a_killed_preprocessing_process_is_replaced_and_its_requests_retried(
+        pooled: AsyncLLM, tmp_path: Path) -> None:
+    """SIGKILL of one of 2 preprocessing processes while 8 image requests are in its pool:
+    the one it was running is retried, the others never notice; all 8 are answered as
+    without the kill, a new process takes the dead one's place and the front end serves
+    on."""
     import os
     import signal
 
-    eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1)
-    p = prompts(2)[1]
+    from tests.engine.helpers import GatedLoader
 
-    async def run() -> list:
-        return [o.outputs[0].token_ids async for o in eng.generate(p, greedy(4))][-1]
+    ps = _image_prompts(8)
+    want = _answers(pooled, ps)
+    before = _live_pids(pooled, 2)
 
-    try:
-        before = asyncio.run(run())  # images decoded in the worker process
-        pids = list(eng._pool._processes)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        assert wait_until(lambda: all(exited(pid) for pid in pids))
-        with pytest.raises(RuntimeError, match="preprocessing process died"):
-            asyncio.run(run())
-        assert asyncio.run(run()) == before and eng.is_running
-    finally:
-        eng.shutdown()
+    async def burst() -> list:
+        tasks = [asyncio.create_task(_last_tokens(pooled, p, GatedLoader(str(tmp_path))))
+                 for p in ps]
+        while len(_started(tmp_path)) < 2:  # both processes hold a request
+            await asyncio.sleep(0.01)
+        os.kill(min(_started(tmp_path)), signal.SIGKILL)
+        (tmp_path / "gate").touch()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = asyncio.run(asyncio.wait_for(burst(), 120))
+    assert got == want
+    after = _live_pids(pooled, 2)
+    assert min(_started(tmp_path)) not in after and after & before
+    assert asyncio.run(_last_tokens(pooled, ps[0])) == want[0] and pooled.is_running
+
+
+def test_a_request_that_kills_its_preprocessing_process_fails_alone(pooled: AsyncLLM
+                                                                    ) -> None:
+    """A request whose preprocessing kills its process is retried once, then fails with an
+    error saying so; the requests beside it are answered and the front end serves on."""
+    from tests.engine.helpers import KillingLoader
+
+    ps = _image_prompts(4)
+    want = _answers(pooled, ps)
+
+    async def burst() -> list:
+        return await asyncio.gather(_last_tokens(pooled, ps[0], KillingLoader()),
+                                    *(_last_tokens(pooled, p) for p in ps[1:]),
+                                    return_exceptions=True)
+
+    got = asyncio.run(asyncio.wait_for(burst(), 120))
+    assert isinstance(got[0], RuntimeError) and "died twice" in str(got[0]), got[0]
+    assert got[1:] == want[1:]
+    assert asyncio.run(_last_tokens(pooled, ps[0])) == want[0] and pooled.is_running
+    assert len(_live_pids(pooled, 2)) == 2
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -180,17 +180,18 @@ def test_a_compiling_grammar_holds_its_request_back_not_the_steps(llm, monkeypat
     run; a grammar that fails to compile fails its request alone, with the reason."""
     import threading
 
-    from vlmserve.layers import grammar
+    from vlmserve.layers import grammar_compile
 
     gate = threading.Event()
-    compile_ = grammar.GrammarCompiler._compile
+    compile_ = grammar_compile.GrammarCompiler._compile
 
-    def slow(self, spec):
+    def slow(self, proc, job):
         assert gate.wait(30)
-        if spec[1] == "(a|b)":
-            raise RuntimeError("no memory for the token mask")
-        return compile_(self, spec)
-    monkeypatch.setattr(grammar.GrammarCompiler, "_compile", slow)
+        if job.spec[1] == "(a|b)":
+            self._settle(job, error=RuntimeError("no memory for the token mask"))
+            return True
+        return compile_(self, proc, job)
+    monkeypatch.setattr(grammar_compile.GrammarCompiler, "_compile", slow)
     engine = llm.engine
     greedy = dict(max_tokens=6, temperature=0.0)
     engine.add_request({"prompt": "Once upon a time"},

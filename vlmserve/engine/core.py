@@ -15,7 +15,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
-from vlmserve.errors import PromptTooLongError
+from vlmserve.errors import InvalidRequestError, PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.attention import triton_available
@@ -151,7 +151,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_path, self.model_processor.tokenizer)
         self.executor.runner.enable_structured_outputs(
             self.model_processor.tokenizer, text_config(self.hf_config).vocab_size,
-            self.eos_token_ids)
+            self.eos_token_ids, config.structured_outputs_config)
         ex = self.executor
         logger.info(
             "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens (%d blocks of "
@@ -199,7 +199,7 @@ class EngineCore:
         grammars = self.executor.runner.grammars
         if so is not None and grammars is not None:
             # held back until compiled (the runner takes that compile), so no step waits for
-            # a grammar
+            # a grammar; one over the limits raises here
             compiled = grammars.start(so, req.request_id)
             if not compiled.done():
                 self._compiling[req.request_id] = (req, compiled)
@@ -217,11 +217,15 @@ class EngineCore:
             if not compiled.done():
                 continue
             del self._compiling[rid]
-            if compiled.exception() is None:  # the runner takes the compile
+            error = CancelledError() if compiled.cancelled() else compiled.exception()
+            if error is None:  # the runner takes the compile
                 self.scheduler.add_request(req)
                 continue
             self.executor.runner.grammars.forget(rid)
-            req.error = f"its structured output's grammar did not compile: {compiled.exception()}"
+            if isinstance(error, InvalidRequestError):  # the client's grammar: refused
+                req.error, req.refused = str(error), True
+            else:
+                req.error = f"its structured output's grammar did not compile: {error!r}"
             req.status = RequestStatus.FINISHED_ERROR
             failed.append(req)
         return failed

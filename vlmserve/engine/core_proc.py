@@ -172,7 +172,8 @@ class EngineCoreProc:
                 continue
             if req.status is RequestStatus.FINISHED_ERROR:
                 del self.owner[req.request_id]
-                self._send(identity, RequestFailed(
+                self._send(identity, RequestFailed(req.request_id, req.error, False)
+                           if req.refused else RequestFailed(
                     req.request_id, f"the request failed in the engine ({req.error})", True))
                 continue
             out = by_client.get(identity)

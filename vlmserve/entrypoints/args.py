@@ -73,6 +73,18 @@ class ServerConfig:
         "this many seconds, or does not answer within it.")
     request_body_timeout: float = _opt(
         30.0, "Seconds a client may take to send a request's body (408 after).")
+    request_header_timeout: float = _opt(
+        10.0, "Seconds a connection may take to send a request's line and headers, from its "
+        "opening or the end of its last response; it is closed after (with a 408 if they "
+        "had begun).")
+    timeout_keep_alive: int = _opt(
+        5, "Seconds an idle connection is kept open after a response (uvicorn's option).")
+    limit_concurrency: int | None = _opt(
+        None, "Most connections each front end keeps open: one beyond it closes the "
+        "connection that has waited longest for a request's headers, or, when every "
+        "connection has a request in progress, is answered 503 and closed (default: the "
+        "file limit, which the server raises to its hard limit up to 65536, less 256 files "
+        "for its own use).")
     max_prompt_chars: int | None = _opt(
         None, "Most characters of text in one request (its messages or prompt), checked "
         "before tokenizing (default: 32 per token of the context length).")
@@ -122,6 +134,9 @@ class ServerConfig:
         False, "Serve tool_choice \"auto\" (the default when a request has tools): the model "
         "decides whether to call tools, and its calls are read from its text by "
         "--tool-call-parser.")
+    max_tools: int = _opt(
+        128, "Most tools one request may send (OpenAI's limit); their schemas also count "
+        "toward --max-grammar-bytes when the answer is held to them.")
     tool_call_parser: str | None = _opt(
         None, "The model's tool-call format, for --enable-auto-tool-choice: hermes "
         "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>: Qwen2-VL, Qwen2.5-VL).")

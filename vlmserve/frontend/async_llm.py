@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import concurrent.futures.process
 import dataclasses
 import itertools
 import logging
@@ -41,6 +40,7 @@ from vlmserve.frontend.preprocess import (
     start_pool,
     tokenize_in_worker,
 )
+from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.frontend.streams import EngineDeadError, RequestStream, RequestTiming
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.models.metadata import load_model_processor, sampling_defaults
@@ -78,7 +78,7 @@ class AsyncLLM:
         self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
         self._encoder_client: EncoderClient | None = None
         self._encode_threads: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool: ProcessPool | None = None
         self._proc: mp.process.BaseProcess | None = None
         if core is None:
             self._proc, core = start_engine_core(config, log_level)
@@ -207,23 +207,16 @@ class AsyncLLM:
         if self._pool is None:
             return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
                                            self.eos_token_ids, self._encoder, prompt, params,
-                                           rid, image_loader, default_max_tokens)
+                                           rid, image_loader, default_max_tokens,
+                                           self.config.structured_outputs_config)
         return await self._in_pool(preprocess_in_worker, prompt, params, rid, image_loader,
                                    default_max_tokens)
 
     async def _in_pool(self, fn, *args):
-        """``fn(*args)`` in a preprocessing process."""
-        pool = self._pool
-        try:
-            return await asyncio.wrap_future(pool.submit(fn, *args))
-        except concurrent.futures.process.BrokenProcessPool:
-            # a preprocessing process died (this request's input, or a kill): the request
-            # fails, the next ones get a new pool
-            if self._pool is pool:
-                logger.error("a preprocessing process died; starting new ones")
-                self._pool = self._new_pool(wait=False)  # not on the event loop
-                pool.shutdown(wait=False, cancel_futures=True)
-            raise RuntimeError("the request's preprocessing process died") from None
+        """``fn(*args)`` in a preprocessing process (one that dies running it is replaced and
+        it is retried once: `ProcessPool`; a request that kills two raises
+        `WorkerDiedError`)."""
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -268,22 +261,16 @@ class AsyncLLM:
         if self._encode_threads is not None:
             self._encode_threads.shutdown(wait=False, cancel_futures=True)
             self._encoder_client.close()
-        if self._pool is not None:  # the workers hold nothing: stop them, do not wait on
-            # the pool's own shutdown (at interpreter exit it could wait for them forever)
-            procs = list(self._pool._processes.values())
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.join(5)
+        if self._pool is not None:  # the workers hold nothing: stopped
+            self._pool.shutdown()
         if self._proc is not None:
             self._proc.join(timeout)
             self._kill_core()
 
-    def _new_pool(self, wait: bool = True) -> concurrent.futures.ProcessPoolExecutor:
+    def _new_pool(self, wait: bool = True) -> ProcessPool:
         return start_pool(self._preprocess_workers, self.config.model_config, self.limits,
                           self.eos_token_ids, wait, self.image_cache_bytes,
-                          self._preprocess_threads)
+                          self._preprocess_threads, self.config.structured_outputs_config)
 
     def _kill_core(self) -> None:
         if self._proc is not None and self._proc.is_alive():

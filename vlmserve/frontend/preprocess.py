@@ -1,23 +1,23 @@
 """A front end's request preprocessing: prompt -> checked `AddRequest` frames, in the front
 end's threads or in a pool of processes of its own (image decoding, hashing and tokenization
 then take no share of the front end's interpreter lock, so a burst of images does not stall
-its event loop and streams)."""
+its event loop and streams; a process that dies is replaced and only the request it ran is
+retried: frontend/process_pool.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import multiprocessing as mp
-import os
 
 import torch
 
-from vlmserve.config import ModelConfig
+from vlmserve.config import ModelConfig, StructuredOutputsConfig
 from vlmserve.core.admission import AdmissionLimits
 from vlmserve.encoder.client import EncoderClient, EncoderUnavailableError
 from vlmserve.engine.messages import AddRequest, Decoder, Encoder, ImageData
 from vlmserve.errors import InvalidSamplingParamsError, PromptTooLongError
+from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import load_model_processor
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
@@ -26,12 +26,17 @@ from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_thre
 def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 eos_token_ids: tuple[int, ...], encoder: Encoder, prompt: PromptInput,
                 params: SamplingParams, request_id: str, image_loader: ImageLoader,
-                default_max_tokens: int | None = None) -> tuple[str | None, list[int], list]:
+                default_max_tokens: int | None = None,
+                grammar_limits: StructuredOutputsConfig | None = None
+                ) -> tuple[str | None, list[int], list]:
     """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
     raises an `InvalidRequestError`. A max_tokens given must fit the context after the
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
-    or as many as the context leaves room for. Images travel as pixels (`send_to_encoders`
-    then has encoder servers encode them, if the server has any)."""
+    or as many as the context leaves room for. A structured output is checked against
+    `grammar_limits` (the engine's) before its grammar is parsed. Images travel as pixels
+    (`send_to_encoders` then has encoder servers encode them, if the server has any)."""
+    if params.structured_outputs is not None and grammar_limits is not None:
+        check_grammar_limits(params.structured_outputs, grammar_limits)
     input_processor.check_sampling(params)
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
@@ -77,6 +82,7 @@ def send_to_encoders(client: EncoderClient, frames: list, hidden_size: int | Non
 _NO_PIXELS = torch.empty((0, 0, 3), dtype=torch.uint8)
 # (input processor, limits, eos ids, message encoder) in a pool process
 _worker: tuple | None = None
+_grammar_limits: StructuredOutputsConfig | None = None  # the engine's, in a pool process
 
 
 def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
@@ -88,14 +94,16 @@ def encoder_client(urls: tuple[str, ...], transport: str, consumer: str | None,
 
 
 def _init_worker(mc: ModelConfig, limits: AdmissionLimits, eos_token_ids: tuple[int, ...],
-                 image_cache_bytes: int = 0, threads: int = 1) -> None:
-    global _worker
+                 image_cache_bytes: int = 0, threads: int = 1,
+                 grammar_limits: StructuredOutputsConfig | None = None) -> None:
+    global _worker, _grammar_limits
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
     path, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
     _worker = (InputProcessor.for_model(path, hf_config, model_processor,
                                         image_cache_bytes=image_cache_bytes),
                limits, eos_token_ids, Encoder())
+    _grammar_limits = grammar_limits
     freeze_startup_heap()
 
 
@@ -104,7 +112,7 @@ def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id
                           ) -> tuple[str | None, list[int], list]:
     assert _worker is not None
     text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
-                                         default_max_tokens)
+                                         default_max_tokens, _grammar_limits)
     return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
 
 
@@ -115,25 +123,14 @@ def tokenize_in_worker(prompt: PromptInput, image_loader: ImageLoader) -> list[i
     return _worker[0].process(prompt, image_loader).prompt_token_ids
 
 
-def _ready() -> int:
-    return os.getpid()
-
-
 def start_pool(workers: int, mc: ModelConfig, limits: AdmissionLimits,
                eos_token_ids: tuple[int, ...], wait: bool = True,
-               image_cache_bytes: int = 0, threads: int = 1
-               ) -> concurrent.futures.ProcessPoolExecutor:
+               image_cache_bytes: int = 0, threads: int = 1,
+               grammar_limits: StructuredOutputsConfig | None = None) -> ProcessPool:
     """Start `workers` preprocessing processes, each running torch on `threads` intra-op
     threads (resizing); with `wait`, wait until each has loaded the model's processor (so the
-    first requests do not pay for it); `mc`: the model and its processor's options."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-        initargs=(mc, limits, eos_token_ids, image_cache_bytes, threads))
-    if not wait:
-        return pool
-    pids: set[int] = set()
-    for _ in range(20):  # idle workers take the pings: ask until every one has answered
-        pids.update(f.result() for f in [pool.submit(_ready) for _ in range(workers)])
-        if len(pids) >= workers:
-            break
-    return pool
+    first requests do not pay for it); `mc`: the model and its processor's options. A process
+    that dies is replaced, the request it was running retried once (`ProcessPool`)."""
+    return ProcessPool(workers, _init_worker,
+                       (mc, limits, eos_token_ids, image_cache_bytes, threads,
+                        grammar_limits), wait=wait, name="preprocessing")

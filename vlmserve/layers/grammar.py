@@ -1,32 +1,34 @@
 """Structured outputs: a request's output held to a JSON schema, a regular expression, a choice
 or a grammar (`StructuredOutputsParams`), with xgrammar.
 
-The front end checks the grammar's text (`check_structured`: a 400 naming the problem, no
-tokenizer needed). The engine core compiles it against the tokenizer on a thread of its own
-when the request arrives (`GrammarCompiler`, compiled grammars cached by their text) and
-admits the request once compiled. The worker that samples (rank 0 under tensor parallelism:
-its tokens are everyone's) takes that compile and, before each sampling of the request,
-fills the request's row of a bitmask of allowed tokens from a matcher that has accepted every
-token sampled so far (`RequestGrammar`, `fill_bitmasks`); `apply_bitmask` masks the logits.
-xgrammar is imported only when a request asks for structured output.
+The front end checks the grammar's size against the engine's limits (`check_grammar_limits`)
+and its text (`check_structured`: a 400 naming the problem, no tokenizer needed). The engine
+core has it compiled against the tokenizer in a compile process when the request arrives
+(layers/grammar_compile.py: `GrammarCompiler`, under a deadline and a memory limit, compiled
+grammars cached by their text) and admits the request once compiled. The worker that
+samples (rank 0 under tensor parallelism: its tokens are everyone's) takes that compile and,
+before each sampling of the request, fills the request's row of a bitmask of allowed tokens
+from a matcher that has accepted every token sampled so far (`RequestGrammar`,
+`fill_bitmasks`); `apply_bitmask` masks the logits. xgrammar is imported only when a request
+asks for structured output.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.sampling_params import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from vlmserve.config import StructuredOutputsConfig
+
 logger = logging.getLogger(__name__)
-# compiled grammars kept for requests that ask again (vLLM's default size)
-CACHE_BYTES = 512 << 20
 
 
 def _xgrammar():
@@ -55,6 +57,79 @@ def _grammar(xgr, spec: tuple[str, str, bool]):
     if kind == "choice":
         return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(text)))
     return xgr.Grammar.from_ebnf(text)
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """How deeply ``value`` (a JSON value, or its text) nests objects and arrays, counted
+    without recursion and only up to ``limit`` + 1 (a text may be malformed: its brackets
+    outside strings are counted)."""
+    if isinstance(value, str):
+        depth = deepest = 0
+        in_string = escaped = False
+        for ch in value:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "[{":
+                depth += 1
+                if depth > deepest:
+                    deepest = depth
+                    if deepest > limit:
+                        break
+            elif ch in "]}":
+                depth -= 1
+        return deepest
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return deepest
+
+
+def check_grammar_limits(params: StructuredOutputsParams, limits: StructuredOutputsConfig
+                         ) -> None:
+    """Raise `InvalidSamplingParamsError` naming the limit and its option if ``params`` asks
+    for more than ``limits`` allow (bytes, a JSON schema's nesting, choices): checked before
+    the grammar is parsed or compiled."""
+    def check_bytes(what: str, text: str) -> None:
+        size = len(text.encode())
+        if size > limits.max_grammar_bytes:
+            raise InvalidSamplingParamsError(
+                f"structured outputs: {what} {size} bytes, more than the limit of "
+                f"{limits.max_grammar_bytes} (--max-grammar-bytes)")
+
+    if params.choice is not None:
+        if len(params.choice) > limits.max_grammar_choices:
+            raise InvalidSamplingParamsError(
+                f"structured outputs: {len(params.choice)} choices, more than the limit of "
+                f"{limits.max_grammar_choices} (--max-grammar-choices)")
+        check_bytes("the choices are", json.dumps(params.choice, ensure_ascii=False))
+    elif params.json is not None:
+        what = "the JSON schema (of tool calls: all tools' schemas) is"
+        if isinstance(params.json, str):  # its size first: a long text is refused at once
+            check_bytes(what, params.json)
+        if _nesting(params.json, limits.max_grammar_nesting) > limits.max_grammar_nesting:
+            raise InvalidSamplingParamsError(
+                f"structured outputs: the JSON schema nests objects and arrays more than "
+                f"{limits.max_grammar_nesting} deep (--max-grammar-nesting)")
+        if not isinstance(params.json, str):
+            check_bytes(what, json.dumps(params.json, ensure_ascii=False))
+    elif params.regex is not None:
+        check_bytes("the regex is", params.regex)
+    elif params.grammar is not None:
+        check_bytes("the grammar is", params.grammar)
 
 
 def check_structured(params: StructuredOutputsParams) -> None:
@@ -125,56 +200,6 @@ def regex_matches_nothing(pattern: str) -> bool:
         return empty(parsed)
     except RecursionError:
         return False
-
-
-class GrammarCompiler:
-    """Grammars compiled against the model's tokenizer, on two threads of their own (xgrammar
-    releases the interpreter lock while it compiles), cached by their text (up to
-    `CACHE_BYTES`). The engine core starts a request's compile when it arrives and admits it
-    once compiled; the runner `take`s that compile. Built lazily: nothing is imported or
-    loaded until a request asks for structured output."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
-        self._compiler = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._by_request: dict[str, Future] = {}
-        self._lock = threading.Lock()
-
-    def start(self, params: StructuredOutputsParams, request_id: str | None = None) -> Future:
-        """The compiled grammar of ``params``, soon; with ``request_id``, kept for the
-        runner's `take` (the engine core starts a request's compile when it arrives)."""
-        if self._pool is None:
-            # two: one slow grammar does not hold up every other request's
-            self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        compiled = self._pool.submit(self._compile, params.spec)
-        if request_id is not None:
-            self._by_request[request_id] = compiled
-        return compiled
-
-    def take(self, request_id: str, params: StructuredOutputsParams) -> Future:
-        """The compile the engine core started for this request (compiled by now: no wait
-        behind other compiles), or a new one."""
-        compiled = self._by_request.pop(request_id, None)
-        return compiled if compiled is not None else self.start(params)
-
-    def forget(self, request_id: str) -> None:
-        """The request ended before the runner took its grammar."""
-        self._by_request.pop(request_id, None)
-
-    def _compile(self, spec: tuple[str, str, bool]):
-        xgr = _xgrammar()
-        with self._lock:  # the first compiles build the compiler once
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=4,
-                                                     cache_limit_bytes=CACHE_BYTES)
-        return self._compiler.compile_grammar(_grammar(xgr, spec))
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestGrammar:

@@ -21,16 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmserve.config import StructuredOutputsConfig
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
 from vlmserve.layers.grammar import (
-    GrammarCompiler,
     RequestGrammar,
     allocate_bitmask,
     apply_bitmask,
     fill_bitmasks,
 )
+from vlmserve.layers.grammar_compile import GrammarCompiler
 from vlmserve.layers.sampler import (
     TokenHistory,
     compute_logprobs,
@@ -226,10 +227,11 @@ class ModelRunner:
                                  else image_sizes)
 
     def enable_structured_outputs(self, tokenizer, vocab_size: int,
-                                  eos_token_ids: tuple[int, ...]) -> None:
+                                  eos_token_ids: tuple[int, ...],
+                                  limits: StructuredOutputsConfig | None = None) -> None:
         """Hold the requests that ask for structured output to it (this process samples;
-        ``vocab_size``: the logits' width)."""
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        ``vocab_size``: the logits' width; ``limits``: what a grammar may ask and take)."""
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, limits)
 
     # ---- state -----------------------------------------------------------------------------
 

@@ -48,3 +48,20 @@ if os.environ.get("VLMSERVE_PERTURB_RANK"):
         return _real_sample(logits, params, *rest)
 
     _runner.sample = _perturbed
+
+if os.environ.get("VLMSERVE_GRAMMAR_HANG"):
+    # in a grammar compile process: a grammar whose text holds this marker compiles for ever
+    # (the compile deadline, cancellation and ordering tests)
+    import vlmserve.layers.grammar_compile as _grammar_compile
+
+    _marker = os.environ["VLMSERVE_GRAMMAR_HANG"]
+    _real_compile_spec = _grammar_compile.compile_spec
+
+    def _compile_spec(compiler, spec):
+        if _marker in spec[1]:
+            import time
+
+            time.sleep(3600)
+        return _real_compile_spec(compiler, spec)
+
+    _grammar_compile.compile_spec = _compile_spec

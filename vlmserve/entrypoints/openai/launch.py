@@ -39,6 +39,7 @@ from vlmserve.config import EngineConfig
 from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
+from vlmserve.entrypoints.openai.connections import raise_file_limit, server_config
 from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -153,8 +154,7 @@ def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
     try:
         app = build_app(engine, cfg)
         server = _FrontEndServer(
-            uvicorn.Config(app, log_level=cfg.log_level,
-                           timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
+            server_config(app, cfg, timeout_graceful_shutdown=cfg.shutdown_timeout + 5),
             engine, app.state.serving, cfg.shutdown_timeout)
         engine.client.add_dead_callback(server.core_died)
         freeze_startup_heap()
@@ -205,8 +205,7 @@ def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: sock
     model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
     processor = encoder_input_processor(model_path, load_hf_config(model_path),
                                         kwargs.get("mm_processor_kwargs"))
-    server = _Server(uvicorn.Config(None, log_level=cfg.log_level,
-                                    timeout_graceful_shutdown=cfg.shutdown_timeout))
+    server = _Server(server_config(None, cfg, timeout_graceful_shutdown=cfg.shutdown_timeout))
     core = EncoderCoreClient(address, core_pid, on_dead=server.core_died, owns_core=owns_core)
     cuda = resolve_device(kwargs.get("device") or "auto").type == "cuda"
     server.config.app = build_encoder_app(core, processor, cfg, cuda=cuda)
@@ -362,10 +361,15 @@ def run_server(args: Any) -> None:
     if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
         raise SystemExit(f"error: --reasoning-parser must be one of "
                          f"{', '.join(REASONING_PARSERS)}, not {cfg.reasoning_parser!r}")
+    for name in ("request_header_timeout", "timeout_keep_alive", "limit_concurrency"):
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be > 0")
     if cfg.enable_auto_tool_choice and cfg.tool_call_parser is None:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     _setup_logging(cfg)
+    raise_file_limit()  # connections are capped from it (each process inherits it)
     if cfg.encoder_api_key:  # the front ends' preprocessing processes inherit it
         os.environ["VLMSERVE_ENCODER_API_KEY"] = cfg.encoder_api_key
     if cfg.role == "encoder":

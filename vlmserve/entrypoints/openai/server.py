@@ -145,6 +145,9 @@ class OpenAIServing:
 
     async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest
                           ) -> dict[str, Any]:
+        if req.tools and len(req.tools) > self.cfg.max_tools:
+            raise InvalidRequestError(f"{len(req.tools)} tools in one request; at most "
+                                      f"{self.cfg.max_tools} are allowed (--max-tools)")
         self.check_prompt_chars(sum(m.num_chars for m in req.messages))
         hf_messages, sources, videos = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt

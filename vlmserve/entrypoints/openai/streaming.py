@@ -35,6 +35,7 @@ from vlmserve.entrypoints.openai.responses import (
     UsageInfo,
 )
 from vlmserve.entrypoints.openai.tool_calls import HermesCalls, RequiredCalls, call_id
+from vlmserve.errors import InvalidRequestError
 from vlmserve.frontend.streams import EngineDeadError, RequestFailedError, RequestStream
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -283,6 +284,10 @@ def event_stream(events: AsyncIterator[str], streams: list[RequestStream]
                 yield event
         except (EngineDeadError, RequestFailedError) as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+            yield _sse("[DONE]")
+        except InvalidRequestError as e:  # found once running: a grammar refused compiling
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e),
+                                                     type="invalid_request_error")))
             yield _sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - whatever failed, the stream ends properly
             logger.exception("a stream failed")
