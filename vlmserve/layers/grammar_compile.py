@@ -7,7 +7,8 @@ process and refuses its request naming the option; a compile whose requests are 
 compiles one grammar at a time, the smallest waiting first, and one over
 `LARGE_GRAMMAR_BYTES` never takes the last free process, so small grammars never wait behind
 large ones. Compile processes are forked by a zygote that imported xgrammar and read the
-tokenizer once, so one that was ended is replaced in milliseconds. Compiled grammars come back
+tokenizer once (layers/grammar_processes.py), so one that was ended is replaced in
+milliseconds. Compiled grammars come back
 serialized and are kept in the engine core by their text (up to `CACHE_BYTES`).
 
 What a request may ask for at all (bytes, nesting, choices) is checked before anything
@@ -17,25 +18,19 @@ compiles (`grammar.check_grammar_limits`, also by the front end).
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
 from vlmserve.config import StructuredOutputsConfig
 from vlmserve.errors import InvalidSamplingParamsError
-from vlmserve.layers.grammar import _grammar, _xgrammar, check_grammar_limits
+from vlmserve.layers.grammar import _xgrammar, check_grammar_limits
+from vlmserve.layers.grammar_processes import CompileProcess, Spec, Zygote
 from vlmserve.sampling_params import StructuredOutputsParams
-from vlmserve.utils import pid_alive
 
 logger = logging.getLogger(__name__)
 # compiled grammars kept in the engine core for requests that ask again (vLLM's default size)
@@ -44,183 +39,13 @@ CACHE_BYTES = 512 << 20
 LARGE_GRAMMAR_BYTES = 16 << 10
 COMPILE_THREADS = 4  # xgrammar's threads in one compile process
 PROCESS_CACHE_BYTES = 64 << 20  # xgrammar's own cache in one compile process
-START_TIMEOUT_S = 300.0  # the zygote's start (it imports xgrammar, which loads torch)
 POLL_S = 0.02  # how often a running compile's deadline, memory and requests are checked
 MAX_DEATHS = 2  # a grammar whose compile process dies this often is refused
-
-Spec = tuple[str, str, bool]
 
 
 class GrammarCompileError(InvalidSamplingParamsError):
     """A request's grammar was refused while compiling: past its deadline or memory limit,
     it killed its compile process, or xgrammar cannot compile it (the client's input)."""
-
-
-def compile_spec(compiler: Any, spec: Spec) -> str:
-    """In a compile process: ``spec``'s grammar compiled, serialized."""
-    return compiler.compile_grammar(_grammar(_xgrammar(), spec)).serialize_json()
-
-
-def _zygote_main(fd: int, parent: int) -> None:
-    """The compile processes' parent: imports xgrammar and reads the tokenizer (its first
-    message) once, then forks a compile process for each connection the engine core sends
-    it (a fork takes milliseconds; a fresh interpreter seconds), answering its pid."""
-    from multiprocessing.reduction import recv_handle
-
-    from vlmserve.utils import die_with_parent
-
-    die_with_parent()
-    if os.getppid() != parent:  # it died before we asked to die with it
-        return
-    conn = Connection(fd)
-    setup = msgspec.msgpack.decode(conn.recv_bytes())
-    xgr = _xgrammar()
-    info = xgr.TokenizerInfo.deserialize_json(setup["tokenizer_info"])
-    conn.send_bytes(b"ready")
-    while True:
-        ready = conn.poll(1.0)
-        while True:  # reap the compile processes that ended
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-        if not ready:
-            continue
-        try:
-            conn.recv_bytes()
-            child_fd = recv_handle(conn)
-        except (EOFError, OSError):
-            return
-        pid = os.fork()
-        if pid == 0:
-            try:
-                conn.close()
-                _compile_loop(Connection(child_fd), xgr, info, setup)
-            finally:
-                os._exit(0)
-        os.close(child_fd)
-        conn.send_bytes(msgspec.msgpack.encode(pid))
-
-
-def _compile_loop(conn: Connection, xgr: Any, info: Any, setup: dict) -> None:
-    """A compile process: one grammar spec (msgpack [kind, text, any whitespace]) after
-    another, each answered [True, the compiled grammar's JSON] or [False, why]."""
-    from vlmserve.utils import die_with_parent
-
-    die_with_parent()  # with the zygote, which dies with the engine core
-    compiler = xgr.GrammarCompiler(info, max_threads=setup["threads"],
-                                   cache_limit_bytes=setup["cache_bytes"])
-    conn.send_bytes(b"ready")
-    while True:
-        try:
-            kind, text, any_whitespace = msgspec.msgpack.decode(conn.recv_bytes())
-        except EOFError:
-            return
-        try:
-            reply = [True, compile_spec(compiler, (kind, text, any_whitespace))]
-        except Exception as e:  # noqa: BLE001 - xgrammar's errors have no common base
-            lines = str(e).strip().splitlines()
-            reply = [False, lines[0] if lines else type(e).__name__]
-        conn.send_bytes(msgspec.msgpack.encode(reply))
-
-
-def _wait_message(conn: Connection, alive: Any, stop: threading.Event, what: str) -> bytes:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not conn.poll(0.05):
-        if stop.is_set():
-            raise RuntimeError("shut down")
-        if not alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start")
-    try:
-        return conn.recv_bytes()
-    except (EOFError, OSError):
-        raise RuntimeError(f"{what} did not start") from None
-
-
-class _Zygote:
-    """The engine core's side of the process that forks compile processes."""
-
-    def __init__(self, setup: bytes, stop: threading.Event) -> None:
-        ours, theirs = socket.socketpair()
-        fd = theirs.fileno()
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env["OMP_NUM_THREADS"] = "1"  # no thread before a fork (torch's pool, if it ran)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from vlmserve.layers.grammar_compile import "
-                 f"_zygote_main; _zygote_main({fd}, {os.getpid()})"],
-                pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        self._lock = threading.Lock()
-        try:
-            self.conn.send_bytes(setup)
-            if _wait_message(self.conn, lambda: self.proc.poll() is None, stop,
-                             "the grammar compile processes' parent") != b"ready":
-                raise RuntimeError("the grammar compile processes' parent did not start")
-        except BaseException:
-            self.close()
-            raise
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def fork(self, stop: threading.Event) -> _CompileProcess:
-        """A new compile process, ready."""
-        from multiprocessing.reduction import send_handle
-
-        ours, theirs = socket.socketpair()
-        try:
-            with self._lock:
-                self.conn.send_bytes(b"fork")
-                send_handle(self.conn, theirs.fileno(), self.proc.pid)
-                pid = msgspec.msgpack.decode(_wait_message(
-                    self.conn, self.alive, stop, "the grammar compile processes' parent"))
-        finally:
-            theirs.close()
-        proc = _CompileProcess(pid, Connection(ours.detach()))
-        try:
-            if _wait_message(proc.conn, proc.alive, stop, "a grammar compile process") != (
-                    b"ready"):
-                raise RuntimeError("a grammar compile process did not start")
-        except BaseException:
-            proc.kill()
-            raise
-        return proc
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
-
-
-class _CompileProcess:
-    """The engine core's side of one compile process (a child of the zygote)."""
-
-    def __init__(self, pid: int, conn: Connection) -> None:
-        self.pid, self.conn = pid, conn
-
-    def alive(self) -> bool:
-        return pid_alive(self.pid)
-
-    def rss(self) -> int | None:
-        """Its resident memory in bytes (None where /proc cannot tell)."""
-        try:
-            with open(f"/proc/{self.pid}/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)  # the zygote reaps it
-        except ProcessLookupError:
-            pass
-        self.conn.close()
 
 
 class _Job:
@@ -264,7 +89,7 @@ class GrammarCompiler:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._setup_lock = threading.Lock()
-        self._zygote: _Zygote | None = None
+        self._zygote: Zygote | None = None
         self._info: Any = None  # xgrammar's TokenizerInfo (compiled grammars are read with it)
 
     # ---- the engine core's side ------------------------------------------------------------
@@ -368,7 +193,7 @@ class GrammarCompiler:
         """One compile process's thread: starts it when more grammars wait than processes
         are idle or starting (again at once after it was ended), hands it one grammar at a
         time."""
-        proc: _CompileProcess | None = None
+        proc: CompileProcess | None = None
         restart = False
         try:
             while True:
@@ -409,7 +234,7 @@ class GrammarCompiler:
             if proc is not None:
                 proc.kill()
 
-    def _start_process(self) -> _CompileProcess | None:
+    def _start_process(self) -> CompileProcess | None:
         try:
             return self._zygote_now().fork(self._stop)
         except Exception as e:  # noqa: BLE001 - reported to the requests waiting
@@ -427,7 +252,7 @@ class GrammarCompiler:
         for job in failed:
             job.future.set_exception(RuntimeError(f"no grammar compile process: {error}"))
 
-    def _zygote_now(self) -> _Zygote:
+    def _zygote_now(self) -> Zygote:
         """The zygote, started now if it is not running (the tokenizer built once, here)."""
         with self._setup_lock:
             if self._zygote is None or not self._zygote.alive():
@@ -437,10 +262,10 @@ class GrammarCompiler:
                 setup = msgspec.msgpack.encode({
                     "tokenizer_info": self._info.serialize_json(), "threads": COMPILE_THREADS,
                     "cache_bytes": PROCESS_CACHE_BYTES})
-                self._zygote = _Zygote(setup, self._stop)
+                self._zygote = Zygote(setup, self._stop)
             return self._zygote
 
-    def _compile(self, proc: _CompileProcess, job: _Job) -> bool:
+    def _compile(self, proc: CompileProcess, job: _Job) -> bool:
         """Run ``job`` in ``proc`` and settle it; False if ``proc`` had to be ended (or
         died)."""
         cfg = self.config

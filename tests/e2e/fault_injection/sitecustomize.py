@@ -52,10 +52,10 @@ if os.environ.get("VLMSERVE_PERTURB_RANK"):
 if os.environ.get("VLMSERVE_GRAMMAR_HANG"):
     # in a grammar compile process: a grammar whose text holds this marker compiles for ever
     # (the compile deadline, cancellation and ordering tests)
-    import vlmserve.layers.grammar_compile as _grammar_compile
+    import vlmserve.layers.grammar_processes as _grammar_processes
 
     _marker = os.environ["VLMSERVE_GRAMMAR_HANG"]
-    _real_compile_spec = _grammar_compile.compile_spec
+    _real_compile_spec = _grammar_processes.compile_spec
 
     def _compile_spec(compiler, spec):
         if _marker in spec[1]:
@@ -64,4 +64,4 @@ if os.environ.get("VLMSERVE_GRAMMAR_HANG"):
             time.sleep(3600)
         return _real_compile_spec(compiler, spec)
 
-    _grammar_compile.compile_spec = _compile_spec
+    _grammar_processes.compile_spec = _compile_spec
