@@ -22,7 +22,9 @@ LAYERS = (
     "models", "layers", "distributed",
     "transfer",   # embedding handles, their wire form and ledgers
     "core",       # scheduler, caches: plain Python
-    "request", "multimodal", "outputs", "config", "sampling_params", "errors", "utils",
+    "request", "multimodal", "outputs", "config", "sampling_params", "errors",
+    "process",    # the skeleton of a core process (engine core, encoder core)
+    "utils",
     "vlmserve",  # the package's __init__: __version__, and the public names loaded on use
 )
 
