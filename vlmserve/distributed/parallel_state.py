@@ -1,30 +1,24 @@
-"""One tensor-parallel group: its ranks, the collectives the sharded layers and the encoder
-ranks need, bounded waits and one error for a rank that fails. The LLM's ranks
-(executor/multiproc.py) and the encoder's (encoder/encoder.py) use it alike; ranks spawned on
-this host are started and watched by ranks.py.
+"""One tensor-parallel group, used alike by the LLM's ranks (executor/multiproc.py) and the
+encoder's (encoder/encoder.py); ranks spawned on this host are started and watched by ranks.py.
 
-A group belongs to its user alone (an engine and encoders may share a process, each with
-its own): a gloo group for control messages and objects, and a device group for the model's
-tensors (nccl on CUDA; on the CPU the gloo group itself), made on a store: rank 0's (ranks it
-spawned on this host) or torchrun's (`env://`, ranks on several hosts).
+A group is its user's own (an engine and encoders may share a process): gloo for control
+messages and objects, and for the model's tensors nccl on CUDA (that gloo group on the CPU),
+made on a store: rank 0's for ranks it spawned, torchrun's (`env://`) for ranks on several hosts.
+Every wait gives up after ``timeout`` (``--tp-timeout``), but a follower's wait for rank 0's
+next message, which lasts while rank 0 lives (its death closes the connections), so an idle
+engine keeps its ranks. A failed collective raises `RankFailedError` and breaks the group
+(`check` raises it again); on rank 0 of spawned ranks it names the rank, its exit code and the
+error it reported.
 
-Waits are bounded: a collective gives up after ``timeout`` (``--tp-timeout``), except a
-follower's wait for rank 0's next message, which lasts as long as rank 0 lives (rank 0 gone
-closes the connections and ends it at once), so ranks of an idle engine stay. A collective
-that fails raises `RankFailedError` and breaks the group: later calls raise it again
-(`check`). On rank 0 with spawned ranks the error says which rank exited, its exit code and
-the error it reported.
-
-Objects (rank 0's engine config and each step's `SchedulerOutput`, an encoder call's
-processed requests, stats, errors) travel pickled on the gloo group. Unpickling runs whatever
-its bytes name, so what matters is who writes them, and only our ranks do: each pickles
-objects our own code built, and what a client sent (token ids, pixels, sampling parameters)
-is data inside them, never bytes that are unpickled as they came. The connections stay among
-our ranks: with ranks spawned on one host, the store listens on 127.0.0.1 alone (a socket we
-bind and hand to it) and gloo binds 127.0.0.1; under torchrun the store is torchrun's at
-MASTER_ADDR and gloo binds GLOO_SOCKET_IFNAME's interface (or the host name's address), a
-network to trust as for any torch.distributed job. (msgspec cannot carry a `SchedulerOutput`
-as it is: its sampling parameters, image transforms and tensors have no wire types.)
+Objects (the engine config and each step's `SchedulerOutput`; an encoder call's processed
+requests, stats, errors) travel pickled. Unpickling runs what its bytes name, so what matters
+is who writes them: only our ranks, each pickling objects our code built; what a client sent
+(token ids, pixels, sampling parameters) is data inside them, never bytes unpickled as they
+came. And only our ranks reach the connections: spawned on one host, the store listens on
+127.0.0.1 alone (a socket we bind and hand it) and gloo binds 127.0.0.1; under torchrun the
+store is torchrun's (MASTER_ADDR) and gloo binds GLOO_SOCKET_IFNAME's interface or the host
+name's address, a network to trust as for any torch.distributed job. (msgspec would need wire
+types for a `SchedulerOutput`'s sampling parameters, image transforms and tensors.)
 """
 
 from __future__ import annotations
@@ -49,17 +43,6 @@ class RankFailedError(RuntimeError):
     fatal = True
 
 
-def _opts(cls: type, timeout: timedelta | None = None, **fields: Any) -> Any:
-    opts = cls()
-    if hasattr(opts, "asyncOp"):  # a blocking collective, as torch's own functions make it
-        opts.asyncOp = False
-    if timeout is not None:
-        opts.timeout = timeout
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    return opts
-
-
 @dataclass
 class TensorParallel:
     rank: int
@@ -82,9 +65,20 @@ class TensorParallel:
 
     # ---- failures --------------------------------------------------------------------------
 
-    def _wait(self, work: Any) -> None:
+    def _opts(self, cls: type, timeout: timedelta | None = None, **fields: Any) -> Any:
+        """A collective's options: blocking (as torch's own functions make them) and bounded
+        by ``timeout`` (default: the group's; the groups' own bound only their forming)."""
+        opts = cls()
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = False
+        opts.timeout = timeout or self.timeout
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        return opts
+
+    def _wait(self, work: Any, timeout: timedelta | None = None) -> None:
         try:
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout)
         except RuntimeError as e:  # a rank gone (connection closed) or the timeout
             raise self._failed(e) from e
 
@@ -109,29 +103,29 @@ class TensorParallel:
     # ---- tensors ---------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._wait(self.device_group.allreduce([x], _opts(dist.AllreduceOptions)))
+        self._wait(self.device_group.allreduce([x], self._opts(dist.AllreduceOptions)))
         return x
 
     def all_gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x` into `parts` (rank order)."""
-        self._wait(self.device_group.allgather([parts], [x], _opts(AllgatherOptions)))
+        self._wait(self.device_group.allgather([parts], [x], self._opts(AllgatherOptions)))
         return parts
 
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (in place, on the model's device)."""
-        self._wait(self.device_group.broadcast([x], _opts(dist.BroadcastOptions)))
+        self._wait(self.device_group.broadcast([x], self._opts(dist.BroadcastOptions)))
         return x
 
     def broadcast_in_host(self, x: torch.Tensor) -> torch.Tensor:
         """The host leader's `x` into `x` of every rank on its host (in place)."""
         if self.host_group is not None:  # the leader is the host group's first rank
-            self._wait(self.host_group.broadcast([x], _opts(dist.BroadcastOptions)))
+            self._wait(self.host_group.broadcast([x], self._opts(dist.BroadcastOptions)))
         return x
 
     def min_int(self, value: int, timeout: timedelta | None = None) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         self._wait(self.cpu_group.allreduce(
-            [t], _opts(dist.AllreduceOptions, timeout, reduceOp=dist.ReduceOp.MIN)))
+            [t], self._opts(dist.AllreduceOptions, timeout, reduceOp=dist.ReduceOp.MIN)))
         return int(t.item())
 
     def all_true(self, flag: bool) -> bool:
@@ -171,11 +165,11 @@ class TensorParallel:
         if self.rank == 0:
             for r in range(1, self.world_size):
                 for t in parts[r]:
-                    self._wait(self.cpu_group.send([t.contiguous()], r, 0))
+                    self._wait(self.cpu_group.send([t.contiguous()], r, 0), self.timeout)
             return parts[0]
         out = [torch.empty(t.shape, dtype=t.dtype) for t in parts[self.rank]]
         for t in out:
-            self._wait(self.cpu_group.recv([t], 0, 0))
+            self._wait(self.cpu_group.recv([t], 0, 0), self.timeout)
         return out
 
     # ---- objects (pickled: see the module's docstring) -------------------------------------
@@ -189,10 +183,10 @@ class TensorParallel:
         else:
             size = torch.zeros(1, dtype=torch.int64)
         self._wait(self.cpu_group.broadcast(
-            [size], _opts(dist.BroadcastOptions, self.timeout if self.rank == 0 else _FOREVER)))
+            [size], self._opts(dist.BroadcastOptions, None if self.rank == 0 else _FOREVER)))
         if self.rank != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self.cpu_group.broadcast([data], _opts(dist.BroadcastOptions)))
+        self._wait(self.cpu_group.broadcast([data], self._opts(dist.BroadcastOptions)))
         return obj if self.rank == 0 else pickle.loads(memoryview(data.numpy()))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -200,12 +194,12 @@ class TensorParallel:
         data = _to_tensor(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._wait(self.cpu_group.allgather([sizes], [torch.tensor([data.numel()])],
-                                            _opts(AllgatherOptions)))
+                                            self._opts(AllgatherOptions)))
         n = max(int(s.item()) for s in sizes)
         buf = torch.zeros(n, dtype=torch.uint8)
         buf[:data.numel()] = data
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._wait(self.cpu_group.allgather([outs], [buf], _opts(AllgatherOptions)))
+        self._wait(self.cpu_group.allgather([outs], [buf], self._opts(AllgatherOptions)))
         return [pickle.loads(memoryview(o[:int(s.item())].numpy()))
                 for o, s in zip(outs, sizes, strict=True)]
 
@@ -297,14 +291,16 @@ def join_group(rank: int, world_size: int, store: Any, device: torch.device,
                timeout_s: float, start_timeout_s: float = 300.0, local_rank: int | None = None,
                loopback: bool = False) -> TensorParallel:
     """This rank's group on `store`; every rank calls it, and it returns once all have joined.
-    `loopback`: every rank is on this host, and gloo binds 127.0.0.1."""
+    `loopback`: every rank is on this host, and gloo binds 127.0.0.1. Each rank waits up to the
+    start timeout for the others to join; their collectives then wait up to `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
+    start = timedelta(seconds=max(start_timeout_s, timeout_s))  # the ranks may start apart
     store = dist.PrefixStore("vlmserve-tp/", store)
-    cpu = _gloo(dist.PrefixStore("cpu", store), rank, world_size, timeout, loopback)
+    cpu = _gloo(dist.PrefixStore("cpu", store), rank, world_size, start, loopback)
     dev = cpu if device.type != "cuda" else _device_group(
-        dist.PrefixStore("dev", store), rank, world_size, device, timeout, loopback)
+        dist.PrefixStore("dev", store), rank, world_size, device, timeout, start, loopback)
     tp = TensorParallel(rank, world_size, rank if local_rank is None else local_rank, cpu, dev,
-                        timeout, timedelta(seconds=max(start_timeout_s, timeout_s)))
+                        timeout, start)
     # this rank's host: a torchrun node (`GROUP_RANK`); ranks spawned here share rank 0's
     nodes = tp.all_gather_object(int(os.environ.get("GROUP_RANK", 0)))
     members = [r for r, node in enumerate(nodes) if node == nodes[rank]]
@@ -314,11 +310,12 @@ def join_group(rank: int, world_size: int, store: Any, device: torch.device,
     elif len(members) > 1:
         tp.host_group = _device_group(dist.PrefixStore(f"host{nodes[rank]}", store),
                                       members.index(rank), len(members), device, timeout,
-                                      loopback)
+                                      start, loopback)
     return tp
 
 
 def _gloo(store: Any, rank: int, size: int, timeout: timedelta, loopback: bool) -> Any:
+    """A gloo group whose forming waits up to `timeout` (its collectives pass their own)."""
     if not loopback:  # GLOO_SOCKET_IFNAME's interface, else the host name's address
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupGloo._Options()
@@ -328,9 +325,11 @@ def _gloo(store: Any, rank: int, size: int, timeout: timedelta, loopback: bool) 
 
 
 def _device_group(store: Any, rank: int, size: int, device: torch.device, timeout: timedelta,
-                  loopback: bool) -> Any:
+                  start: timedelta, loopback: bool) -> Any:
+    """nccl on CUDA (its communicator forms at the first collective, the ranks already met),
+    else gloo (formed now: its ranks wait up to `start` for each other)."""
     if device.type != "cuda":
-        return _gloo(store, rank, size, timeout, loopback)
+        return _gloo(store, rank, size, start, loopback)
     torch.cuda.set_device(device)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
