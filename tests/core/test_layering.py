@@ -24,7 +24,9 @@ LAYERS = (
     "core",       # scheduler, caches: plain Python
     "request", "multimodal", "outputs",
     "flags",      # command-line flags of option dataclasses (the CLI's and the benchmarks')
-    "config", "sampling_params", "errors", "utils",
+    "config", "sampling_params", "errors",
+    "process",    # the skeleton of a core process (engine core, encoder core)
+    "utils",
     "vlmserve",  # the package's __init__: __version__, and the public names loaded on use
 )
 

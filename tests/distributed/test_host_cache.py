@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, node: int, out) -> None:
     out.put((rank, tp.host_leader, tp.is_host_leader, x.tolist()))
     out.close()
     out.join_thread()  # sent before the exit below, which skips the queue's own flush
-    torch.distributed.barrier()
+    tp.barrier()
     # results are out: leave without the interpreter's teardown, where gloo's threads now and
     # then aborted a rank whose peer had gone first ("terminate called without an active
     # exception"; the engine's own ranks are daemons that rank 0 outlives)

@@ -51,7 +51,7 @@ def _rank(rank: int, init_method: str, path, images: list[ImageInput] | None, ou
             for h, img in so.encoder_inputs.items()}
     torch.save({"rows": rows, "received": runner.pixel_bytes_received,
                 "own": runner.num_own_images, "encoded": runner.num_images}, out / f"{rank}.pt")
-    torch.distributed.barrier()
+    tp.barrier()
     # results are out: leave without the interpreter's teardown, where gloo's threads now and
     # then aborted a rank whose peer had gone first ("terminate called without an active
     # exception"; the engine's own ranks are daemons that rank 0 outlives)

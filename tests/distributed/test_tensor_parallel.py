@@ -159,10 +159,10 @@ def test_a_dead_rank_stops_the_engine_with_an_error_not_a_hang(vlmserve_cache):
              max_num_batched_tokens=64, tp_timeout=20)
     try:
         assert len(tp.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
-        rank1 = tp.engine.executor._procs[0]
+        rank1 = tp.engine.executor.followers.procs[0]
         os.kill(rank1.pid, signal.SIGKILL)
         rank1.join(10)
-        with pytest.raises(RankFailedError, match="rank 1 exited"):
+        with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             tp.generate(["Hello again"], params, use_tqdm=False)
     finally:
         tp.engine.shutdown()

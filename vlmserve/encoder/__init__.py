@@ -16,7 +16,7 @@ _EXPORTS = {
     "HandleLedger": "vlmserve.encoder.ledger",
     "ConsumerLedger": "vlmserve.transfer.consumer_ledger",
     "consumer_ledger": "vlmserve.transfer.consumer_ledger",
-    "EncoderRankError": "vlmserve.encoder.parallel",
+    "EncoderRankError": "vlmserve.encoder.encoder",
     "EncoderClient": "vlmserve.encoder.client",
     "EncoderUnavailableError": "vlmserve.encoder.client",
 }

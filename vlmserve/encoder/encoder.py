@@ -6,14 +6,23 @@ metadata, position data), runs every image of every given request through the to
 forward, and returns per request an `EncoderOutput` whose images carry embedding handles
 (see handles.py) recorded in a `HandleLedger` until the consumer releases them or their lease
 runs out.
-With ``tensor_parallel_size=N`` it runs N ranks (see parallel.py): each encodes its share of
-a call's images, every rank holds all the rows, only rank 0 (whose outputs are returned)
-exports handles.
+With ``tensor_parallel_size=N`` it runs N ranks: rank 0 here, ranks 1..N-1 spawned
+(`distributed/ranks.py`, on a group of their own, so an engine or another encoder in the same
+process keeps theirs). Each call, rank 0 preprocesses and broadcasts the processed requests;
+every rank takes its share of the call's distinct images (`split_by_rows`: largest first, each
+to the rank with the fewest rows so far), runs it through its tower, and the rows are
+all-gathered, so every rank holds every image's rows, as TensorRT-LLM's encoder ranks each held
+full results. Only rank 0's outputs reach the caller, so only rank 0 exports handles; a
+follower exports only with ``export_only_delivered=False`` (the negative control: its handles
+sit in its own ledger, unopened, until their lease). A rank that dies or stops answering
+(``tp_timeout``) fails the call with `EncoderRankError`, and every later call too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +30,9 @@ from typing import Any
 import torch
 
 from vlmserve.config import EngineConfig, resolve_config
-from vlmserve.distributed.parallel_state import split_by_rows
+from vlmserve.distributed.parallel_state import RankFailedError, TensorParallel, split_by_rows
+from vlmserve.distributed.ranks import Followers
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
-from vlmserve.encoder.parallel import EncoderGroup, Followers
 from vlmserve.inputs.processor import InputProcessor, PromptInput
 from vlmserve.layers.attention import triton_available
 from vlmserve.layers.fused import FusedOps
@@ -36,6 +45,8 @@ from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_orde
 from vlmserve.transfer.delivered import DeliveredImages
 from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
 from vlmserve.utils import device_memory, resolve_device, resolve_dtype
+
+EncoderRankError = RankFailedError  # a rank of a tensor-parallel encoder failed
 
 
 @dataclass
@@ -105,20 +116,20 @@ class MultimodalEncoder:
         tensor_parallel_size: N > 1 spawns ranks 1..N-1 (a GPU each on CUDA, gloo on the
             CPU); each call's images are split among the ranks by rows and the rows gathered
             on every rank. ``rank`` must then be 0.
-        tp_timeout_s: how long rank 0 waits for the other ranks in a call before it gives
-            up with `EncoderRankError` (at start, for them to load: at least 300 s); a rank
-            that dies is noticed at once.
+        tp_timeout_s: how long a rank waits for the others in a call before it gives up with
+            `EncoderRankError` (at start, for them to load: at least 300 s); a rank that dies
+            is noticed at once. Default: `LLM`'s ``tp_timeout``.
     """
 
     def __init__(self, model: str = "tiny-qwen2-vl", *, transport: str = "auto",
                  lease_s: float = 30.0, ledger_address: str | None = None, rank: int = 0,
-                 export_only_delivered: bool = True, tp_timeout_s: float = 300.0,
-                 _group: EncoderGroup | None = None, **kwargs: Any) -> None:
-        # _group: set by parallel.py when this encoder is a follower rank
+                 export_only_delivered: bool = True, tp_timeout_s: float | None = None,
+                 _group: TensorParallel | None = None, **kwargs: Any) -> None:
+        # _group: a follower rank's group (`serve_follower`)
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         world = config.parallel_config.tensor_parallel_size
         self.followers: Followers | None = None  # rank 0 of a tensor-parallel encoder
-        self.group = _group  # the ranks' group (set on every rank under tensor parallelism)
+        self.group = _group  # the ranks' group (set on every rank when world > 1)
         self.device = resolve_device(config.model_config.device,
                                      rank if config.tensor_parallel else None)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
@@ -126,25 +137,28 @@ class MultimodalEncoder:
             config, "encoder", self.device.type, device_memory(self.device),
             triton=triton_available(self.device), dtype=str(self.dtype).removeprefix("torch."))
         mc = self.config.model_config
-        if config.tensor_parallel and _group is None:
-            if rank != 0:
-                raise ValueError("a tensor-parallel encoder starts its ranks 1..N-1 itself; "
-                                 f"create it with rank=0 (got rank={rank})")
-            options = {"engine": kwargs, "encoder": {
-                "transport": transport, "lease_s": lease_s, "tp_timeout_s": tp_timeout_s,
-                "export_only_delivered": export_only_delivered}}
-            self.followers = Followers(world, model, options, self.device, tp_timeout_s)
         try:
+            if world > 1 and _group is None:
+                if rank != 0:
+                    raise ValueError("a tensor-parallel encoder starts its ranks 1..N-1 "
+                                     f"itself; create it with rank=0 (got rank={rank})")
+                options = {**kwargs, "transport": transport, "lease_s": lease_s,
+                           "export_only_delivered": export_only_delivered}
+                timeout = (tp_timeout_s if tp_timeout_s is not None
+                           else self.config.parallel_config.tp_timeout)
+                self.followers = Followers(world, serve_follower, (model, options), mc.device,
+                                           timeout, name="vlmserve-encoder-tp")
+                self.group = self.followers.connect(self.device)
             self._load(mc)
-            if self.followers is not None:
-                self.group = self.followers.connect()
             # which images each consumer holds (its released handles): see delivered.py
             self.delivered = DeliveredImages()
             self.ledger = HandleLedger(ledger_address, lease_s=lease_s,
                                        on_free=self.delivered.freed)
+            if self.group is not None:
+                self.group.barrier()  # every rank loaded (a follower's error is raised here)
         except BaseException:
             if self.followers is not None:
-                self.followers.stop(join_s=2.0)
+                self.followers.stop(abort=True)
             raise
         self.transport = transport
         self.rank = rank
@@ -217,8 +231,8 @@ class MultimodalEncoder:
         processed = [r if isinstance(r, ProcessedPrompt) else self.process(r) for r in requests]
         transport = transport or self.transport
         if self.followers is not None:
-            self.followers.run(lambda: self.group.broadcast_object(
-                ("encode", processed, transport)))
+            self.group.check()
+            self.group.broadcast_object(("encode", processed, transport))
         return self._launch(processed, transport, export)
 
     def _launch(self, processed: list[ProcessedPrompt], transport: str,
@@ -295,16 +309,15 @@ class MultimodalEncoder:
                 (0, self.hidden_size), dtype=self.dtype, device=self.device)
         except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
             error = e
-        run = self.followers.run if self.followers is not None else (lambda fn: fn())
         # every rank makes the same collectives, whether its share failed or not
-        if not run(lambda: self.group.all_true(error is None)):
+        if not self.group.all_true(error is None):
             why = None if error is None else f"{type(error).__name__}: {error}"
-            errors = run(lambda: self.group.all_gather_objects(why))
+            errors = self.group.all_gather_object(why)
             if error is not None:
                 raise error
             raise RuntimeError("encoder rank(s) failed this call: " + "; ".join(
                 f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None))
-        rows = run(lambda: self.group.gather_rows(lengths, shares, own))
+        rows = self.group.gather_rows(lengths, shares, own)
         return {img.mm_hash: r for img, r in zip(unique, rows, strict=True)}
 
     def _run_tower(self, unique: list[ImageInput]) -> dict[str, torch.Tensor]:
@@ -338,9 +351,9 @@ class MultimodalEncoder:
         ``ranks`` (gathered now)."""
         own = self._own_stats()
         if self.followers is not None:
-            self.followers.run(lambda: self.group.broadcast_object(("stats",)))
-            mine = self._own_stats()
-            own.ranks = self.followers.run(lambda: self.group.all_gather_objects(mine))
+            self.group.check()
+            self.group.broadcast_object(("stats",))
+            own.ranks = self.group.all_gather_object(self._own_stats())
         return own
 
     def shutdown(self) -> None:
@@ -357,3 +370,24 @@ class MultimodalEncoder:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def serve_follower(tp: TensorParallel, model: str, options: dict[str, Any]) -> None:
+    """A follower rank (spawned by `distributed/ranks.py`): its encoder, then rank 0's
+    broadcasts until None: ``("encode", processed, transport)`` runs the call's share and
+    builds this rank's outputs (dropped: they reach nobody); ``("stats",)`` all-gathers the
+    stats. Its ledger is closed on the way out (shared-memory segments unlinked)."""
+    enc = MultimodalEncoder(model, rank=tp.rank, _group=tp, **options)
+    try:
+        while (msg := tp.broadcast_object()) is not None:
+            if msg[0] == "encode":
+                try:
+                    enc._encode_processed(msg[1], msg[2], export=None)
+                except RankFailedError:
+                    raise
+                except Exception:  # noqa: BLE001 - failed here alone (the ranks agreed on it,
+                    traceback.print_exc(file=sys.stderr)  # or an export): still in step
+            elif msg[0] == "stats":
+                tp.all_gather_object(enc._own_stats())
+    finally:
+        enc.ledger.close()

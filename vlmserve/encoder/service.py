@@ -12,9 +12,10 @@ back): 4 images took 17 times as long on the CPU beside one busy Python thread
     front end --EncodeJob / StatsCall / Stop--> core
     front end <--JobDone / StatsReply---------- core      (msgspec msgpack over ipc://)
 
-The core dies with its parent (PR_SET_PDEATHSIG, and a check of the parent pid while idle);
-the front end checks the core's pid every 0.2 s and, if it is gone, fails what waits and
-answers 503 (`EncoderCoreDead`).
+Its process has the engine core's skeleton (process.py: spawned by name, signals, the ROUTER
+socket and its idle loop): it dies with its parent (PR_SET_PDEATHSIG, and a check of the parent
+pid while idle); the front end checks the core's pid every `WATCH_S` and, if it is gone, fails
+what waits and answers 503 (`EncoderCoreDead`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import signal
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -38,11 +36,11 @@ import zmq
 import zmq.asyncio
 
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.process import WATCH_S, run_core, start_core
 from vlmserve.transfer.wire import HandleWire, PixelImage, to_wire
-from vlmserve.utils import IDLE_POLL_MS, die_with_parent, limit_host_threads, pid_alive
+from vlmserve.utils import pid_alive
 
 logger = logging.getLogger("vlmserve.encoder_core")
-WATCH_S = 0.2  # how often the front end checks that the core lives
 
 
 class EncodeJob(msgspec.Struct, tag=True):
@@ -125,44 +123,36 @@ def forwards(jobs: list[EncodeJob], max_rows: int) -> list[list[EncodeJob]]:
 
 
 class EncoderCoreProc:
-    """The loop of the core process around one `MultimodalEncoder`: read every waiting
-    message, encode the jobs among them, answer; block while idle."""
+    """One `MultimodalEncoder` behind the process's ROUTER socket (`run_core` runs the
+    loop): read every waiting message, encode the jobs among them, answer."""
 
-    def __init__(self, encoder: Any, address: str, parent_pid: int) -> None:
+    def __init__(self, encoder: Any, sock: zmq.Socket) -> None:
         self.encoder = encoder
-        self.parent_pid = parent_pid
         self.transform = encoder.model_processor.pixel_transform
         self.times = ServerTimes()
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.bind(address)
+        self.sock = sock
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(ToCore)
         self.stopping = False
         self.sender: dict[int, bytes] = {}  # by id() of a job until it is answered
+        self.pending: list[tuple] = []  # (group, held, launched, launch time) a forward
 
-    def run(self) -> None:
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> None:
         """Read every waiting message, launch the forwards of the jobs among them, then
         export and answer the forwards launched the round before: the device always has
         the next forward queued while the host exports, answers and reads messages."""
-        pending: list[tuple] = []  # (group, held, launched, launch time) a forward
-        while not self.stopping:
-            if not pending and not self.sock.poll(IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:
-                    logger.error("the server process is gone; the encoder core exits")
-                    return
-                continue
-            jobs = self._receive()
-            launched = [self._launch(group) for group in
-                        forwards(jobs, self.encoder.max_rows_per_forward)]
-            self._finish_all(pending)
-            pending = [item for item in launched if item is not None]
-            if self.encoder.device.type != "cuda":  # a launch there computed: answer now
-                self._finish_all(pending)
-                pending = []
-        self._finish_all(pending)
+        jobs = self._receive()
+        launched = [self._launch(group) for group in
+                    forwards(jobs, self.encoder.max_rows_per_forward)]
+        self._finish_all(self.pending)
+        self.pending = [item for item in launched if item is not None]
+        # on the CPU a launch computed: answer now; and before a stop
+        if self.encoder.device.type != "cuda" or self.stopping:
+            self._finish_all(self.pending)
+            self.pending = []
 
     def _finish_all(self, launched: list[tuple]) -> None:
         for item in launched:
@@ -288,60 +278,27 @@ class EncoderCoreProc:
         self.sock.send_multipart([identity, self.enc.encode(msg)], copy=False)
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self.encoder.shutdown()  # every live handle reclaimed
 
 
-def _exit(*_: Any) -> None:
-    raise SystemExit(0)
-
-
-def run_encoder_core(kwargs: dict[str, Any], address: str, parent_pid: int, conn: Any,
+def run_encoder_core(address: str, parent_pid: int, kwargs: dict[str, Any], conn: Any,
                      log_level: str = "info") -> None:
-    """The core process's entry point (a `multiprocessing` spawn target): it loads the
+    """The core process's entry point (`start_encoder_core` spawns it by name): it loads the
     encoder, says ("ready", pid) or ("error", why) on ``conn``, then serves until `Stop`,
     SIGTERM or its parent's death; every live handle is reclaimed as it ends."""
     from vlmserve.encoder.encoder import MultimodalEncoder
 
-    die_with_parent()
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
-    signal.signal(signal.SIGTERM, _exit)
-    encoder = proc = None
-    try:
-        encoder = MultimodalEncoder(**kwargs)
-        if encoder.device.type == "cuda":
-            limit_host_threads()  # the tower runs on the device; the host only feeds it
-        proc = EncoderCoreProc(encoder, address, parent_pid)
-        conn.send(("ready", os.getpid()))
-        proc.run()
-    except SystemExit:
-        pass
-    except BaseException as e:
-        logger.exception("the encoder core failed")
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
-        raise
-    finally:
-        if proc is not None:
-            proc.close()
-        if encoder is not None:
-            encoder.shutdown()
+    run_core(lambda sock: EncoderCoreProc(MultimodalEncoder(**kwargs), sock), address,
+             parent_pid, "encoder core", kwargs.get("device", "auto"), log_level, conn)
 
 
 def start_encoder_core(kwargs: dict[str, Any], log_level: str = "info",
                        timeout_s: float = 1800.0) -> tuple[mp.process.BaseProcess, str]:
     """Spawn the core process (it dies with this one) and wait for its encoder to load;
     raises `RuntimeError` with the core's own error if it fails to start."""
-    address = f"ipc://{tempfile.gettempdir()}/vlmserve-encoder-{uuid.uuid4().hex[:12]}"
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_encoder_core, name="vlmserve-encoder-core",
-                       args=(kwargs, address, os.getpid(), theirs, log_level), daemon=False)
-    proc.start()
+    ours, theirs = mp.get_context("spawn").Pipe(duplex=False)
+    proc, core = start_core("vlmserve.encoder.service:run_encoder_core",
+                            "vlmserve-encoder-core", kwargs, theirs, log_level)
     theirs.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -351,7 +308,7 @@ def start_encoder_core(kwargs: dict[str, Any], log_level: str = "info",
             except EOFError:
                 break
             if kind == "ready":
-                return proc, address
+                return proc, core.address
             proc.join(5)
             raise RuntimeError(f"the encoder core failed to start: {value}")
         if not proc.is_alive():

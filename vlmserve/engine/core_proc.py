@@ -6,15 +6,14 @@ preprocessed requests and aborts, and receives, once per step, one `StepOutputs`
 tokens of its own requests. Messages are read between steps and while the device runs a
 step (`EngineCore.step(while_waiting=...)`), so admission overlaps the device's work.
 
-The process ends on `Shutdown`, when its parent dies (PR_SET_PDEATHSIG, and a check of the
-parent pid while idle) or on SIGTERM.
+The process (its start, signals, socket and idle loop: process.py) ends on `Shutdown`, when
+its parent dies (PR_SET_PDEATHSIG, and a check of the parent pid while idle) or on SIGTERM.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from typing import Any
 
@@ -37,57 +36,43 @@ from vlmserve.engine.messages import (
     UtilityResult,
 )
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt
+from vlmserve.process import run_core
 from vlmserve.request import Request, RequestStatus
 from vlmserve.transfer.handles import HandleError
 from vlmserve.transfer.wire import open_handles
-from vlmserve.utils import (
-    IDLE_POLL_MS,
-    die_with_parent,
-    freeze_startup_heap,
-    limit_host_threads,
-    resolve_device,
-)
+from vlmserve.utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCoreProc:
-    """The loop of the engine-core process around one `EngineCore`."""
+    """One `EngineCore` behind the process's ROUTER socket (`run_core` runs the loop)."""
 
-    def __init__(self, config: EngineConfig, address: str, parent_pid: int) -> None:
-        self.parent_pid = parent_pid
+    def __init__(self, config: EngineConfig, sock: zmq.Socket) -> None:
         self.core = EngineCore(config, serving=True)
         freeze_startup_heap()
         self.transform = self.core.model_processor.pixel_transform
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = sock
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished front end raises, not drops
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
-        self.sock.bind(address)
         self.encoder = Encoder()
         self.decoder = Decoder(ToCore)
         self.owner: dict[str, bytes] = {}  # request id -> the front end's identity
         self.stopping = False
         self.flush = False  # an abort left worker state to drop: step once more
 
-    def run(self) -> None:
-        core = self.core
-        while not self.stopping:
-            busy = core.has_unfinished_requests() or self.flush
-            if not busy and not self.sock.poll(IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:
-                    logger.error("the server process is gone; the engine core exits")
-                    return
-                continue
-            while self._receive_one():
-                pass
-            if self.stopping or not (core.has_unfinished_requests() or self.flush):
-                continue
-            self.flush = False
-            start = time.monotonic()
-            updated = core.step(self._receive_one)
-            self._send_outputs(updated, time.monotonic() - start)
+    def busy(self) -> bool:
+        return self.core.has_unfinished_requests() or self.flush
+
+    def step(self) -> None:
+        """Every waiting message, then a step of the engine if it has work."""
+        while self._receive_one():
+            pass
+        if self.stopping or not self.busy():
+            return
+        self.flush = False
+        start = time.monotonic()
+        updated = self.core.step(self._receive_one)
+        self._send_outputs(updated, time.monotonic() - start)
 
     # ---- messages in -----------------------------------------------------------------------
 
@@ -190,34 +175,11 @@ class EngineCoreProc:
             self._send(identity, out)
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
         self.core.shutdown()
 
 
-def _exit(*_: Any) -> None:
-    raise SystemExit(0)
-
-
-def run_engine_core(config: EngineConfig, address: str, parent_pid: int,
+def run_engine_core(address: str, parent_pid: int, config: EngineConfig,
                     log_level: str = "info") -> None:
-    """The engine-core process's entry point (a `multiprocessing` spawn target)."""
-    die_with_parent()
-    if resolve_device(config.model_config.device).type == "cuda":
-        limit_host_threads()  # the model runs on the device; the host only feeds it
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
-    signal.signal(signal.SIGTERM, _exit)
-    proc = None
-    try:
-        proc = EngineCoreProc(config, address, parent_pid)
-        proc.run()
-    except SystemExit:
-        pass
-    except BaseException:
-        logger.exception("the engine core failed")
-        raise
-    finally:
-        if proc is not None:
-            proc.close()
+    """The engine-core process's entry point (`start_engine_core` spawns it by name)."""
+    run_core(lambda sock: EngineCoreProc(config, sock), address, parent_pid, "engine core",
+             config.model_config.device, log_level)

@@ -14,21 +14,17 @@ scheduler.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import socket
 from dataclasses import replace
-
-import torch.distributed as dist
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import (
-    RankFailedError,
     TensorParallel,
     TorchrunEnv,
     init_tensor_parallel,
     torchrun_env,
 )
+from vlmserve.distributed.ranks import Followers
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.tensor_parallel import check_divisible, check_vision_divisible
 from vlmserve.utils import limit_host_threads, resolve_device
@@ -37,25 +33,12 @@ from vlmserve.worker.model_runner import StepResult
 logger = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def without_pixels(so: SchedulerOutput) -> SchedulerOutput:
     """`so` with each image's pixels left out (`ImageInput.without_pixels`)."""
     if not so.encoder_inputs:
         return so
     return replace(so, encoder_inputs={h: img.without_pixels()
                                        for h, img in so.encoder_inputs.items()})
-
-
-def _collective_failed(e: RuntimeError) -> bool:
-    """Whether `e` is a collective's failure (a peer gone or silent), not the model's."""
-    text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(
-        word in text for word in ("timed out", "timeout", "gloo", "connection"))
 
 
 def serve_rank(tp: TensorParallel) -> None:
@@ -68,7 +51,7 @@ def serve_rank(tp: TensorParallel) -> None:
     model_path = resolve_model(config.model_config.model)
     executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
                                tp=tp)
-    tp.gather_object(executor.load_stats)
+    tp.all_gather_object(executor.load_stats)
     if config.model_config.kernel_warmup:  # resolved by rank 0, as its own
         executor.warmup()  # the same fake steps as rank 0's: their collectives pair up
     previous = None
@@ -77,15 +60,7 @@ def serve_rank(tp: TensorParallel) -> None:
         if previous is not None:  # read back one step late, like rank 0 with async scheduling
             previous.get()
         previous = result
-    dist.destroy_process_group()
-
-
-def _spawned_rank(rank: int, world: int, init_method: str, device: str,
-                  timeout_s: float) -> None:
-    dev = resolve_device(device, rank)
-    if dev.type == "cuda":
-        limit_host_threads()
-    serve_rank(init_tensor_parallel(rank, world, init_method, dev, timeout_s))
+    tp.close()
 
 
 def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
@@ -111,37 +86,28 @@ class MultiprocExecutor:
                         config.parallel_config.enable_expert_parallel)
         if config.parallel_config.mm_encoder_tp_mode == "weights":
             check_vision_divisible(hf_config.vision_config, world)
-        mc, self.timeout_s = config.model_config, config.parallel_config.tp_timeout
+        mc, timeout_s = config.model_config, config.parallel_config.tp_timeout
         env = torchrun_env()
-        self._procs: list[mp.process.BaseProcess] = []
-        if env is None:  # one host: ranks 1..N-1 are ours
-            init_method, local_rank = f"tcp://127.0.0.1:{_free_port()}", 0
-            ctx = mp.get_context("spawn")
-            self._procs = [ctx.Process(target=_spawned_rank, daemon=True,
-                                       name=f"vlmserve-tp{rank}",
-                                       args=(rank, world, init_method, mc.device,
-                                             self.timeout_s))
-                           for rank in range(1, world)]
-            for p in self._procs:
-                p.start()
-        else:  # torchrun started every rank; this is rank 0 (the others run the worker loop)
-            if env.rank != 0 or env.world_size != world:
-                raise ValueError(
-                    f"under torchrun the engine runs on global rank 0 with WORLD_SIZE equal to "
-                    f"tensor_parallel_size; this is rank {env.rank} of {env.world_size}, "
-                    f"tensor_parallel_size={world}")
-            init_method, local_rank = "env://", env.local_rank
-        self.tp = init_tensor_parallel(0, world, init_method,
-                                       resolve_device(mc.device, local_rank), self.timeout_s,
-                                       local_rank)
+        self.followers: Followers | None = None
+        self._closed = False
         try:
+            if env is None:  # one host: ranks 1..N-1 are ours
+                self.followers = Followers(world, serve_rank, (), mc.device, timeout_s)
+                self.tp = self.followers.connect(resolve_device(mc.device, 0))
+            else:  # torchrun started every rank; this is rank 0 (the others: the worker loop)
+                if env.rank != 0 or env.world_size != world:
+                    raise ValueError(
+                        f"under torchrun the engine runs on global rank 0 with WORLD_SIZE "
+                        f"equal to tensor_parallel_size; this is rank {env.rank} of "
+                        f"{env.world_size}, tensor_parallel_size={world}")
+                self.tp = init_tensor_parallel(0, world, "env://",
+                                               resolve_device(mc.device, env.local_rank),
+                                               timeout_s, env.local_rank)
             self.tp.broadcast_object((config, max_model_len))
             self.local = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=self.tp)
-            self.rank_load_stats = self.tp.gather_object(self.local.load_stats)  # by rank
+            self.rank_load_stats = self.tp.all_gather_object(self.local.load_stats)  # by rank
         except BaseException:
-            for p in self._procs:
-                p.terminate()
-            dist.destroy_process_group()
+            self._stop(abort=True)
             raise
         for name in ("device", "dtype", "num_kv_blocks", "mm_offload",
                      "bytes_per_embedding_row", "encoder_cache_rows", "runner"):
@@ -149,52 +115,29 @@ class MultiprocExecutor:
         # data mode: the followers get the pixels of their share only, as they encode it;
         # in the other modes every rank encodes every image
         self._pixels_to_all = config.parallel_config.mm_encoder_tp_mode != "data"
-        self._closed = False
 
     def warmup(self, processor=None) -> float:
         """Rank 0's warm-up; the other ranks run theirs as they start (see `serve_rank`)."""
         return self.local.warmup(processor)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
-        self._check_ranks()
-        try:
-            self.tp.broadcast_object(so if self._pixels_to_all else without_pixels(so))
-        except RuntimeError as e:  # the control message failed: a rank is gone
-            self._check_ranks(wait_s=1.0)
-            raise RankFailedError(f"a tensor-parallel rank is gone or did not answer within "
-                                  f"{self.timeout_s:g} s (--tp-timeout): {e}") from e
-        try:
-            return self.local.execute_model(so)
-        except RuntimeError as e:
-            self._check_ranks(wait_s=1.0)
-            if _collective_failed(e):
-                raise RankFailedError(f"a tensor-parallel rank is gone or did not answer "
-                                      f"within {self.timeout_s:g} s (--tp-timeout): {e}") from e
-            raise
+        """Every rank runs the step; a rank that exited, or a collective that failed (a peer
+        gone, or past `--tp-timeout`), raises `RankFailedError`, which stops the engine."""
+        self.tp.check()
+        self.tp.broadcast_object(so if self._pixels_to_all else without_pixels(so))
+        return self.local.execute_model(so)
 
-    def _check_ranks(self, wait_s: float = 0.0) -> None:
-        """Raise `RankFailedError` if a rank's process (spawned here) has exited."""
-        for rank, p in enumerate(self._procs, 1):
-            p.join(wait_s if rank == 1 else 0.0)
-            if p.exitcode is not None:
-                raise RankFailedError(f"tensor-parallel rank {rank} exited (exit code "
-                                      f"{p.exitcode}); the engine cannot go on")
-
-    def shutdown(self) -> None:
+    def _stop(self, abort: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
-        if all(p.is_alive() for p in self._procs):
-            try:
-                self.tp.broadcast_object(None)
-            except RuntimeError:  # a rank went meanwhile
-                pass
-        for p in self._procs:
-            p.join(timeout=30 if p.is_alive() else 0)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        dist.destroy_process_group()
+        if self.followers is not None:
+            self.followers.stop(abort=abort)
+        elif getattr(self, "tp", None) is not None:
+            self.tp.shutdown(abort)
+
+    def shutdown(self) -> None:
+        self._stop()
 
     def __del__(self) -> None:
         try:

@@ -3,7 +3,7 @@
 It sends what callers queued (`add`, `abort`, `call`, ...; any thread), receives each step's
 tokens, detokenizes them, applies stop strings and hands every event loop its streams'
 outputs at once. It also watches the core: if the core dies, every stream ends with
-`EngineDeadError` within `CORE_CHECK_S`, and the dead callbacks run first.
+`EngineDeadError` within `WATCH_S`, and the dead callbacks run first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Any
 
 import zmq
 
-from vlmserve.engine.launch import CoreHandle
 from vlmserve.engine.messages import (
     Abort,
     Decoder,
@@ -45,10 +44,10 @@ from vlmserve.frontend.streams import (
     RequestTiming,
     put_all,
 )
+from vlmserve.process import WATCH_S, CoreHandle
 from vlmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-CORE_CHECK_S = 0.2  # how often the I/O thread checks that the engine core lives
 START_TIMEOUT_S = 3600.0  # model load (and kernel warm-up) of a large model
 
 
@@ -177,15 +176,15 @@ class CoreClient:
             sock.send_multipart(self._encoder.encode(Hello()))
             deadline = time.monotonic() + START_TIMEOUT_S
             while not ready.done():  # the core loads its model, then answers Hello
-                if sock.poll(int(CORE_CHECK_S * 1000)):
+                if sock.poll(int(WATCH_S * 1000)):
                     msg = decoder.decode(sock.recv_multipart(copy=False))
                     assert isinstance(msg, Ready), msg
                     ready.set_result(msg)
                 elif not self._core_alive() or time.monotonic() > deadline:
                     raise RuntimeError("the engine core failed to start (see its log above)")
-            next_check = time.monotonic() + CORE_CHECK_S
+            next_check = time.monotonic() + WATCH_S
             while True:
-                events = dict(poller.poll(int(CORE_CHECK_S * 1000)))
+                events = dict(poller.poll(int(WATCH_S * 1000)))
                 if self._wake_r in events:
                     os.read(self._wake_r, 65536)
                 while True:
@@ -203,7 +202,7 @@ class CoreClient:
                     self._handle_core(decoder.decode(frames))
                 now = time.monotonic()
                 if now >= next_check:
-                    next_check = now + CORE_CHECK_S
+                    next_check = now + WATCH_S
                     if not self._core_alive():
                         raise EngineDeadError("the engine core process died")
         except BaseException as e:  # noqa: BLE001 - every stream must learn the core stopped

@@ -35,18 +35,22 @@ if os.environ.get("VLMSERVE_STALL_SEED"):
 if os.environ.get("VLMSERVE_PERTURB_RANK"):
     # the sampler of that tensor-parallel rank sees different logits (reversed): greedy
     # sampling there picks other tokens unless every rank takes rank 0's
-    import torch.distributed as _dist
-
     import vlmserve.worker.model_runner as _runner
 
     _rank = int(os.environ["VLMSERVE_PERTURB_RANK"])
-    _real_sample = _runner.sample
+    _real_sample, _real_init = _runner.sample, _runner.ModelRunner.__init__
+    _runners = []  # this process's model runners (a rank has one)
+
+    def _init(self, *args, **kwargs):
+        _real_init(self, *args, **kwargs)
+        _runners.append(self)
 
     def _perturbed(logits, params, *rest):
-        if _dist.is_initialized() and _dist.get_rank() == _rank:
+        if any(r.tp is not None and r.tp.rank == _rank for r in _runners):
             logits = logits.flip(-1)
         return _real_sample(logits, params, *rest)
 
+    _runner.ModelRunner.__init__ = _init
     _runner.sample = _perturbed
 
 if os.environ.get("VLMSERVE_GRAMMAR_HANG"):
