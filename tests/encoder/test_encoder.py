@@ -5,11 +5,10 @@ requests; only delivering ranks export."""
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 import pytest
 import torch
+import zmq
 from safetensors import safe_open
 
 from tests.encoder.helpers import segments, wait_until
@@ -167,7 +166,10 @@ def test_the_encoder_core_fails_only_the_offending_job(vlmserve_cache, tmp_path)
     llm = LLM("tiny-qwen2-vl", dtype="float32", device="cpu", mm_embedding_offload=False)
     good = pixel_image(llm.engine.input_processor.process(_prompts(llm)[0]).images[0])
     with MultimodalEncoder("tiny-qwen2-vl", dtype="float32", device="cpu") as enc:
-        proc = EncoderCoreProc(enc, f"ipc://{tmp_path}/core", os.getpid())
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(f"ipc://{tmp_path}/core")
+        proc = EncoderCoreProc(enc, sock)
         answers: dict[int, JobDone] = {}
         proc._send = lambda identity, msg: answers.__setitem__(msg.job_id, msg)
         bad_shape = msgspec.structs.replace(good, mm_hash="a" * 64, shape=(-1, -1, 3),
@@ -182,6 +184,8 @@ def test_the_encoder_core_fails_only_the_offending_job(vlmserve_cache, tmp_path)
             proc._finish_all([item for item in launched if item is not None])
         finally:
             proc.close()
+            sock.close(0)
+            ctx.term()
         assert sorted(answers) == [0, 1, 2, 3] and not proc.sender
         for i in (1, 2):
             assert answers[i].error is not None and answers[i].handles == []
