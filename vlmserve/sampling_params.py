@@ -25,22 +25,6 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # repetition penalty
 MAX_PENALTY, MAX_BIAS, MAX_REPETITION_PENALTY = 2.0, 100.0, 2.0
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-MAX_SCHEMA_DEPTH = 64  # levels of objects and arrays a JSON schema may nest
-
-
-def _check_depth(schema: Any) -> None:
-    """`InvalidSamplingParamsError` if a JSON schema nests objects and arrays more than
-    `MAX_SCHEMA_DEPTH` levels deep (walked without recursion)."""
-    todo = [(schema, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidSamplingParamsError(
-                f"structured outputs: json is nested too deeply (more than {MAX_SCHEMA_DEPTH} "
-                "levels of objects and arrays)")
-        children = (value.values() if isinstance(value, dict)
-                    else value if isinstance(value, list) else ())
-        todo += [(c, depth + 1) for c in children if isinstance(c, dict | list)]
 
 
 @dataclass
@@ -72,8 +56,6 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, str | dict):
             raise InvalidSamplingParamsError("structured outputs: json must be a JSON schema "
                                              "(an object or its JSON text)")
-        if isinstance(self.json, dict):
-            _check_depth(self.json)
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -97,11 +79,10 @@ class StructuredOutputsParams:
             except ValueError as e:
                 raise InvalidSamplingParamsError(
                     f"structured outputs: json is not valid JSON: {e}") from None
-            except RecursionError:
+            except RecursionError:  # deeper than --max-grammar-nesting allows, checked first
                 raise InvalidSamplingParamsError(
-                    f"structured outputs: json is nested too deeply (at most "
-                    f"{MAX_SCHEMA_DEPTH} levels)") from None
-            _check_depth(value)
+                    "structured outputs: json is nested too deeply "
+                    "(--max-grammar-nesting)") from None
         text = (json.dumps(value, sort_keys=True) if kind in ("json", "choice")
                 else "" if kind == "json_object" else value)
         return kind, text, not self.disable_any_whitespace

@@ -24,8 +24,6 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
-
 from vlmserve.config import StructuredOutputsConfig
 from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.layers.grammar import _xgrammar, check_grammar_limits
@@ -254,6 +252,7 @@ class GrammarCompiler:
 
     def _zygote_now(self) -> Zygote:
         """The zygote, started now if it is not running (the tokenizer built once, here)."""
+        import msgspec
         with self._setup_lock:
             if self._zygote is None or not self._zygote.alive():
                 if self._info is None:
@@ -268,6 +267,7 @@ class GrammarCompiler:
     def _compile(self, proc: CompileProcess, job: _Job) -> bool:
         """Run ``job`` in ``proc`` and settle it; False if ``proc`` had to be ended (or
         died)."""
+        import msgspec
         cfg = self.config
         try:
             proc.conn.send_bytes(msgspec.msgpack.encode(list(job.spec)))

@@ -18,8 +18,6 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-import msgspec
-
 from vlmserve.layers.grammar import _grammar, _xgrammar
 from vlmserve.utils import pid_alive
 
@@ -38,6 +36,8 @@ def _zygote_main(fd: int, parent: int) -> None:
     message) once, then forks a compile process for each connection the engine core sends
     it (a fork takes milliseconds; a fresh interpreter seconds), answering its pid."""
     from multiprocessing.reduction import recv_handle
+
+    import msgspec
 
     from vlmserve.utils import die_with_parent
 
@@ -78,6 +78,8 @@ def _zygote_main(fd: int, parent: int) -> None:
 def _compile_loop(conn: Connection, xgr: Any, info: Any, setup: dict) -> None:
     """A compile process: one grammar spec (msgpack [kind, text, any whitespace]) after
     another, each answered [True, the compiled grammar's JSON] or [False, why]."""
+    import msgspec
+
     from vlmserve.utils import die_with_parent
 
     die_with_parent()  # with the zygote, which dies with the engine core
@@ -144,6 +146,8 @@ class Zygote:
     def fork(self, stop: threading.Event) -> CompileProcess:
         """A new compile process, ready."""
         from multiprocessing.reduction import send_handle
+
+        import msgspec
 
         ours, theirs = socket.socketpair()
         try:
