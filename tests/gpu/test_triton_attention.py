@@ -30,10 +30,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # Sizes: serving shapes on the GPU, small ones for the (slow) interpreter, which CI runs on
 # two CPU cores: there every (model, dtype) pair takes one of the two block sizes, so each
 # model and each dtype still meets both.
-MAX_CTX = 4000 if ON_GPU else 300
-MAX_CHUNK = 2048 if ON_GPU else 70
+MAX_CTX = 4000 if ON_GPU else 200
+MAX_CHUNK = 2048 if ON_GPU else 50
 DECODE_BATCHES = (1, 7, 64) if ON_GPU else (1, 6)
-MAX_SEG = 4096 if ON_GPU else 200
+MAX_SEG = 4096 if ON_GPU else 150
 MAX_SEGS = 16 if ON_GPU else 5
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 # (heads, kv_heads, head_dim): GQA 1, Qwen2-VL-2B (6), Qwen2.5-VL-7B (7), head_dim 80.
