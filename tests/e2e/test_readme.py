@@ -1,21 +1,23 @@
 """The README's examples, run as written (ports and file names aside), so they stay true:
-the Python API, the openai client against a live server, the demo, and the benchmark
-command lines (parsed: they need a GPU to run). The curl example runs in
-tests/e2e/test_server_procs.py."""
+the Python API, the openai client and curl against a live server (one for both), the demo,
+and the benchmark command lines (parsed: they need a GPU to run)."""
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
-from tests.e2e.test_server_procs import serve  # noqa: F401 - the fixture
+from tests.e2e.test_server_procs import ServeProc
 from vlmserve.entrypoints.cli import make_parser
 
 README_PATH = Path(__file__).resolve().parents[2] / "README.md"
@@ -36,6 +38,14 @@ def run_python(code: str, cwd: Path) -> str:
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+@pytest.fixture(scope="module")
+def server(vlmserve_cache: Path) -> Iterator[ServeProc]:
+    """`vlmserve serve` with its defaults (on the CPU), for the README's client examples."""
+    srv = ServeProc()
+    yield srv
+    srv.kill()
 
 
 def test_python_api_example(vlmserve_cache, tmp_path: Path) -> None:
@@ -61,12 +71,28 @@ def test_cpu_requirements_use_the_cpu_wheel_index() -> None:
         assert "pip install -r requirements-cpu.txt" in command.replace(" -q", "")
 
 
-def test_openai_client_example(serve, tmp_path: Path) -> None:  # noqa: F811
+def test_openai_client_example(server: ServeProc, tmp_path: Path) -> None:
     (code,) = [b for b in blocks("python") if "from openai import OpenAI" in b]
-    srv = serve()
     photo(tmp_path, "photo.png")
-    out = run_python(code.replace("localhost:8000", f"127.0.0.1:{srv.port}"), tmp_path)
+    out = run_python(code.replace("localhost:8000", f"127.0.0.1:{server.port}"), tmp_path)
     assert "completion_tokens=64" in out
+
+
+def test_readme_curl_example_with_a_512px_photo(server: ServeProc, tmp_path: Path) -> None:
+    """The README's curl example, as written there (the port aside), against a live server."""
+    start = README.index("cat > body.json <<EOF")
+    block = README[start:README.index("```", start)]
+    srv = server
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (512, 512, 3), dtype=np.uint8)).save(
+        tmp_path / "photo.png")
+    script = block.replace("localhost:8000", f"127.0.0.1:{srv.port}")
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    body = json.loads(r.stdout)
+    assert body["object"] == "chat.completion", body
+    assert body["usage"]["completion_tokens"] >= 1 and body["usage"]["prompt_tokens"] > 100
 
 
 def test_demo_of_the_quick_start_runs(vlmserve_cache) -> None:

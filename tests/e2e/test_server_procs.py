@@ -4,7 +4,6 @@ failures and their shutdown."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import select
 import signal
@@ -16,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -333,26 +331,6 @@ def test_front_end_sockets_share_the_port_and_its_connections() -> None:
     finally:
         for s in socks:
             s.close()
-
-
-def test_readme_curl_example_with_a_512px_photo(serve, tmp_path: Path) -> None:
-    """The README's curl example, as written there (the port aside), against a live server."""
-    from PIL import Image
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("cat > body.json <<EOF")
-    block = readme[start:readme.index("```", start)]
-    srv = serve()
-    rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 256, (512, 512, 3), dtype=np.uint8)).save(
-        tmp_path / "photo.png")
-    script = block.replace("localhost:8000", f"127.0.0.1:{srv.port}")
-    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    body = json.loads(r.stdout)
-    assert body["object"] == "chat.completion", body
-    assert body["usage"]["completion_tokens"] >= 1 and body["usage"]["prompt_tokens"] > 100
 
 
 def test_a_killed_tensor_parallel_rank_fails_the_stream_and_the_server_exits(serve) -> None:
