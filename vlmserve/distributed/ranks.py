@@ -125,7 +125,8 @@ def follower_main(target: Callable[..., None], args: tuple, rank: int, world: in
                   device: str, timeout_s: float, start_timeout_s: float) -> None:
     """A spawned rank (a multiprocessing target): joins the group at rank 0's store, then runs
     ``target(tp, *args)``. An error it raises goes to the store first (for rank 0's report);
-    `RankFailedError` (rank 0 gone, or it gave up on the group) ends it quietly."""
+    `RankFailedError` (rank 0 gone, or it gave up on the group) goes there too but ends it
+    with code 0."""
     dev = resolve_device(device, rank)
     if dev.type == "cuda":
         limit_host_threads()  # the model runs on the device; the host only feeds it
@@ -135,8 +136,10 @@ def follower_main(target: Callable[..., None], args: tuple, rank: int, world: in
         store.set(f"joining/{rank}", "")
         tp = join_group(rank, world, store, dev, timeout_s, start_timeout_s, loopback=True)
         target(tp, *args)
-    except RankFailedError as e:
+    except RankFailedError as e:  # rank 0 hears why, should it still be there to ask
         logger.warning("tensor-parallel rank %d stops: %s", rank, e)
+        with contextlib.suppress(Exception):
+            store.set(f"error/{rank}", f"gave up: {e}"[:1000])
     except BaseException as e:
         with contextlib.suppress(Exception):
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:1000])
