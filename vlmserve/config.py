@@ -57,6 +57,13 @@ class ModelConfig:
         "models min_pixels and max_pixels (or size: {shortest_edge, longest_edge}), the pixel "
         "range every image is resized into, which decides its token count; LLaVA's take "
         "none. A request may give its own (mm_processor_kwargs) for its images.")
+    model_impl: str = _opt(
+        "auto", "Which implementation runs the model (vLLM's --model-impl): auto (the "
+        "native one where vlmserve has it, else transformers'), native, or transformers (the "
+        "checkpoint's transformers model with the engine's paged attention, for any "
+        "image-text-to-text architecture of transformers whose layers are all attention; "
+        "one that cannot be served is refused at load, naming why).",
+        choices=("auto", "native", "transformers"))
     quantization: str = _opt(
         "auto", "Weights of the language model's projections: auto (a block-wise FP8 "
         "checkpoint's held as FP8, computed by FP8 kernels on CUDA; under tensor "

@@ -108,8 +108,7 @@ class EngineCore:
         image rows beside decodes); `config` is resolved here for this device and model."""
         mc = config.model_config
         device = resolve_device(mc.device)
-        self.model_path, self.hf_config, processor = load_model_processor(
-            mc.model, mc.mm_processor_kwargs)
+        self.model_path, self.hf_config, processor = load_model_processor(mc)
         self.model_processor = model_processor or processor
         dtype = resolve_dtype(mc.dtype, device)
         config = resolve_config(

@@ -49,8 +49,8 @@ def serve_rank(tp: TensorParallel) -> None:
 
     config, max_model_len = tp.broadcast_object()
     model_path = resolve_model(config.model_config.model)
-    executor = UniprocExecutor(config, model_path, load_hf_config(model_path), max_model_len,
-                               tp=tp)
+    hf_config = load_hf_config(model_path, config.model_config.model_impl)
+    executor = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=tp)
     tp.all_gather_object(executor.load_stats)
     if config.model_config.kernel_warmup:  # resolved by rank 0, as its own
         executor.warmup()  # the same fake steps as rank 0's: their collectives pair up

@@ -84,8 +84,7 @@ class AsyncLLM:
             self._proc, core = start_engine_core(config, log_level)
         self.core = core
         try:
-            path, hf_config, model_processor = load_model_processor(
-                config.model_config.model, config.model_config.mm_processor_kwargs)
+            path, hf_config, model_processor = load_model_processor(config.model_config)
             self.sampling_defaults = sampling_defaults(config, path)
             self.input_processor = InputProcessor.for_model(path, hf_config, model_processor,
                                                             image_cache_bytes=image_cache_bytes)

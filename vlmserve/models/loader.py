@@ -39,19 +39,24 @@ from vlmserve.models.quantization import (
     checkpoint_quantization,
     quantize_fp8_block,
 )
-from vlmserve.models.registry import resolve_model_class
+from vlmserve.models.registry import MODEL_IMPLS, resolve_model_class
 
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(path: str | Path):
+def load_hf_config(path: str | Path, model_impl: str = "auto"):
     """The checkpoint's transformers config; a quantization it cannot load raises
-    `ValueError` naming it (models/quantization.py), before anything loads."""
+    `ValueError` naming it (models/quantization.py), before anything loads. ``model_impl``
+    (`ModelConfig.model_impl`) goes with it: the model class is chosen by it
+    (`registry.resolve_model_class`)."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint folder: it has no "
                          "config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     checkpoint_quantization(config)
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl {model_impl!r}: one of {', '.join(MODEL_IMPLS)}")
+    config.vlmserve_model_impl = model_impl
     return config
 
 
@@ -250,6 +255,12 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
     block-wise FP8 as they load. `expert_parallel`: a rank holds its share of the experts
     whole (see `ShardPlan`)."""
     tp = tp if tp is not None and tp.world_size > 1 else None
+    cls = resolve_model_class(hf_config)
+    if hasattr(cls, "from_checkpoint"):  # the transformers backend: transformers loads it
+        if tp is not None or quantization == "fp8":
+            raise ValueError("the transformers backend runs on one device, unquantized "
+                             "(tensor parallelism and fp8 need a native model)")
+        return cls.from_checkpoint(path, hf_config, dtype, device)
     quant = checkpoint_quantization(hf_config)
     online = quantization == "fp8" and quant is None
     if online:

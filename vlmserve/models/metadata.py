@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.registry import resolve_model_class
@@ -46,10 +46,11 @@ def sampling_defaults(config: EngineConfig, model_path: str | Path) -> dict[str,
     return defaults
 
 
-def load_model_processor(model: str, mm_processor_kwargs: dict | None = None):
+def load_model_processor(mc: ModelConfig):
     """(checkpoint path, HF config, the model's input processor with the engine's
-    `mm_processor_kwargs`) for a model name or folder."""
-    path = resolve_model(model)
-    hf_config = load_hf_config(path)
+    `mm_processor_kwargs`) for a model config (its model name or folder, `model_impl`)."""
+    path = resolve_model(mc.model)
+    hf_config = load_hf_config(path, mc.model_impl)
     model_cls = resolve_model_class(hf_config)
-    return path, hf_config, model_cls.input_processor_cls(path, hf_config, mm_processor_kwargs)
+    return path, hf_config, model_cls.input_processor_cls(path, hf_config,
+                                                          mc.mm_processor_kwargs)

@@ -30,11 +30,26 @@ def image_row_width(hf_config) -> int:
     return resolve_model_class(hf_config).image_row_width(hf_config)
 
 
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
 def resolve_model_class(hf_config) -> type:
+    """The class that runs a checkpoint of config ``hf_config``, by its `model_impl` (set by
+    `loader.load_hf_config`; default auto): the native class of its architecture, else (or
+    with "transformers") the transformers backend, which refuses in one line a model it
+    cannot serve."""
+    impl = getattr(hf_config, "vlmserve_model_impl", "auto")
     archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in _MODELS:
-            module, name = _MODELS[arch]
-            return getattr(importlib.import_module(module), name)
-    raise ValueError(f"unsupported model architecture {archs}; supported: "
-                     f"{', '.join(supported_architectures())}")
+    if impl != "transformers":
+        for arch in archs:
+            if arch in _MODELS:
+                module, name = _MODELS[arch]
+                return getattr(importlib.import_module(module), name)
+        if impl == "native":
+            raise ValueError(f"no native implementation of {archs}; native ones: "
+                             f"{', '.join(supported_architectures())} (model_impl auto or "
+                             "transformers runs it through transformers)")
+    from vlmserve.models.transformers_backend import TransformersVLM, check_supported
+
+    check_supported(hf_config)
+    return TransformersVLM

@@ -1,0 +1,303 @@
+"""The transformers backend: a vision-language model with no native class, run through its
+transformers implementation with the engine's paged attention.
+
+The HF model is built from the checkpoint as transformers builds it (`from_pretrained`: its
+own weight names, tied weights, dtype). Its language model's attention goes through
+transformers' attention interface: the function registered here as ``"vlmserve"`` writes
+each layer's keys and values into the engine's paged KV cache and runs the engine's paged
+attention over the step's flat tokens (every request of a continuous batch, prefill chunks
+and decodes together), so continuous batching, chunked prefill, prefix caching and
+preemption work as for a native model. Its vision part runs through the model's own
+``get_image_features``, with the tensors its processor made for each image
+(`models/transformers_processing.py`); positions come from the model's own rules: token
+indices, or its ``get_rope_index`` for multi-axis rotary positions.
+
+What the backend cannot serve is refused at load in one line (`check_supported`): a model
+whose text layers are not all attention, attention it cannot run exactly (sliding windows,
+chunked windows, logit soft-capping, images or prefixes that attend both ways, until the
+engine's attention has them), or no image-text-to-text class in transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
+from vlmserve.layers.positions import MRopePositions, TokenPositions
+from vlmserve.models.transformers_processing import (
+    TransformersInputProcessor,
+    unpack_meta,
+    unpack_tensors,
+)
+
+ATTENTION_NAME = "vlmserve"
+
+
+class _Step:
+    """What the registered attention function reads while a step's forward runs: the KV
+    caches, the step's attention metadata and the paged attention function."""
+
+    def __init__(self) -> None:
+        self.kv_caches: list[torch.Tensor] = []
+        self.meta: AttentionMetadata | None = None
+        self.attn_fn = paged_attention_reference
+
+
+def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                    dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the engine's paged KV cache: ``query``
+    ``[1, heads, T, dim]`` (the step's flat tokens), ``key``/``value`` ``[1, kv_heads, T,
+    dim]`` after the rotary -> ``[1, T, heads, dim]``. The mask is the engine's (each token
+    attends causally to its own request); transformers builds none for this interface."""
+    step: _Step = module.vlmserve_step
+    cache = step.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    write_kv(cache, key[0].transpose(0, 1), value[0].transpose(0, 1), step.meta.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = step.attn_fn(q.contiguous(), cache, step.meta, scale)
+    return out[None], None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+def _text_config(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def hf_model_class(hf_config) -> type:
+    """transformers' image-text-to-text class of a config; `ValueError` if it has none."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(hf_config.model_type)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if hasattr(transformers, arch) and arch.endswith("ForConditionalGeneration"):
+            name = arch
+    if name is None or not hasattr(transformers, name):
+        named = ", ".join(archs) or "no architectures"
+        raise ValueError(f"model type {hf_config.model_type!r} ({named}) is not an "
+                         f"image-text-to-text model of transformers {transformers.__version__}")
+    return getattr(transformers, name)
+
+
+def check_supported(hf_config) -> None:
+    """Refuse, in one line, a model the backend cannot serve exactly (`ValueError`)."""
+    tc = _text_config(hf_config)
+    kind = hf_config.model_type
+    layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
+    if layer_types - {"full_attention"}:
+        raise ValueError(f"{kind}: layers of kind {sorted(layer_types - {'full_attention'})} "
+                         "need the engine's hybrid KV cache (only full-attention layers are "
+                         "served by the transformers backend)")
+    if getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True):
+        raise ValueError(f"{kind}: sliding-window attention (window {tc.sliding_window}) is "
+                         "not served by the transformers backend yet")
+    if getattr(tc, "attention_chunk_size", None):
+        raise ValueError(f"{kind}: chunked local attention is not served by the "
+                         "transformers backend yet")
+    if getattr(tc, "attn_logit_softcapping", None):
+        raise ValueError(f"{kind}: attention logit soft-capping is not served by the "
+                         "transformers backend")
+    if kind in _BIDIRECTIONAL:
+        raise ValueError(f"{kind}: {_BIDIRECTIONAL[kind]} attend both ways, which the "
+                         "engine's attention does not do yet")
+    hf_model_class(hf_config)
+
+
+# models whose prompts are not causal throughout
+_BIDIRECTIONAL = {"gemma3": "each image's tokens", "paligemma": "the prompt's tokens",
+                  "gemma3n": "each image's tokens"}
+
+
+class TransformersVLM(nn.Module):
+    """A transformers image-text-to-text model behind the engine's model interface."""
+
+    input_processor_cls = TransformersInputProcessor
+    encoder_prefixes: tuple[str, ...] = ()  # an encoder service needs a native class
+    implementation = "transformers"
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        tc = _text_config(self.config)
+        self.text_config = tc
+        self.step = _Step()
+        inner = getattr(hf_model, "model", hf_model)
+        self.text_model = getattr(inner, "language_model", None) or hf_model.get_decoder()
+        layers = 0
+        for module in self.text_model.modules():
+            if hasattr(module, "layer_idx") and hasattr(module, "scaling") or (
+                    hasattr(module, "layer_idx") and type(module).__name__.endswith(
+                        "Attention")):
+                module.vlmserve_step = self.step
+                layers = max(layers, module.layer_idx + 1)
+        self._num_layers = tc.num_hidden_layers
+        if layers != self._num_layers:
+            raise ValueError(f"{self.config.model_type}: found attention in {layers} of "
+                             f"{self._num_layers} text layers")
+        self.embedding = hf_model.get_input_embeddings()
+        self.lm_head = hf_model.get_output_embeddings()
+        self.kv_heads = tc.num_key_value_heads
+        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+        self.mrope = bool(rope.get("mrope_section")) if isinstance(rope, dict) else False
+        self.position_scheme = MRopePositions(3) if self.mrope else TokenPositions()
+        self.final_softcap = getattr(tc, "final_logit_softcapping", None)
+        self.logit_scale = getattr(tc, "logit_scale", None)
+        self._features = getattr(hf_model, "get_image_features", None) or \
+            inner.get_image_features
+        self._feature_args = set(inspect.signature(self._features).parameters)
+
+    # ---- building ------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, hf_config, dtype: torch.dtype,
+                        device: torch.device) -> TransformersVLM:
+        """The HF model from its checkpoint folder, its text attention the engine's."""
+        check_supported(hf_config)
+        _register()
+        hf_cls = hf_model_class(hf_config)
+        attn = {key: "sdpa" for key in getattr(hf_config, "sub_configs", {})}
+        attn["text_config"] = ATTENTION_NAME
+        attn[""] = ATTENTION_NAME
+        model = hf_cls.from_pretrained(str(path), config=hf_config, dtype=dtype,
+                                       attn_implementation=attn, local_files_only=True)
+        return cls(model.to(device).eval())
+
+    @classmethod
+    def image_row_width(cls, hf_config) -> int:
+        return _text_config(hf_config).hidden_size
+
+    # ---- the engine's model interface ----------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def row_width(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.kv_heads, self.head_dim)
+
+    def set_attention_backend(self, fn) -> None:
+        self.step.attn_fn = fn
+
+    def set_vision_attention_backend(self, fn) -> None:
+        """Unused: the vision part runs transformers' own attention."""
+
+    def set_fused_ops(self, ops) -> None:
+        """Unused: the model's own modules run as transformers wrote them."""
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The model's own token embedding (scaled where the model scales it); an image
+        token id past the vocabulary (its row is replaced by the image's) embeds as 0."""
+        n = self.embedding.num_embeddings
+        return self.embedding(torch.where(token_ids < n, token_ids, 0))
+
+    def merge_image_rows(self, embeds: torch.Tensor, dest: torch.Tensor,
+                         rows: torch.Tensor) -> dict:
+        embeds.index_copy_(0, dest, rows.to(embeds.dtype))
+        return {}
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """[T, hidden] -> the text model's final hidden states [T, hidden], its attention
+        over the paged KV cache."""
+        self.step.kv_caches, self.step.meta = kv_caches, meta
+        position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None]
+        out = self.text_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
+                              use_cache=False, return_dict=True)
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+    # ---- images --------------------------------------------------------------------------
+
+    def encode_images(self, pixel_values: torch.Tensor,
+                      encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """The images' packed tensors (their bytes, in order: `pack_image`) -> each image's
+        span as rows [sum of spans, hidden]: the model's image features at its image tokens,
+        the text embedding of its other tokens. Images whose tensors agree in every shape
+        but the first run through ``get_image_features`` together."""
+        layouts = [unpack_meta(m) for m in encoder_meta]
+        tensors, at = [], 0
+        for layout in layouts:
+            tensors.append(unpack_tensors(pixel_values[at:at + layout.nbytes], layout))
+            at += layout.nbytes
+        features: list[torch.Tensor | None] = [None] * len(layouts)
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tensors):
+            key = tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in t.items())
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            rows = self._features_of([tensors[i] for i in members],
+                                     [layouts[i].num_image_tokens for i in members])
+            for i, r in zip(members, rows, strict=True):
+                features[i] = r
+        return torch.cat([self._span_rows(layout, f)
+                          for layout, f in zip(layouts, features, strict=True)])
+
+    def _features_of(self, tensors: list[dict[str, torch.Tensor]], counts: list[int]
+                     ) -> list[torch.Tensor]:
+        """``get_image_features`` of images whose tensors concatenate on their first axis
+        -> each image's feature rows (``counts`` of them)."""
+        dtype = self.embedding.weight.dtype
+        kwargs = {}
+        for key in tensors[0]:
+            if key not in self._feature_args:
+                continue
+            value = torch.cat([t[key] for t in tensors])
+            kwargs[key] = value.to(dtype) if value.is_floating_point() else value
+        out = self._features(**kwargs)
+        if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
+            out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+        width = self.hidden_size
+        if isinstance(out, (list, tuple)):
+            flat = torch.cat([o.reshape(-1, width) for o in out])
+        else:
+            flat = out.reshape(-1, width)
+        if flat.shape[0] != sum(counts):
+            raise RuntimeError(f"{self.config.model_type}: get_image_features gave "
+                               f"{flat.shape[0]} rows for images of {counts} image tokens")
+        return list(flat.split(counts))
+
+    def _span_rows(self, layout, features: torch.Tensor) -> torch.Tensor:
+        """An image's span: its feature rows at its image tokens, the embeddings of its
+        text tokens (markers between an image's tiles) at theirs."""
+        if not layout.text_tokens:
+            return features.to(self.embedding.weight.dtype)
+        length = layout.num_image_tokens + len(layout.text_tokens)
+        device = features.device
+        pos, ids = (torch.tensor(v, dtype=torch.int64, device=device)
+                    for v in zip(*layout.text_tokens, strict=True))
+        rows = features.new_empty(length, features.shape[1], dtype=self.embedding.weight.dtype)
+        is_image = torch.ones(length, dtype=torch.bool, device=device)
+        is_image[pos] = False
+        rows[is_image] = features.to(rows.dtype)
+        rows[pos] = self.embed_tokens(ids)
+        return rows

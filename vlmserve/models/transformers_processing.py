@@ -1,0 +1,352 @@
+"""Admission-time processing for the transformers backend: the checkpoint's own HF processor.
+
+A model without a native class is served through its transformers implementation
+(`models/transformers_backend.py`), and its prompts go through its own `AutoProcessor`, the
+whole pipeline, as `transformers` users run it: the processor expands each image's
+placeholder into the tokens the model expects (image tokens, and for some models row and
+column markers or start and end tokens between them) and makes the image's tensors.
+
+The engine knows an image by one contiguous span of the prompt (`MultiModalFeature`): here
+it is the image's *span*, from its first image token to its last, markers included. The
+encoder gives a row for every token of the span: the model's image features at image tokens,
+the text embedding of any other token (`TransformersVLM.encode_images`), so the span merges,
+chunks and caches like any image.
+
+The image's tensors (the HF image processor's output for that image alone: ``pixel_values``
+and what the model's ``get_image_features`` reads besides, e.g. ``image_sizes``) travel as
+one uint8 tensor of their bytes (`ImageInput.pixels`: one copy to the device, like the native
+models' pixels), their layout and the span's text tokens in ``encoder_meta`` (`pack_image`,
+`unpack_meta`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.models.processing import HFInputProcessor
+from vlmserve.multimodal.hashing import hash_image
+from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# what an image processor may return for an image and a model's `get_image_features` may
+# read (an index into this tuple names the tensor in `encoder_meta`)
+TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",
+               "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
+               "image_num_patches", "pixel_mask")
+# outputs of a processor that are about the text, never an image's tensors
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+           torch.uint8)
+_ALIGN = 8  # every tensor's bytes start on a multiple of this (a view as int64 needs it)
+
+
+def image_token_id_of(hf_config) -> int | None:
+    """The id of the image placeholder token in a config (its several spellings)."""
+    for name in ("image_token_id", "image_token_index", "image_token"):
+        tid = getattr(hf_config, name, None)
+        if isinstance(tid, int):
+            return tid
+    return None
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What ``encoder_meta`` says of one image (`unpack_meta`): how many of its span's tokens
+    are image tokens, the span's other tokens (index in the span, token id), and each of its
+    tensors as (name, dtype, shape) in the order of their bytes."""
+
+    num_image_tokens: int
+    text_tokens: tuple[tuple[int, int], ...]
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_padded(math.prod(shape) * dtype.itemsize) for _, dtype, shape in self.tensors)
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_token_id: int
+               ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """One image's tensors (the image processor's output for it) and its span's token ids ->
+    (their bytes as one uint8 tensor, ``encoder_meta``)."""
+    text = [(i, t) for i, t in enumerate(span) if t != image_token_id]
+    meta: list[int] = [len(span) - len(text), len(text)]
+    for i, t in text:
+        meta += [i, t]
+    parts = []
+    meta.append(len(tensors))
+    for key, t in tensors.items():
+        if key not in TENSOR_KEYS:
+            raise ValueError(f"the image processor gives {key!r}, which the transformers "
+                             f"backend does not carry (it carries {', '.join(TENSOR_KEYS)})")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"the image processor gives {key!r} as {t.dtype}")
+        meta += [TENSOR_KEYS.index(key), _DTYPES.index(t.dtype), t.dim(), *t.shape]
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        pad = _padded(raw.numel()) - raw.numel()
+        parts.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), tuple(meta)
+
+
+def unpack_meta(meta: Sequence[int]) -> ImageLayout:
+    """`ImageLayout` of an ``encoder_meta`` made by `pack_image`."""
+    it = iter(meta)
+    num_image, num_text = next(it), next(it)
+    text = tuple((next(it), next(it)) for _ in range(num_text))
+    tensors = []
+    for _ in range(next(it)):
+        key, dtype, ndim = next(it), next(it), next(it)
+        tensors.append((TENSOR_KEYS[key], _DTYPES[dtype], tuple(next(it) for _ in range(ndim))))
+    return ImageLayout(num_image, text, tuple(tensors))
+
+
+def unpack_tensors(data: torch.Tensor, layout: ImageLayout) -> dict[str, torch.Tensor]:
+    """An image's tensors, as views of its bytes ``data`` (uint8, where they are)."""
+    out, at = {}, 0
+    for key, dtype, shape in layout.tensors:
+        n = math.prod(shape) * dtype.itemsize
+        out[key] = data[at:at + n].view(dtype).view(shape)
+        at += _padded(n)
+    return out
+
+
+def _packed(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pixel transform of packed images: their bytes as they are (the model reads them)."""
+    return images.reshape(-1)
+
+
+class TransformersInputProcessor(HFInputProcessor):
+    """Prompt + images -> `ProcessedPrompt` through the checkpoint's own `AutoProcessor`."""
+
+    def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
+                 mm_processor_kwargs: dict | None = None) -> None:
+        import threading
+
+        from transformers import AutoConfig, AutoProcessor
+
+        self.model_path = Path(model_path)
+        if hf_config is None:
+            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        self.hf_config = hf_config
+        self.processor = AutoProcessor.from_pretrained(self.model_path, local_files_only=True)
+        self.tokenizer = getattr(self.processor, "tokenizer", None)
+        self.image_processor = getattr(self.processor, "image_processor", None)
+        if self.tokenizer is None or self.image_processor is None:
+            raise ValueError(f"{type(self.processor).__name__} of {model_path} has no tokenizer "
+                             "or no image processor")
+        self.tokenizer.model_max_length = 1 << 62
+        self._tokenizer_lock = threading.Lock()  # the processor calls the tokenizer
+        tid = image_token_id_of(hf_config)
+        if tid is None:
+            raise ValueError(f"{model_path}: its config names no image token id")
+        self.image_token_id = tid
+        self.pixel_transform = _packed
+        # the engine's own options, given to every call of the processor (an operator's;
+        # a request may set none: `image_options`)
+        self.engine_kwargs = dict(mm_processor_kwargs or {})
+        self._hash_extra = self.hash_extra(engine=self.engine_kwargs)
+        self._max_image_tokens: int | None = None
+        self.rope_index = rope_index_of(hf_config)
+
+    def hash_extra(self, **more: Any) -> str:
+        settings = {k: v for k, v in self.image_processor.to_dict().items()
+                    if k not in ("image_processor_type", "processor_class", "_processor_class")}
+        return json.dumps({"model": str(self.model_path.resolve()), "processor": settings,
+                           "backend": "transformers", **more}, sort_keys=True, default=str)
+
+    def apply_chat_template(self, messages, tools=None, options=None) -> str:
+        """The processor's chat template where it has one (the multimodal one), else the
+        tokenizer's."""
+        from vlmserve.models.processing import ChatTemplateOptions
+
+        o = options or ChatTemplateOptions()
+        owner = self.processor if getattr(self.processor, "chat_template", None) else \
+            self.tokenizer
+        return owner.apply_chat_template(
+            messages, tools=tools, tokenize=False, chat_template=o.chat_template,
+            add_generation_prompt=o.add_generation_prompt,
+            continue_final_message=o.continue_final_message, **o.kwargs)
+
+    @property
+    def max_image_tokens(self) -> int:
+        """Most tokens one image's span can take: the span of a probe image at each of a few
+        sizes the image processor accepts (its largest, squares and long strips), the
+        largest of them."""
+        if self._max_image_tokens is None:
+            text = self.apply_chat_template([{"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "x"}]}])
+            side = _largest_side(self.image_processor)
+            sizes = [(side, side), (side, max(side // 4, 28)), (max(side // 4, 28), side),
+                     (224, 224)]
+            spans = []
+            for w, h in sizes:
+                image = Image.new("RGB", (w, h), (127, 127, 127))
+                spans.append(self.process(text, None, [image]).images[0].length)
+            self._max_image_tokens = max(spans)
+        return self._max_image_tokens
+
+    def prepare(self, image: Image.Image, options: None = None) -> PreparedImage:
+        """An image's content hash and its pixels as they are (the HF processor resizes it
+        when the prompt is processed)."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        array = np.array(rgb)
+        return PreparedImage(hash_image(array, self._hash_extra), torch.from_numpy(array),
+                             image.width * image.height)
+
+    def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
+        raise InvalidImageError("the transformers backend takes images, not pixels "
+                                "preprocessed elsewhere")
+
+    def described_prompt(self, prompt, prompt_token_ids, encoder_metas) -> ProcessedPrompt:
+        raise InvalidRequestError("the transformers backend takes images, not embeddings "
+                                  "encoded elsewhere (multi_modal_embeddings)")
+
+    def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                images: Sequence[Image.Image | PreparedImage], options: None = None
+                ) -> ProcessedPrompt:
+        """The HF processor on the prompt and its images: token ids as it expands them, and
+        for each image its span (first to last image token), its tensors and hash."""
+        if not images:
+            return ProcessedPrompt(prompt, self.token_ids(prompt, prompt_token_ids))
+        if prompt is None:
+            raise InvalidRequestError("the transformers backend takes a prompt with images "
+                                      "as text (prompt), not token ids")
+        prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
+                    for img in images]
+        pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
+        with self._tokenizer_lock:
+            try:
+                out = self.processor(text=[prompt], images=[pil], return_tensors="pt",
+                                     **self.engine_kwargs)
+            except (ValueError, IndexError) as e:  # placeholders and images that disagree
+                raise InvalidRequestError(f"the model's processor refused the prompt and its "
+                                          f"{len(pil)} image(s): {e}") from None
+        ids = out["input_ids"][0].tolist()
+        spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared])
+        image_inputs = []
+        for p, image, (start, end) in zip(prepared, pil, spans, strict=True):
+            data, meta = pack_image(self._image_tensors(image), ids[start:end],
+                                    self.image_token_id)
+            image_inputs.append(ImageInput(mm_hash=p.mm_hash, offset=start, length=end - start,
+                                           pixels=data, encoder_meta=meta,
+                                           transform=self.pixel_transform))
+        positions, offset = None, 0
+        if self.rope_index is not None:
+            positions, offset = self._positions(out)
+        return ProcessedPrompt(prompt, ids, images=image_inputs, prompt_positions=positions,
+                               position_offset=offset)
+
+    def _positions(self, out: Any) -> tuple[torch.Tensor, int]:
+        """The prompt's multi-axis positions [rows, len] by the model's own
+        ``get_rope_index``, and the offset of the tokens after it."""
+        ids = out["input_ids"]
+        kwargs = {k: out[k] for k in ("image_grid_thw", "video_grid_thw") if k in out}
+        params = inspect.signature(self.rope_index).parameters
+        if "mm_token_type_ids" in params:
+            types = torch.zeros_like(ids, dtype=torch.int32)
+            types[ids == self.image_token_id] = 1
+            video = getattr(self.hf_config, "video_token_id", None)
+            if video is not None:
+                types[ids == video] = 2
+            kwargs["mm_token_type_ids"] = types
+        positions, deltas = self.rope_index(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return positions[:, 0, :].contiguous(), int(deltas.reshape(-1)[0])
+
+    def _image_tensors(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        """The image processor's tensors for ``image`` alone, with the options the processor
+        gives it (its own defaults and the engine's)."""
+        try:
+            kwargs = self.processor._merge_kwargs(**self.engine_kwargs)["images_kwargs"]
+        except (AttributeError, TypeError, KeyError):
+            kwargs = dict(self.engine_kwargs)
+        kwargs.pop("return_tensors", None)
+        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
+        return {k: v for k, v in out.items()
+                if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
+
+    def _spans(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Each image's [start, end) in ``ids``: its image tokens, in order, by the count
+        the processor says each image takes (or, from a processor that cannot say, one
+        unbroken run of image tokens per image)."""
+        where = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        counts = None
+        count_of = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count_of is not None:
+            try:
+                counts = list(count_of(image_sizes=[list(s) for s in sizes],
+                                       **self.engine_kwargs)["num_image_tokens"])
+            except (TypeError, KeyError, ValueError, AttributeError):
+                counts = None
+        if counts is None or sum(counts) != len(where):
+            runs = _runs(where)
+            if len(runs) != len(sizes):
+                raise InvalidRequestError(
+                    f"the prompt has {len(where)} image tokens in {len(runs)} runs for "
+                    f"{len(sizes)} image(s): give each image one placeholder")
+            return runs
+        spans, at = [], 0
+        for n in counts:
+            spans.append((where[at], where[at + n - 1] + 1))
+            at += n
+        return spans
+
+
+def rope_index_of(hf_config) -> Any:
+    """The model's own ``get_rope_index`` (multi-axis rotary positions of a prompt), bound
+    to a weightless instance of its base model that holds the config alone; None for a
+    model of 1-D positions."""
+    import importlib
+
+    from vlmserve.models.transformers_backend import hf_model_class
+
+    cls = hf_model_class(hf_config)
+    module = importlib.import_module(cls.__module__)
+    base = getattr(module, cls.__name__.replace("ForConditionalGeneration", "Model"), None)
+    if base is None or not hasattr(base, "get_rope_index"):
+        return None
+    holder = base.__new__(base)
+    torch.nn.Module.__init__(holder)
+    holder.config = hf_config
+    return holder.get_rope_index
+
+
+def _runs(where: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive indices in ``where`` as [start, end)."""
+    runs: list[tuple[int, int]] = []
+    for i in where:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _largest_side(ip: Any) -> int:
+    """The side of the largest square image an image processor keeps at its size (at most
+    4096): its longest edge, or for processors sized by a pixel count (Qwen's
+    ``min_pixels``/``max_pixels``) the square of that many pixels."""
+    size = getattr(ip, "size", None) or {}
+    get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
+    if getattr(ip, "temporal_patch_size", None) or getattr(ip, "max_pixels", None):
+        pixels = getattr(ip, "max_pixels", None) or get("longest_edge")
+        return min(math.isqrt(int(pixels)), 4096) if pixels else 1024
+    for key in ("longest_edge", "height", "shortest_edge"):
+        if get(key):
+            return min(int(get(key)), 4096)
+    return 1024
