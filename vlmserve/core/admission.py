@@ -16,6 +16,7 @@ class AdmissionLimits:
     max_kv_tokens: int  # the whole KV cache
     max_num_encoder_tokens: int
     encoder_cache_rows: int
+    whole_images: bool = False  # each image computed in one step (images read both ways)
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why `max_tokens` output tokens cannot follow the prompt within the context length,
@@ -44,6 +45,10 @@ class AdmissionLimits:
             if length > self.max_num_encoder_tokens:
                 return (f"image {i} becomes {length} tokens, more than the per-step encoder "
                         f"budget of {self.max_num_encoder_tokens}")
+            if self.whole_images and length > self.max_num_batched_tokens:
+                return (f"image {i} becomes {length} tokens, more than a step computes "
+                        f"(max_num_batched_tokens={self.max_num_batched_tokens}), and this "
+                        "model's images are computed whole in one step")
             if length > self.encoder_cache_rows:
                 return (f"image {i} becomes {length} tokens, more than the encoder cache "
                         f"capacity of {self.encoder_cache_rows}")

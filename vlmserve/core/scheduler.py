@@ -69,12 +69,15 @@ class Scheduler:
         retain_encoder_outputs: bool = False,
         plan_prefetch: bool = True,
         enable_prefix_caching: bool = False,
+        whole_images: bool = False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.plan_prefetch = plan_prefetch  # only the offloading worker reads the plan
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # the model reads each image's tokens both ways: a prefill chunk never ends inside one
+        self.whole_images = whole_images
         # image rows a step may encode, and the encoder cache's rows: both as resolved
         # (`config.resolve_config`), like every budget here
         self.max_num_encoder_tokens = max_num_encoder_tokens
@@ -107,7 +110,8 @@ class Scheduler:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_kv_tokens=self.kv.num_blocks * self.kv.block_size,
             max_num_encoder_tokens=self.max_num_encoder_tokens,
-            encoder_cache_rows=self.encoder_cache.capacity_rows)
+            encoder_cache_rows=self.encoder_cache.capacity_rows,
+            whole_images=self.whole_images)
 
     def check_admissible(self, req: Request) -> str | None:
         """Why a request can never be served with this configuration, or None."""
@@ -292,9 +296,16 @@ class Scheduler:
     ) -> tuple[int, list[int], int]:
         """How many tokens of `req` to compute now, which images to encode for them, and the
         encoder rows that costs (at most `enc_budget`, or `enc_first` for the chunk's first
-        image). A chunk stops before an image it cannot encode this step."""
+        image). A chunk stops before an image it cannot encode this step, and with
+        `whole_images` before an image it would cut."""
         start = req.num_computed_tokens
         num_new = min(req.num_tokens - start, budget)
+        if self.whole_images:
+            end = start + num_new
+            for img in req.mm_features:
+                if img.offset < end < img.offset + img.length:
+                    num_new = max(img.offset - start, 0)
+                    break
         enc_ids: list[int] = []
         enc_cost = 0
         pending: set[str] = set()

@@ -30,7 +30,7 @@ from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.attention import triton_available
 from vlmserve.models.metadata import eos_token_ids, load_model_processor, text_config
-from vlmserve.models.registry import image_row_width
+from vlmserve.models.registry import image_row_width, images_whole
 from vlmserve.request import Request, RequestStatus
 from vlmserve.transfer.consumer_ledger import consumer_ledger
 from vlmserve.utils import device_memory, resolve_device, resolve_dtype
@@ -144,6 +144,7 @@ class EngineCore:
             retain_encoder_outputs=cc.enable_mm_cache,
             plan_prefetch=cc.mm_embedding_offload,
             enable_prefix_caching=cc.enable_prefix_caching,
+            whole_images=images_whole(self.hf_config),
         )
         if mc.kernel_warmup:
             self.executor.warmup(self.model_processor)

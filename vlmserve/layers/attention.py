@@ -11,7 +11,7 @@ and passed to every layer; backends share it. The torch reference backend groups
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,21 +43,41 @@ class AttentionMetadata:
     block_size: int = 16
     query_lens_cpu: list[int] | None = None  # host copies, for the reference backend
     seq_lens_cpu: list[int] | None = None
-    _groups: list[AttentionGroup] | None = None
+    # spans whose tokens attend to each other both ways (request index, first, end: absolute
+    # positions), e.g. an image's tokens in models that read images bidirectionally
+    bidirectional: list[tuple[int, int, int]] | None = None
+    _groups: dict[Window | None, list[AttentionGroup]] = field(default_factory=dict)
 
-    def reference_groups(self) -> list[AttentionGroup]:
-        """The reference backend's padded batches, built once per step on first use: all
-        single-token decodes together, each prefill chunk on its own."""
-        if self._groups is None:
+    def reference_groups(self, window: Window | None = None) -> list[AttentionGroup]:
+        """The reference backend's padded batches, built once per step and `window` on first
+        use: all single-token decodes together, each prefill chunk on its own."""
+        if window not in self._groups:
             q, s = self.query_lens_cpu, self.seq_lens_cpu
             starts = [0]
             for n in q:
                 starts.append(starts[-1] + n)
             decodes = [i for i, n in enumerate(q) if n == 1]
             prefills = [[i] for i, n in enumerate(q) if n > 1]
-            self._groups = [_build_group(m, q, s, starts, self.block_tables, self.block_size)
-                            for m in ([decodes] if decodes else []) + prefills]
-        return self._groups
+            self._groups[window] = [
+                _build_group(m, q, s, starts, self.block_tables, self.block_size, window,
+                             self.bidirectional)
+                for m in ([decodes] if decodes else []) + prefills]
+        return self._groups[window]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Keys a layer's query sees besides the causal rule: the last `size` positions up to
+    its own (``"sliding"``), or those of its own chunk of `size` positions (``"chunked"``,
+    Llama 4's local layers)."""
+
+    kind: str
+    size: int
+
+    def allows(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        if self.kind == "sliding":
+            return kpos > qpos - self.size
+        return kpos // self.size == qpos // self.size
 
 
 def block_table_tensor(block_ids: list[list[int]], width: int | None = None) -> torch.Tensor:
@@ -102,7 +122,9 @@ def build_attention_metadata(
     )
 
 
-def _build_group(members, query_lens, seq_lens, starts, table, block_size):
+def _build_group(members, query_lens, seq_lens, starts, table, block_size,
+                 window: Window | None = None,
+                 bidirectional: list[tuple[int, int, int]] | None = None):
     device = table.device
     max_q = max(query_lens[i] for i in members)
     max_kv = max(seq_lens[i] for i in members)
@@ -114,7 +136,14 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size):
         token_index.extend(range(starts[i], starts[i] + q))
         pad_index.extend(range(b * max_q, b * max_q + q))
         qpos = torch.arange(s - q, s)[:, None]  # absolute position of each query
-        mask[b, 0, :q, :s] = torch.arange(s)[None, :] <= qpos
+        kpos = torch.arange(s)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= window.allows(qpos, kpos)
+        for r, first, end in bidirectional or ():
+            if r == i:
+                allowed |= ((qpos >= first) & (qpos < end)) & ((kpos >= first) & (kpos < end))
+        mask[b, 0, :q, :s] = allowed
         mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
     return AttentionGroup(
         token_index=torch.tensor(token_index, dtype=torch.int64).to(device, non_blocking=True),
@@ -138,12 +167,15 @@ def paged_attention_reference(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
     meta: AttentionMetadata,
     scale: float,
+    window: Window | None = None,
 ) -> torch.Tensor:
+    """Each query over its request's cached keys: causal, within ``window`` if given, and
+    both ways inside the step's `bidirectional` spans."""
     T, H, D = q.shape
     Hkv = kv_cache.shape[-2]
     G = H // Hkv  # query heads per KV head: folded into the query axis, K/V never repeated
     out = q.new_empty(T, H, D)
-    for g in meta.reference_groups():
+    for g in meta.reference_groups(window):
         qp = q.new_zeros(g.batch * g.max_q, H, D)
         qp[g.pad_index] = q[g.token_index]
         # [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]

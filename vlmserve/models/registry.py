@@ -33,6 +33,13 @@ def image_row_width(hf_config) -> int:
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 
+def images_whole(hf_config) -> bool:
+    """Whether the model reads each image's tokens both ways, so that an image's tokens are
+    computed in one prefill chunk (its class's `reads_images_both_ways`)."""
+    cls = resolve_model_class(hf_config)
+    return bool(getattr(cls, "reads_images_both_ways", lambda c: False)(hf_config))
+
+
 def resolve_model_class(hf_config) -> type:
     """The class that runs a checkpoint of config ``hf_config``, by its `model_impl` (set by
     `loader.load_hf_config`; default auto): the native class of its architecture, else (or

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
+from vlmserve.layers.attention import (
+    AttentionMetadata,
+    Window,
+    paged_attention_reference,
+    write_kv,
+)
 from vlmserve.layers.positions import MRopePositions, TokenPositions
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
@@ -47,6 +52,7 @@ class _Step:
         self.kv_caches: list[torch.Tensor] = []
         self.meta: AttentionMetadata | None = None
         self.attn_fn = paged_attention_reference
+        self.windows: list[Window | None] = []  # each layer's, beside the causal rule
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -58,11 +64,14 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     attends causally to its own request); transformers builds none for this interface."""
     step: _Step = module.vlmserve_step
     cache = step.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1)
+    q = query[0].transpose(0, 1).contiguous()
     write_kv(cache, key[0].transpose(0, 1), value[0].transpose(0, 1), step.meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = step.attn_fn(q.contiguous(), cache, step.meta, scale)
-    return out[None], None
+    window = step.windows[module.layer_idx]
+    if window is None and not step.meta.bidirectional:
+        return step.attn_fn(q, cache, step.meta, scale)[None], None
+    # windows and spans read both ways: the reference kernel's masks
+    return paged_attention_reference(q, cache, step.meta, scale, window)[None], None
 
 
 def _register() -> None:
@@ -92,33 +101,53 @@ def hf_model_class(hf_config) -> type:
     return getattr(transformers, name)
 
 
+_ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
+                     "chunked_attention": "chunked"}
+# models whose images' tokens attend to each other both ways (in prefill; on every layer)
+_IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
+# models whose whole prompt attends both ways, which the engine does not do yet
+_PROMPT_BOTH_WAYS = frozenset({"paligemma"})
+
+
+def layer_windows(hf_config) -> list[Window | None]:
+    """Each text layer's window (None: full causal attention) from its config: its
+    `layer_types` (sliding: `sliding_window`; chunked: `attention_chunk_size`), or one
+    `sliding_window` for every layer where the config turns it on. `ValueError` naming a
+    layer kind that is not attention (linear attention, convolutions, ...)."""
+    tc = _text_config(hf_config)
+    kinds = getattr(tc, "layer_types", None)
+    if kinds is None:
+        window = getattr(tc, "sliding_window", None)
+        on = window and getattr(tc, "use_sliding_window", True)
+        return [Window("sliding", int(window)) if on else None] * tc.num_hidden_layers
+    unknown = sorted(set(kinds) - set(_ATTENTION_LAYERS))
+    if unknown:
+        raise ValueError(f"{hf_config.model_type}: layers of kind {unknown} need the engine's "
+                         "hybrid KV cache (the transformers backend serves attention layers: "
+                         "full, sliding-window, chunked)")
+    out = []
+    for kind in kinds:
+        if _ATTENTION_LAYERS[kind] == "sliding":
+            out.append(Window("sliding", int(tc.sliding_window)))
+        elif _ATTENTION_LAYERS[kind] == "chunked":
+            out.append(Window("chunked", int(tc.attention_chunk_size)))
+        else:
+            out.append(None)
+    return out
+
+
 def check_supported(hf_config) -> None:
     """Refuse, in one line, a model the backend cannot serve exactly (`ValueError`)."""
     tc = _text_config(hf_config)
     kind = hf_config.model_type
-    layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention"}:
-        raise ValueError(f"{kind}: layers of kind {sorted(layer_types - {'full_attention'})} "
-                         "need the engine's hybrid KV cache (only full-attention layers are "
-                         "served by the transformers backend)")
-    if getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True):
-        raise ValueError(f"{kind}: sliding-window attention (window {tc.sliding_window}) is "
-                         "not served by the transformers backend yet")
-    if getattr(tc, "attention_chunk_size", None):
-        raise ValueError(f"{kind}: chunked local attention is not served by the "
-                         "transformers backend yet")
+    layer_windows(hf_config)
     if getattr(tc, "attn_logit_softcapping", None):
         raise ValueError(f"{kind}: attention logit soft-capping is not served by the "
                          "transformers backend")
-    if kind in _BIDIRECTIONAL:
-        raise ValueError(f"{kind}: {_BIDIRECTIONAL[kind]} attend both ways, which the "
-                         "engine's attention does not do yet")
+    if kind in _PROMPT_BOTH_WAYS:
+        raise ValueError(f"{kind}: its prompt's tokens attend both ways, which the engine's "
+                         "attention does not do yet")
     hf_model_class(hf_config)
-
-
-# models whose prompts are not causal throughout
-_BIDIRECTIONAL = {"gemma3": "each image's tokens", "paligemma": "the prompt's tokens",
-                  "gemma3n": "each image's tokens"}
 
 
 class TransformersVLM(nn.Module):
@@ -128,6 +157,10 @@ class TransformersVLM(nn.Module):
     encoder_prefixes: tuple[str, ...] = ()  # an encoder service needs a native class
     implementation = "transformers"
 
+    @classmethod
+    def reads_images_both_ways(cls, hf_config) -> bool:
+        return hf_config.model_type in _IMAGES_BOTH_WAYS
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
@@ -135,6 +168,8 @@ class TransformersVLM(nn.Module):
         tc = _text_config(self.config)
         self.text_config = tc
         self.step = _Step()
+        self.step.windows = layer_windows(self.config)
+        self.bidirectional_images = self.reads_images_both_ways(self.config)
         inner = getattr(hf_model, "model", hf_model)
         self.text_model = getattr(inner, "language_model", None) or hf_model.get_decoder()
         layers = 0

@@ -464,6 +464,13 @@ class ModelRunner:
             self.device, non_blocking=True)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
+        if getattr(self.model, "bidirectional_images", False):  # each image's tokens, both ways
+            meta.bidirectional = [
+                (i, f.offset, f.offset + f.length)
+                for i, (st, n) in enumerate(zip(states, query_lens, strict=True))
+                for f in st.mm_features
+                if f.offset < st.num_computed_tokens + n
+                and f.offset + f.length > st.num_computed_tokens]
         hidden = self.model(embeds, pos, self.kv_caches, meta, **extra)  # [T, hidden]
         prompt = None
         if scored:
