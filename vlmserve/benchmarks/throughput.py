@@ -158,6 +158,8 @@ def run_vlmserve(reqs: list[BenchRequest], warm: list[BenchRequest], engine_kwar
         result["device_profile"] = kernel_table(generate(device_profiled), top=40)
     if torch.cuda.is_available():
         result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    # the floor counts a native model's FLOPs (the transformers backend's are the same model's)
+    if torch.cuda.is_available() and hasattr(llm.engine.executor.runner.model, "language_model"):
         result["compute_floor"] = compute_floor(llm, reqs, first["elapsed_s"],
                                                 result["total_output_tokens"])
     llm = outs = None  # free the engine before transformers loads (the closure holds llm)

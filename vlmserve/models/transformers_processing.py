@@ -221,42 +221,66 @@ class TransformersInputProcessor(HFInputProcessor):
                 images: Sequence[Image.Image | PreparedImage], options: None = None
                 ) -> ProcessedPrompt:
         """The HF processor on the prompt and its images: token ids as it expands them, and
-        for each image its span (first to last image token), its tensors and hash."""
+        for each image its span (first to last image token), its tensors and hash. A prompt
+        of token ids holds one image token per image: each is replaced by what the processor
+        makes of that token and its image alone."""
         if not images:
             return ProcessedPrompt(prompt, self.token_ids(prompt, prompt_token_ids))
-        if prompt is None:
-            raise InvalidRequestError("the transformers backend takes a prompt with images "
-                                      "as text (prompt), not token ids")
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
                     for img in images]
         pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
-        with self._tokenizer_lock:
-            try:
-                out = self.processor(text=[prompt], images=[pil], return_tensors="pt",
-                                     **self.engine_kwargs)
-            except (ValueError, IndexError) as e:  # placeholders and images that disagree
-                raise InvalidRequestError(f"the model's processor refused the prompt and its "
-                                          f"{len(pil)} image(s): {e}") from None
-        ids = out["input_ids"][0].tolist()
+        if prompt is None:
+            ids = self._expanded(list(prompt_token_ids), pil)
+        else:
+            ids = self._call(text=[prompt], images=[pil])["input_ids"][0].tolist()
         spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared])
-        image_inputs = []
+        image_inputs, grids = [], []
         for p, image, (start, end) in zip(prepared, pil, spans, strict=True):
-            data, meta = pack_image(self._image_tensors(image), ids[start:end],
-                                    self.image_token_id)
+            tensors = self._image_tensors(image)
+            if "image_grid_thw" in tensors:
+                grids.append(tensors["image_grid_thw"])
+            data, meta = pack_image(tensors, ids[start:end], self.image_token_id)
             image_inputs.append(ImageInput(mm_hash=p.mm_hash, offset=start, length=end - start,
                                            pixels=data, encoder_meta=meta,
                                            transform=self.pixel_transform))
         positions, offset = None, 0
         if self.rope_index is not None:
-            positions, offset = self._positions(out)
+            positions, offset = self._positions(ids, torch.cat(grids) if grids else None)
         return ProcessedPrompt(prompt, ids, images=image_inputs, prompt_positions=positions,
                                position_offset=offset)
 
-    def _positions(self, out: Any) -> tuple[torch.Tensor, int]:
+    def _call(self, **kwargs: Any) -> Any:
+        """The HF processor (one thread at a time); what it refuses is the request's error."""
+        with self._tokenizer_lock:
+            try:
+                return self.processor(return_tensors="pt", **kwargs, **self.engine_kwargs)
+            except (ValueError, IndexError) as e:  # placeholders and images that disagree
+                raise InvalidRequestError(f"the model's processor refused the prompt and its "
+                                          f"image(s): {e}") from None
+
+    def _expanded(self, ids: list[int], images: list[Image.Image]) -> list[int]:
+        """Token ids with each image token (one per image) replaced by the processor's
+        expansion of that token with its image."""
+        where = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(where) != len(images):
+            raise InvalidRequestError(f"the prompt has {len(where)} image token(s) for "
+                                      f"{len(images)} image(s): give one per image")
+        token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        out: list[int] = []
+        prev = 0
+        for at, image in zip(where, images, strict=True):
+            one = self._call(text=[token], images=[[image]], add_special_tokens=False)
+            out += ids[prev:at] + one["input_ids"][0].tolist()
+            prev = at + 1
+        return out + ids[prev:]
+
+    def _positions(self, token_ids: list[int], grids: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, int]:
         """The prompt's multi-axis positions [rows, len] by the model's own
-        ``get_rope_index``, and the offset of the tokens after it."""
-        ids = out["input_ids"]
-        kwargs = {k: out[k] for k in ("image_grid_thw", "video_grid_thw") if k in out}
+        ``get_rope_index`` (``grids``: its images' ``image_grid_thw``), and the offset of
+        the tokens after it."""
+        ids = torch.tensor([token_ids])
+        kwargs = {} if grids is None else {"image_grid_thw": grids}
         params = inspect.signature(self.rope_index).parameters
         if "mm_token_type_ids" in params:
             types = torch.zeros_like(ids, dtype=torch.int32)
