@@ -105,6 +105,11 @@ _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
                      "chunked_attention": "chunked"}
 # models whose images' tokens attend to each other both ways (in prefill; on every layer)
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
+# models that add image features inside the decoder's layers (DeepStack-like)
+_FEATURES_IN_LAYERS = frozenset({"granite4_vision"})
+# models whose tokens around an image embed from the image's own features (Ovis 2's
+# indicator tokens), not from the text embedding
+_VISUAL_MARKERS = frozenset({"ovis2"})
 # models whose whole prompt attends both ways, which the engine does not do yet
 _PROMPT_BOTH_WAYS = frozenset({"paligemma"})
 
@@ -144,6 +149,12 @@ def check_supported(hf_config) -> None:
     if getattr(tc, "attn_logit_softcapping", None):
         raise ValueError(f"{kind}: attention logit soft-capping is not served by the "
                          "transformers backend")
+    if kind in _FEATURES_IN_LAYERS:
+        raise ValueError(f"{kind}: its image features are added inside the decoder's layers, "
+                         "which the transformers backend does not carry")
+    if kind in _VISUAL_MARKERS:
+        raise ValueError(f"{kind}: the tokens around its images embed from its visual "
+                         "vocabulary, which the transformers backend does not carry")
     if kind in _PROMPT_BOTH_WAYS:
         raise ValueError(f"{kind}: its prompt's tokens attend both ways, which the engine's "
                          "attention does not do yet")
@@ -171,7 +182,10 @@ class TransformersVLM(nn.Module):
         self.step.windows = layer_windows(self.config)
         self.bidirectional_images = self.reads_images_both_ways(self.config)
         inner = getattr(hf_model, "model", hf_model)
-        self.text_model = getattr(inner, "language_model", None) or hf_model.get_decoder()
+        text = getattr(inner, "language_model", None) or hf_model.get_decoder()
+        if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)
+            text = text.get_decoder()
+        self.text_model = text
         layers = 0
         for module in self.text_model.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "scaling") or (
@@ -185,12 +199,18 @@ class TransformersVLM(nn.Module):
                              f"{self._num_layers} text layers")
         self.embedding = hf_model.get_input_embeddings()
         self.lm_head = hf_model.get_output_embeddings()
-        self.kv_heads = tc.num_key_value_heads
+        self.kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
-        self.mrope = bool(rope.get("mrope_section")) if isinstance(rope, dict) else False
-        self.position_scheme = MRopePositions(3) if self.mrope else TokenPositions()
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        # multi-axis positions: a row per section (time, height, width; some models more)
+        self.position_scheme = MRopePositions(len(section)) if section else TokenPositions()
         self.final_softcap = getattr(tc, "final_logit_softcapping", None)
+        # tokens the model never emits as text (Chameleon's image codes): their logits at the
+        # dtype's minimum, as its forward sets them
+        vocab_map = getattr(inner, "vocabulary_mapping", None)
+        self.suppressed = (torch.tensor(sorted(vocab_map.image_tokens), dtype=torch.int64)
+                           if vocab_map is not None else None)
         self.logit_scale = getattr(tc, "logit_scale", None)
         self._features = getattr(hf_model, "get_image_features", None) or \
             inner.get_image_features
@@ -205,9 +225,8 @@ class TransformersVLM(nn.Module):
         check_supported(hf_config)
         _register()
         hf_cls = hf_model_class(hf_config)
-        attn = {key: "sdpa" for key in getattr(hf_config, "sub_configs", {})}
-        attn["text_config"] = ATTENTION_NAME
-        attn[""] = ATTENTION_NAME
+        # the text model's attention is ours; every other part keeps transformers' choice
+        attn = {"text_config": ATTENTION_NAME, "": ATTENTION_NAME}
         model = hf_cls.from_pretrained(str(path), config=hf_config, dtype=dtype,
                                        attn_implementation=attn, local_files_only=True)
         return cls(model.to(device).eval())
@@ -269,6 +288,10 @@ class TransformersVLM(nn.Module):
             logits = logits * self.logit_scale
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.suppressed is not None:
+            if self.suppressed.device != logits.device:
+                self.suppressed = self.suppressed.to(logits.device)
+            logits[:, self.suppressed] = torch.finfo(logits.dtype).min
         return logits.float()
 
     # ---- images --------------------------------------------------------------------------

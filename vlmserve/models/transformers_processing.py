@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 # read (an index into this tuple names the tensor in `encoder_meta`)
 TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",
                "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
-               "image_num_patches", "pixel_mask")
+               "image_num_patches", "pixel_mask", "num_crops", "grids",
+               "high_res_pixel_values")
+# models whose processor takes a prompt's images as a flat list (nested: pages)
+_FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
@@ -163,6 +166,7 @@ class TransformersInputProcessor(HFInputProcessor):
         self._hash_extra = self.hash_extra(engine=self.engine_kwargs)
         self._max_image_tokens: int | None = None
         self.rope_index = rope_index_of(hf_config)
+        self._flat_images = hf_config.model_type in _FLAT_IMAGES
 
     def hash_extra(self, **more: Any) -> str:
         settings = {k: v for k, v in self.image_processor.to_dict().items()
@@ -189,15 +193,18 @@ class TransformersInputProcessor(HFInputProcessor):
         sizes the image processor accepts (its largest, squares and long strips), the
         largest of them."""
         if self._max_image_tokens is None:
-            text = self.apply_chat_template([{"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "x"}]}])
+            try:  # an image as a chat shows it, or (no chat template) one image token
+                text, ids = self.apply_chat_template([{"role": "user", "content": [
+                    {"type": "image"}, {"type": "text", "text": "x"}]}]), None
+            except ValueError:
+                text, ids = None, [self.image_token_id]
             side = _largest_side(self.image_processor)
             sizes = [(side, side), (side, max(side // 4, 28)), (max(side // 4, 28), side),
                      (224, 224)]
             spans = []
             for w, h in sizes:
                 image = Image.new("RGB", (w, h), (127, 127, 127))
-                spans.append(self.process(text, None, [image]).images[0].length)
+                spans.append(self.process(text, ids, [image]).images[0].length)
             self._max_image_tokens = max(spans)
         return self._max_image_tokens
 
@@ -225,14 +232,19 @@ class TransformersInputProcessor(HFInputProcessor):
         of token ids holds one image token per image: each is replaced by what the processor
         makes of that token and its image alone."""
         if not images:
-            return ProcessedPrompt(prompt, self.token_ids(prompt, prompt_token_ids))
+            if prompt is None:
+                return ProcessedPrompt(prompt, self.token_ids(prompt, prompt_token_ids))
+            try:  # the processor's own tokenization (some add tokens of their own)
+                return ProcessedPrompt(prompt, self._call(text=[prompt])["input_ids"][0].tolist())
+            except InvalidRequestError:  # a processor that wants images: its tokenizer's
+                return ProcessedPrompt(prompt, self.token_ids(prompt, None))
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
                     for img in images]
         pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
         if prompt is None:
             ids = self._expanded(list(prompt_token_ids), pil)
         else:
-            ids = self._call(text=[prompt], images=[pil])["input_ids"][0].tolist()
+            ids = self._call(text=[prompt], images=self._batch(pil))["input_ids"][0].tolist()
         spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared])
         image_inputs, grids = [], []
         for p, image, (start, end) in zip(prepared, pil, spans, strict=True):
@@ -248,6 +260,11 @@ class TransformersInputProcessor(HFInputProcessor):
             positions, offset = self._positions(ids, torch.cat(grids) if grids else None)
         return ProcessedPrompt(prompt, ids, images=image_inputs, prompt_positions=positions,
                                position_offset=offset)
+
+    def _batch(self, images: list[Image.Image]) -> list:
+        """One prompt's images as the processor takes them: a list per prompt, or (a
+        processor that reads nested lists as pages of one document, GOT-OCR 2's) flat."""
+        return images if self._flat_images else [images]
 
     def _call(self, **kwargs: Any) -> Any:
         """The HF processor (one thread at a time); what it refuses is the request's error."""
@@ -269,7 +286,8 @@ class TransformersInputProcessor(HFInputProcessor):
         out: list[int] = []
         prev = 0
         for at, image in zip(where, images, strict=True):
-            one = self._call(text=[token], images=[[image]], add_special_tokens=False)
+            one = self._call(text=[token], images=self._batch([image]),
+                             add_special_tokens=False)
             out += ids[prev:at] + one["input_ids"][0].tolist()
             prev = at + 1
         return out + ids[prev:]
