@@ -38,9 +38,14 @@ def compute_mrope_positions(
     video's temporal step as a third item (Qwen2.5-VL: tokens_per_second * seconds per
     temporal patch; default 1). Text tokens count up by one in all three sections; an item's
     tokens take (t * step rounded down, h, w) indices of the merged grid plus the position it
-    starts at, and the text after it resumes one past its largest position (start +
-    max(h, w) // merge for an image, as the original implementation and vLLM do). The delta
-    is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
+    starts at, and the text after it resumes one past its largest position: start +
+    max(h, w) // merge for an image, and for a video whose times run past its extent one
+    past its last time. That is the rule the checkpoints were released with: the
+    `get_rope_index` Qwen contributed to transformers with Qwen2-VL (4.45) and Qwen2.5-VL
+    (4.49), ``st_idx = llm_pos_ids_list[-1].max() + 1``, Qwen's fine-tuning code and vLLM.
+    transformers 5.x resumes at start + max(h, w) // merge whatever the times, so there the
+    text after such a video repeats positions of the video's own; we keep the released rule.
+    The delta is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
     """
     pieces: list[torch.Tensor] = []
     pos = 0  # next position id
