@@ -44,6 +44,30 @@ def _listening_addresses(port: int) -> set[str]:
     return out
 
 
+def _listening_in(pids: list[int]) -> set[str]:
+    """Local addresses (hex, as /proc/net shows them) of every TCP socket that the processes
+    ``pids`` hold and that listens."""
+    inodes = set()
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir():
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = set()
+    for name in ("tcp", "tcp6"):
+        path = Path("/proc/net") / name
+        if path.exists():
+            for line in path.read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    out.add(fields[1].rpartition(":")[0])
+    return out
+
+
 @pytest.fixture
 def three_ranks():
     started: list[Followers] = []
@@ -77,6 +101,41 @@ def test_a_failing_follower_is_one_error_naming_it(three_ranks):
         tp.check()
     followers.stop()
     assert [p.exitcode for p in followers.procs] == [0, 1]  # rank 1: its group aborted
+
+
+def _outside_interface() -> str | None:
+    """A network interface of this host with an IPv4 address other than loopback's."""
+    import fcntl
+    import socket
+    import struct
+
+    for name in sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else ():
+        if name == "lo":
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR
+                fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+        return name
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net")
+def test_the_pickled_messages_travel_on_loopback_alone(three_ranks, monkeypatch):
+    """The objects the ranks exchange are pickled (`broadcast_object`, `all_gather_object`),
+    so only our ranks may reach their sockets: once the group has exchanged messages, every
+    TCP socket the followers listen on (gloo's pairs) and the store's is bound to 127.0.0.1,
+    none to a wildcard or an outside address, even with GLOO_SOCKET_IFNAME naming an outside
+    interface (gloo's own choice binds that one, or the host name's address)."""
+    if (iface := _outside_interface()) is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", iface)  # the followers inherit it
+    followers, tp = three_ranks(30.0)
+    tp.broadcast_object(("echo",))
+    assert tp.all_gather_object(("hi", 0)) == [("hi", 0), ("hi", 1), ("hi", 2)]
+    listening = _listening_in([p.pid for p in followers.procs])
+    assert listening == {"0100007F"}  # 127.0.0.1, and at least one socket
+    assert _listening_addresses(followers.store.port) == {"0100007F"}
 
 
 def test_followers_idle_past_the_timeout_but_rank0_waits_are_bounded(three_ranks):

@@ -2,10 +2,14 @@
 
 schemathesis generates requests from the server's own `/openapi.json` (valid and invalid
 ones); hypothesis strategies then send what a schema cannot say: raw JSON tokens (NaN,
-1e400, 2**70), lone surrogates, deep nesting, image bytes. Every answer must be a 2xx or a
-4xx (a stream must not end in a server error), and after each batch the server is healthy
-and answers a normal request. Bounded and reproducible: fixed seeds, no example database, a
-few thousand inputs in about three minutes on 2 cores. `pytest -q` prints how many inputs were
+1e400, 2**70), lone surrogates, deep nesting, image bytes; and (issue 39) the encoder
+server's `/v1/encode`, a completion's client `multi_modal_embeddings` (the encoder server's
+answer mutated), structured outputs and tools. Every answer must be a 2xx or a 4xx (a stream
+must not end in a server error; in the issue 39 tests every 4xx also names its problem and
+every stream ends with [DONE]), and after each batch the server is healthy and answers a
+normal request. One LLM server and one encoder server for the module. Bounded and
+reproducible: fixed seeds, no example database, a few thousand inputs in about three and a
+half minutes on 2 cores. `pytest -q` prints how many inputs were
 tried (the `pytest_terminal_summary` hook in tests/conftest.py).
 """
 
@@ -34,7 +38,7 @@ from tests.e2e.test_server import data_url, user
 from tests.e2e.test_server_procs import MODEL, ServeProc
 from tests.engine.helpers import make_image
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, ENCODE = "/v1/chat/completions", "/v1/completions", "/v1/encode"
 MAX_REQUEST_BYTES = 1_000_000
 NORMAL = {"model": MODEL, "messages": user("What is this?", data_url(make_image(56, 84, 0))),
           "max_tokens": 4, "temperature": 0}
@@ -137,13 +141,16 @@ def encoded(draw: st.DrawFn, body: Any) -> bytes:
 
 
 class Poster:
-    """Posts raw bodies; keeps the shortest input per kind of 5xx (or of no answer)."""
+    """Posts raw bodies; keeps the shortest input per kind of 5xx (or of no answer). With
+    ``strict``, also: every 4xx in OpenAI's error format with a message saying what is
+    wrong, and every stream ends with ``data: [DONE]`` (after its error event, if any)."""
 
-    def __init__(self, srv: ServeProc) -> None:
-        self.srv, self.tried, self.dead_after = srv, 0, None
+    def __init__(self, srv: ServeProc, strict: bool = False) -> None:
+        self.srv, self.tried, self.dead_after, self.strict = srv, 0, None, strict
         self.client = httpx.Client(base_url=srv.url, timeout=60,
                                    limits=httpx.Limits(max_connections=16))
         self.failures: dict[str, tuple[str, bytes]] = {}
+        self.statuses: dict[int, int] = {}  # answers by status (streams: their first line)
         self.lock = threading.Lock()  # posts may come from several threads
 
     def post(self, path: str, body: bytes, hang_up_after: int | None = None) -> None:
@@ -167,23 +174,48 @@ class Poster:
         except httpx.TimeoutException:
             return self.fail("no answer within 60 s", path, body)
         except httpx.TransportError as e:
-            try:
-                alive = httpx.get(self.srv.url + "/health", timeout=30).status_code == 200
-            except httpx.HTTPError:
-                alive = False
-            if self.srv.proc.poll() is not None or not alive:
-                self.dead_after = (path, body)
-            return self.fail(f"connection failed: {type(e).__name__}", path, body)
+            return self.transport_error(e, path, body)
+        with self.lock:
+            self.statuses[r.status_code] = self.statuses.get(r.status_code, 0) + 1
+        self.check(r, path, body)
+
+    def transport_error(self, e: httpx.TransportError, path: str, body: bytes) -> None:
+        try:
+            alive = httpx.get(self.srv.url + "/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            alive = False
+        if self.srv.proc.poll() is not None or not alive:
+            self.dead_after = (path, body)
+        self.fail(f"connection failed: {type(e).__name__}", path, body)
+
+    def check(self, r: httpx.Response, path: str, body: bytes) -> None:
+        """The answer `r` to `body`: no 5xx, no stream ending in a server error, a 200 with
+        its answer (strict: each 4xx naming its problem, each stream ending with [DONE])."""
         if r.status_code >= 500:
             try:
                 message = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = r.text
             return self.fail(f"{r.status_code}: {message[:160]}", path, body)
+        if r.status_code >= 400 and self.strict:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = None
+            if not isinstance(message, str) or len(message) < 12:
+                return self.fail(f"{r.status_code} naming nothing: {r.text[:160]}", path, body)
         if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-"):
-            for line in r.text.splitlines():
+            lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            for line in lines:
                 if line.startswith("data: {") and '"server_error"' in line:
                     return self.fail(f"stream ended in {line[6:166]}", path, body)
+            if self.strict and (not lines or lines[-1] != "data: [DONE]"):
+                return self.fail(f"stream without [DONE]: {lines[-1:]}", path, body)
+        elif r.status_code == 200 and path == ENCODE:
+            try:
+                r.json()["images"]
+            except (ValueError, KeyError, TypeError):
+                return self.fail(f"200 but no images: {r.text[:160]}", path, body)
         elif r.status_code == 200:
             try:
                 r.json()["choices"][0]
@@ -209,10 +241,12 @@ class Poster:
 
 
 def fuzz(srv: ServeProc, record_property: Callable, cases: st.SearchStrategy,
-         max_examples: int) -> None:
+         max_examples: int, strict: bool = False,
+         healthy: Callable[[], str | None] | None = None) -> None:
     """One batch: `max_examples` (path, body) inputs from `cases`, then the server must be
-    healthy and no input may have had a 5xx."""
-    poster = Poster(srv)
+    healthy (``healthy``: what else must be, or why not) and no input may have had a 5xx
+    (``strict``: see `Poster`)."""
+    poster = Poster(srv, strict)
 
     @settings(max_examples=max_examples, derandomize=True, deadline=None, database=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -225,7 +259,8 @@ def fuzz(srv: ServeProc, record_property: Callable, cases: st.SearchStrategy,
 
     one()
     record_property("fuzz_inputs", poster.tried)
-    problem = health_problem(srv)
+    print(f"fuzz: {poster.tried} inputs, answers {sorted(poster.statuses.items())}")
+    problem = health_problem(srv) if healthy is None else healthy()
     assert not poster.failures and problem is None, (
         f"{problem or 'the server stayed healthy'}; {len(poster.failures)} kinds of failure in "
         f"{poster.tried} inputs:\n{poster.report()}")
@@ -499,3 +534,226 @@ def test_fuzz_concurrent_and_hang_ups(server: ServeProc, record_property) -> Non
     batch = st.lists(st.tuples(one, st.sampled_from([None, None, 0, 1, 3])).map(
         lambda t: (*t[0], t[1])), min_size=2, max_size=8)
     fuzz(server, record_property, batch, 100)
+
+
+# ---- the encoder server, client embeddings, structured outputs and tools (issue 39) ----------
+# strict: every 4xx names the problem and every stream ends with [DONE]
+
+
+@pytest.fixture(scope="module")
+def encoder(vlmserve_cache: Path) -> Iterator[ServeProc]:
+    """An encoder server (`--role encoder`) of the same model; its leases outlast the module,
+    so the handles of `encoded_prompt` stay valid."""
+    enc = ServeProc("--role", "encoder", "--encoder-lease", "600",
+                    "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    yield enc
+    enc.kill()
+
+
+PIXELS = make_image(56, 56, 5)  # the tiny model's grid [1, 4, 4]: 4 rows
+PIXEL_IMAGE = {"mm_hash": "f" * 64, "encoder_meta": [1, 4, 4], "length": 4,
+               "shape": [56, 56, 3], "pixels": base64.b64encode(PIXELS.tobytes()).decode()}
+EMBED_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe."
+                "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def encoder_problem(enc: ServeProc, llm: ServeProc) -> str | None:
+    """Why the encoder server or the LLM server is not healthy: both `/health` 200, a
+    normal encode (an image URL and preprocessed pixels) answered, then `health_problem`."""
+    try:
+        h = httpx.get(enc.url + "/health", timeout=30)
+        if h.status_code != 200:
+            return f"the encoder's /health answered {h.status_code}: {h.text[:300]}"
+        r = httpx.post(enc.url + ENCODE, timeout=60, json={
+            "images": [data_url(make_image(56, 84, 0)), PIXEL_IMAGE], "transport": "bytes"})
+        if r.status_code != 200 or len(r.json()["images"]) != 2:
+            return f"a normal encode answered {r.status_code}: {r.text[:300]}"
+    except httpx.HTTPError as e:
+        return f"the encoder server does not answer: {e!r}"
+    return health_problem(llm)
+
+
+def mutated(draw: st.DrawFn, value: Any, edits: st.SearchStrategy) -> Any:
+    """`value` (JSON data) with 1-3 of its leaves or fields replaced, dropped or added."""
+    value = json.loads(json.dumps(value))
+    for _ in range(draw(st.integers(1, 3))):
+        node, key = None, None
+        cur = value
+        while isinstance(cur, (dict, list)) and cur and draw(st.integers(0, 3)):
+            node = cur
+            key = (draw(st.sampled_from(sorted(cur))) if isinstance(cur, dict)
+                   else draw(st.integers(0, len(cur) - 1)))
+            cur = cur[key]
+        if node is None:
+            continue
+        action = draw(st.sampled_from(["set", "set", "set", "drop", "add"]))
+        if action == "drop":
+            del node[key]
+        elif action == "add" and isinstance(node, dict):
+            node[draw(st.text(st.characters(), max_size=6))] = draw(edits)
+        elif action == "add":
+            node.append(draw(st.sampled_from(node)))
+        else:
+            node[key] = draw(edits)
+    return value
+
+
+ODD_INTS = st.sampled_from([0, -1, 1, 2, 3, 4, 5, 56, 2**31, 2**63, 2**70, -2**70])
+EDITS = st.one_of(NUMBER, ODD_INTS, JSON_VALUE, st.text(st.characters(), max_size=8),
+                  st.lists(ODD_INTS, max_size=4))
+TRANSPORTS = st.sampled_from(["bytes", "shm", "cuda", "auto", "", "BYTES", "x", None, 1])
+
+
+def test_fuzz_encoder_server(encoder: ServeProc, server: ServeProc, record_property) -> None:
+    """POST /v1/encode: image URLs, preprocessed pixels mutated (shapes, grids, lengths,
+    bytes, hashes), transports, consumers, prompts, unknown fields, raw bodies: each a 200 or
+    a 4xx naming the problem; the encoder keeps encoding."""
+    @st.composite
+    def case(draw: st.DrawFn) -> tuple[str, bytes]:
+        kind = draw(st.sampled_from(["pixels", "pixels", "urls", "fields", "raw"]))
+        body: dict = {"transport": draw(TRANSPORTS)}
+        if kind == "pixels":
+            body["images"] = [mutated(draw, PIXEL_IMAGE, EDITS) if draw(st.booleans())
+                              else PIXEL_IMAGE for _ in range(draw(st.integers(1, 3)))]
+        elif kind == "urls":
+            body["images"] = draw(st.lists(image_url(), min_size=0, max_size=3))
+            if draw(st.booleans()):
+                body["prompt"] = draw(st.one_of(TEXT, st.just(EMBED_PROMPT)))
+        else:
+            body = mutated(draw, {"images": [PIXEL_IMAGE], "transport": "bytes",
+                                  "prompt": None, "consumer": "llm-1", "consumer_rows": 8},
+                           EDITS)
+        if kind == "raw":
+            return ENCODE, draw(st.sampled_from([b"", b"{", b"[]", b"null", dumps(body)[:9]
+                                                 .encode(), b"\xff\xfe"]))
+        return ENCODE, draw(encoded(body))
+
+    fuzz(encoder, record_property, case(), 120, strict=True,
+         healthy=lambda: encoder_problem(encoder, server))
+
+
+@pytest.fixture(scope="module")
+def encoded_prompt(encoder: ServeProc) -> dict:
+    """`EMBED_PROMPT`'s image encoded at the encoder server, a bytes handle: a completion's
+    valid `multi_modal_embeddings`."""
+    r = httpx.post(encoder.url + ENCODE, timeout=60, json={
+        "prompt": EMBED_PROMPT, "images": [data_url(make_image(56, 56, 7))],
+        "transport": "bytes"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_fuzz_multi_modal_embeddings(encoder: ServeProc, server: ServeProc, encoded_prompt,
+                                     record_property) -> None:
+    """A completion's `multi_modal_embeddings` from a client: the encoder server's answer
+    with its fields mutated (token ids, positions, offsets, lengths, grids, hashes; the
+    handle's kind, shape, dtype, bytes, lease), images repeated or dropped, the same body
+    sent twice, streamed or not: each a 200 or a 4xx naming the problem."""
+    handle = encoded_prompt["images"][0]["handle"]
+    rows = base64.b64decode(handle["data"])
+    handle_edits = st.one_of(
+        st.fixed_dictionaries({"kind": st.sampled_from(["shm", "cuda", "x", "bytes"])}),
+        st.fixed_dictionaries({"dtype": st.sampled_from(
+            ["float8_e4m3fn", "qint8", "int64", "float64", "bfloat16", "float16", "x", ""])}),
+        st.fixed_dictionaries({"shape": st.sampled_from(
+            [[1, 64], [2, 64, 1], [-1, 64], [2**40, 64], [0, 64], [4], [], [2**70, 1]])}),
+        st.fixed_dictionaries({"data": st.one_of(
+            st.binary(max_size=64), st.integers(0, len(rows)).map(lambda n: rows[:n]),
+            st.just(rows + rows)).map(lambda b: base64.b64encode(b).decode())}),
+        st.fixed_dictionaries({"segment": st.sampled_from(
+            ["/x", "..", "a\x00b", "", "s" * 300, "vlmserve-none"]), "kind": st.just("shm")}),
+        st.fixed_dictionaries({"expires_at": st.sampled_from([0, -1, 1e308, 2**70])}))
+
+    @st.composite
+    def case(draw: st.DrawFn) -> tuple[str, bytes] | list[tuple[str, bytes, None]]:
+        mm = json.loads(json.dumps(encoded_prompt))
+        kind = draw(st.sampled_from(["fields", "fields", "handle", "images", "twice"]))
+        if kind == "fields":
+            mm = mutated(draw, mm, EDITS)
+        elif kind == "handle":
+            mm["images"][0]["handle"].update(draw(handle_edits))
+        elif kind == "images":
+            mm["images"] = draw(st.sampled_from([[], mm["images"] * 2, mm["images"] * 40]))
+        body = {"model": MODEL, "prompt": EMBED_PROMPT, "max_tokens": 3,
+                "multi_modal_embeddings": mm, **draw(st.fixed_dictionaries({}, optional={
+                    "stream": st.booleans(), "n": st.sampled_from([1, 2]),
+                    "temperature": st.just(0), "prompt": st.sampled_from(
+                        [EMBED_PROMPT + " ", [1, 2], ["a", "b"], "Hi."])}))}
+        data = draw(encoded(body))
+        if kind == "twice":  # a client's retry: the same handles again, at once
+            return [(COMPLETIONS, data, None), (COMPLETIONS, data, None)]
+        return COMPLETIONS, data
+
+    fuzz(server, record_property, case(), 120, strict=True,
+         healthy=lambda: embeddings_problem(server, encoded_prompt))
+
+
+def embeddings_problem(srv: ServeProc, mm: dict) -> str | None:
+    """`health_problem`, and the valid `multi_modal_embeddings` still served."""
+    problem = health_problem(srv)
+    if problem is not None:
+        return problem
+    r = httpx.post(srv.url + COMPLETIONS, timeout=60, json={
+        "model": MODEL, "prompt": EMBED_PROMPT, "max_tokens": 3, "multi_modal_embeddings": mm})
+    return None if r.status_code == 200 else f"valid embeddings answered {r.status_code}: " \
+        f"{r.text[:300]}"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+          "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "get", "parameters": SCHEMA}}
+
+
+@st.composite
+def structured_fields(draw: st.DrawFn) -> dict:
+    """Structured outputs (response_format, vLLM's structured_outputs and guided_*) and
+    tools, valid, odd and malformed."""
+    schema = draw(st.one_of(st.just(SCHEMA), JSON_VALUE, odd_schema()))
+    kind = draw(st.sampled_from(["response_format", "structured", "guided", "tools"]))
+    if kind == "response_format":
+        return {"response_format": draw(st.one_of(
+            st.just({"type": "json_object"}), st.just({"type": "text"}),
+            st.builds(lambda s, n: {"type": "json_schema", "json_schema": {
+                "name": n, "schema": s}}, st.just(schema), st.text(max_size=5)),
+            JSON_VALUE))}
+    if kind == "structured":
+        return {"structured_outputs": draw(st.one_of(
+            st.fixed_dictionaries({"json": st.just(schema)}),
+            st.fixed_dictionaries({"regex": st.sampled_from(
+                ["[a-z]{1,3}", "[^\\s\\S]", "(", "a{1000000}", "\\d+", "", "(a|b)*c"])}),
+            st.fixed_dictionaries({"choice": st.one_of(
+                st.lists(st.text(max_size=4), max_size=5), st.just([]), JSON_VALUE)}),
+            st.fixed_dictionaries({"grammar": st.sampled_from(
+                ['root ::= "yes" | "no"', "root ::=", "root ::= root", "x", ""])}),
+            st.just({"json_object": True}), JSON_VALUE))}
+    if kind == "guided":
+        return draw(st.fixed_dictionaries({}, optional={
+            "guided_json": st.just(schema), "guided_regex": st.sampled_from(["a+", "("]),
+            "guided_choice": st.lists(st.text(max_size=3), max_size=3)}))
+    tools = draw(st.one_of(
+        st.lists(st.just(TOOL), min_size=1, max_size=3),
+        st.lists(st.builds(lambda n, p: {"type": "function", "function": {
+            "name": n, "parameters": p}}, st.text(st.characters(), max_size=6),
+            st.one_of(st.just(schema), JSON_VALUE)), min_size=1, max_size=3),
+        st.just([TOOL] * 200), JSON_VALUE))
+    choice = draw(st.one_of(st.sampled_from(["required", "auto", "none", "any", None]),
+                            st.just({"type": "function", "function": {"name": "get"}}),
+                            st.just({"type": "function", "function": {"name": "missing"}}),
+                            JSON_VALUE))
+    return {"tools": tools, "tool_choice": choice}
+
+
+@st.composite
+def odd_schema(draw: st.DrawFn) -> Any:
+    return mutated(draw, SCHEMA, EDITS)
+
+
+def test_fuzz_structured_outputs_and_tools(server: ServeProc, record_property) -> None:
+    """Structured outputs and tool calls with valid, odd and malformed schemas, regular
+    expressions (one that cannot match), choices, grammars, tool lists (over --max-tools)
+    and tool choices, streamed or not: each a 200 or a 4xx naming the problem."""
+    fields = st.tuples(structured_fields(), st.fixed_dictionaries(
+        {"max_tokens": st.integers(1, 6)},
+        optional={"stream": st.booleans(), "temperature": st.sampled_from([0, 1.0])})).map(
+        lambda t: {**t[0], **t[1]})
+    fuzz(server, record_property, chat_case(fields), 120, strict=True)

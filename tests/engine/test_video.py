@@ -126,6 +126,60 @@ def test_video_rows_are_the_hf_video_processors():
     assert torch.equal(tf(still, torch.float32), tf(video[:, 0], torch.float32))
 
 
+def released_rope_index(ids: list[int], grids: list[tuple[int, int, int]],
+                        steps: list[float], vision_ids: set[int], merge: int) -> torch.Tensor:
+    """The mRoPE positions [3, len(ids)] of the rule Qwen2-VL and Qwen2.5-VL were released
+    with (the `get_rope_index` of their transformers 4.45 / 4.49 code, Qwen's fine-tuning
+    code and vLLM), written out token by token: text counts on from one past the largest
+    position so far, in all three sections; an item's token (k, y, x) of its merged grid sits
+    at its start plus (floor(k * step), y, x); after an item, the next start is one past the
+    largest position it holds (its time or its extent, whichever runs further)."""
+    out, start, i, items = [], 0, 0, iter(zip(grids, steps, strict=True))
+    while i < len(ids):
+        if ids[i] not in vision_ids:
+            out.append((start, start, start))
+            start, i = start + 1, i + 1
+            continue
+        (t, h, w), step = next(items)
+        cells = [(start + int(k * step), start + y, start + x)
+                 for k in range(t) for y in range(h // merge) for x in range(w // merge)]
+        out += cells
+        start, i = max(max(c) for c in cells) + 1, i + len(cells)
+    return torch.tensor(out).T
+
+
+@pytest.mark.parametrize("count, fps, agree", [(5, 4.0, True), (8, 2.0, False)])
+def test_positions_after_a_video_follow_the_released_rule(setup, count, fps, agree):
+    """A video then an image and text: positions equal the released rule's (an independent
+    walk over the tokens, `released_rope_index`). A video wider than its times run (5 frames
+    of 56x168: 3 temporal patches, 6 merged columns): transformers 5.2x's `get_rope_index`
+    gives the same. A video whose times run past its width (8 frames of 56x56: 4 temporal
+    patches, 2 merged columns; Qwen2.5-VL's times 0, 4, 8, 12): transformers 5.2x resumes
+    at start + max(h, w) / merge and so differs; we keep the released rule."""
+    name, llm, oracle = setup
+    width = 168 if agree else 56
+    p = prompt("After.", [(frames(count, 56, width, 11), {"fps": fps})],
+               [make_image(56, 56, 12)])
+    processed = llm.engine.input_processor.process(p)
+    model_processor = llm.engine.input_processor.model_processor
+    tps = model_processor.tokens_per_second
+    steps = [1.0 if tps is None else tps * 2 / fps, 1.0]
+    hf_config = model_processor.hf_config
+    want = released_rope_index(processed.prompt_token_ids,
+                               [img.encoder_meta for img in processed.images], steps,
+                               {hf_config.image_token_id, hf_config.video_token_id}, 2)
+    assert torch.equal(processed.prompt_positions, want)
+    assert processed.position_offset == int(want.max()) + 1 - want.shape[1]
+    ids, kwargs = oracle._inputs(processed)
+    theirs, _ = oracle.model.model.get_rope_index(
+        ids, kwargs["mm_token_type_ids"], kwargs["image_grid_thw"], kwargs["video_grid_thw"],
+        **_video_kwargs(llm, [fps]))
+    assert torch.equal(theirs[:, 0], want) == agree
+    video = processed.images[0]
+    after = video.offset + video.length  # the token after the video
+    assert want[0, after] == int(want[:, video.offset:after].max()) + 1
+
+
 def test_text_after_a_long_video_resumes_past_its_last_time():
     """The original implementation's (and vLLM's) rule: text after a video whose times run
     past its spatial extent resumes one past its largest position. (transformers 5.2x's
@@ -147,7 +201,7 @@ def test_text_after_a_long_video_resumes_past_its_last_time():
     ((frames(2, 56, 56, 0), {"rate": 2}), "unknown key"),
     (np.zeros((0, 56, 56, 3), np.uint8), "1 to 768 frames"),
     ("clip.mp4", "video 0: video file not found"),
-    (b"not a video", "video 0: cannot decode the video"),
+    (b"not a video", "video 0: not a video container this server reads"),
     (42, "a video is an array"),
 ])
 def test_bad_videos_are_named(setup, bad, message):
@@ -252,8 +306,8 @@ def test_a_video_file_is_sampled_evenly(tmp_path):
     path = tmp_path / "clip.mp4"
     path.write_bytes(clip)
     assert np.array_equal(load_video(str(path)).frames, every.frames)
-    with pytest.raises(InvalidImageError, match="exceed the limit of 1000"):
-        decode_video(clip, max_pixels=1000)
+    with pytest.raises(InvalidImageError, match="within the limit of 1000 pixels a frame"):
+        decode_video(clip, max_pixels=1000)  # MPEG-4 in MP4: its size known by decoding
     with pytest.raises(InvalidImageError, match="4 frames of 64x48 hold 12288 pixels"):
         decode_video(clip, num_frames=4, max_total_pixels=12000)
     with pytest.raises(InvalidImageError, match="decoding the video took over 0 s"):

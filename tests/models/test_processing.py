@@ -347,3 +347,82 @@ def test_video_rows_equal_the_hf_video_processor(path: str,
     assert grid == tuple(hf["video_grid_thw"][0].tolist())
     assert torch.equal(processor.pixel_transform(pixels[None], torch.float32),
                        hf["pixel_values_videos"])
+
+
+VIDEO_MEAN, VIDEO_STD = [0.1, 0.2, 0.3], [0.9, 0.8, 0.7]
+
+
+def _with_video_config(path: Path, folder: Path, **settings) -> Path:
+    """The checkpoint at `path` (its files linked) with a video_preprocessor_config.json of
+    its own: the image processor's settings but another mean and std, another pixel range
+    and qwen-vl-utils' cap (`cap_pixels_per_frame`, `max_video_tokens`)."""
+    import json
+
+    folder.mkdir()
+    for f in path.iterdir():
+        (folder / f.name).symlink_to(f)
+    image = json.loads((path / "preprocessor_config.json").read_text())
+    qwen3 = "qwen3" in json.loads((path / "config.json").read_text())["model_type"]
+    video = {k: v for k, v in image.items()
+             if k not in ("image_processor_type", "min_pixels", "max_pixels")}
+    video.update(video_processor_type="Qwen3VLVideoProcessor" if qwen3
+                 else "Qwen2VLVideoProcessor", image_mean=VIDEO_MEAN, image_std=VIDEO_STD,
+                 do_sample_frames=False, size={"shortest_edge": 28 * 28 * 4,
+                                               "longest_edge": 28 * 28 * 200}, **settings)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return folder
+
+
+@pytest.mark.parametrize("path", ["tiny_qwen2_vl_path", "tiny_qwen25_vl_path",
+                                  "tiny_qwen3_vl_path"])
+@pytest.mark.parametrize("max_video_tokens", [40, 3])
+def test_videos_follow_the_video_processor_config_as_transformers(
+        path: str, max_video_tokens: int, request: pytest.FixtureRequest,
+        tmp_path: Path) -> None:
+    """A checkpoint whose video_preprocessor_config.json has its own mean, std, pixel range
+    and per-frame cap: token ids, grids and pixel rows equal transformers' whole processor
+    (`AutoProcessor`) on the same folder, bit for bit (the image processor's mean and std,
+    and no cap, gave other rows and grids; it needs torchvision: the GPU machine)."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+
+    from vlmserve.multimodal.video import Video
+
+    folder = _with_video_config(request.getfixturevalue(path), tmp_path / "ckpt",
+                                cap_pixels_per_frame=True, max_video_tokens=max_video_tokens)
+    frames = np.random.default_rng(0).integers(0, 256, (8, 120, 200, 3), np.uint8)
+    text = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What?<|im_end|>\n"
+    ours = Qwen2VLInputProcessor(folder).process(text, None, [], videos=[Video(frames)])
+    hf = AutoProcessor.from_pretrained(folder)(
+        text=[text], videos=[[Image.fromarray(f) for f in frames]], return_tensors="pt",
+        do_sample_frames=False)
+    assert ours.prompt_token_ids == hf["input_ids"][0].tolist()
+    t, h, w = hf["video_grid_thw"][0].tolist()
+    assert {img.encoder_meta[1:] for img in ours.images} == {(h, w)}
+    assert sum(img.encoder_meta[0] for img in ours.images) == t
+    rows = torch.cat([img.transform(img.pixels[None], torch.float32) for img in ours.images])
+    assert torch.equal(rows, hf["pixel_values_videos"])
+
+
+def test_video_rows_use_the_video_mean_std_and_cap(tiny_qwen2_vl_path: Path,
+                                                   tmp_path: Path) -> None:
+    """Without transformers' video processor (no torchvision): a one-colour video's rows are
+    (value - mean * 255) / (std * 255) with the video config's mean and std (the fused order
+    of transformers' video processors), not the image processor's; its cap holds 8 frames of
+    120x200 to 90% of 40 tokens' pixels a temporal patch: 4 x 6 patches (8 x 14 without)."""
+    from vlmserve.multimodal.video import Video
+
+    folder = _with_video_config(tiny_qwen2_vl_path, tmp_path / "ckpt",
+                                cap_pixels_per_frame=True, max_video_tokens=40)
+    processor = Qwen2VLInputProcessor(folder)
+    frames = np.full((8, 120, 200, 3), (10, 100, 250), np.uint8)
+    (video,) = processor.process("<|video_pad|>", None, [], videos=[Video(frames)]).images
+    assert video.encoder_meta == (4, 4, 6)
+    rows = video.transform(video.pixels[None], torch.float32)  # [96, 3 * 2 * 14 * 14]
+    want = [(torch.tensor(v, dtype=torch.float32) - torch.tensor(m, dtype=torch.float32)
+             * 255.0) / (torch.tensor(s, dtype=torch.float32) * 255.0)
+            for v, m, s in zip((10, 100, 250), VIDEO_MEAN, VIDEO_STD)]
+    assert torch.equal(rows.view(96, 3, -1), torch.stack(want).view(1, 3, 1).expand(96, 3, 392))
+    uncapped = Qwen2VLInputProcessor(_with_video_config(tiny_qwen2_vl_path, tmp_path / "b"))
+    assert uncapped.process("<|video_pad|>", None, [], videos=[Video(frames)]
+                            ).images[0].encoder_meta == (4, 8, 14)

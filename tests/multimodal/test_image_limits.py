@@ -184,9 +184,9 @@ def test_request_pixels_are_one_budget_for_images_and_videos(vlmserve_cache,
     decoded = []
     real = video.decode_video
 
-    def spy(data, num_frames, max_pixels=None, max_total_pixels=None, *a):
+    def spy(data, num_frames, max_pixels=None, max_total_pixels=None, *a, **kw):
         decoded.append(max_total_pixels)
-        return real(data, num_frames, max_pixels, max_total_pixels, *a)
+        return real(data, num_frames, max_pixels, max_total_pixels, *a, **kw)
 
     monkeypatch.setattr("vlmserve.multimodal.image.decode_video", spy)
     clip = data_url_of(make_mp4())  # 12 frames of 64x48: 36,864 pixels

@@ -13,9 +13,12 @@ error it reported.
 Objects (the engine config and each step's `SchedulerOutput`; an encoder call's processed
 requests, stats, errors) travel pickled. Unpickling runs what its bytes name, so what matters
 is who writes them: only our ranks, each pickling objects our code built; what a client sent
-(token ids, pixels, sampling parameters) is data inside them, never bytes unpickled as they
-came. And only our ranks reach the connections: spawned on one host, the store listens on
-127.0.0.1 alone (a socket we bind and hand it) and gloo binds 127.0.0.1; under torchrun the
+(token ids, pixels, sampling parameters; an encoder request's prompt text and claimed
+`mm_hash`, which are `str` fields) is data inside them, never bytes unpickled as they came.
+And only our ranks reach the connections: spawned on one host, the store listens on
+127.0.0.1 alone (a socket we bind and hand it) and gloo binds 127.0.0.1 whatever
+GLOO_SOCKET_IFNAME says (tests/distributed/test_ranks.py checks every socket the ranks
+listen on); under torchrun the
 store is torchrun's (MASTER_ADDR) and gloo binds GLOO_SOCKET_IFNAME's interface or the host
 name's address, a network to trust as for any torch.distributed job. (msgspec would need wire
 types for a `SchedulerOutput`'s sampling parameters, image transforms and tensors.)

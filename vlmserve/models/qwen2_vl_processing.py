@@ -38,9 +38,14 @@ def compute_mrope_positions(
     video's temporal step as a third item (Qwen2.5-VL: tokens_per_second * seconds per
     temporal patch; default 1). Text tokens count up by one in all three sections; an item's
     tokens take (t * step rounded down, h, w) indices of the merged grid plus the position it
-    starts at, and the text after it resumes one past its largest position (start +
-    max(h, w) // merge for an image, as the original implementation and vLLM do). The delta
-    is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
+    starts at, and the text after it resumes one past its largest position: start +
+    max(h, w) // merge for an image, and for a video whose times run past its extent one
+    past its last time. That is the rule the checkpoints were released with: the
+    `get_rope_index` Qwen contributed to transformers with Qwen2-VL (4.45) and Qwen2.5-VL
+    (4.49), ``st_idx = llm_pos_ids_list[-1].max() + 1``, Qwen's fine-tuning code and vLLM.
+    transformers 5.x resumes at start + max(h, w) // merge whatever the times, so there the
+    text after such a video repeats positions of the video's own; we keep the released rule.
+    The delta is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
     """
     pieces: list[torch.Tensor] = []
     pos = 0  # next position id
@@ -68,11 +73,14 @@ def compute_mrope_positions(
 @dataclass(frozen=True)
 class Qwen2VLPixels(NormalizedPixels):
     """The Qwen2-VL image processor's rescale, normalize (`NormalizedPixels`) and patchify,
-    run where the pixels are; the rows are bit-identical to its ``pixel_values``."""
+    run where the pixels are; the rows are bit-identical to its ``pixel_values``. Videos are
+    normalized as the video processor does (``video``: its own rescale, mean and std, in the
+    torchvision order of transformers' video processors), so one transform serves both."""
 
     patch_size: int
     temporal_patch_size: int
     merge_size: int
+    video: NormalizedPixels | None = None  # a video's normalization (None: the image's)
 
     def __call__(self, images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[B, H, W, 3]`` uint8 images -> ``[B * (H/p) * (W/p), 3 * T * p * p]`` rows in
@@ -81,7 +89,7 @@ class Qwen2VLPixels(NormalizedPixels):
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         if images.dim() == 5:  # videos: T consecutive frames make one temporal patch
             b, f, h, w, _ = images.shape
-            x = self.normalized(images.reshape(b * f, h, w, 3)).to(dtype)
+            x = (self.video or self).normalized(images.reshape(b * f, h, w, 3)).to(dtype)
             gh, gw = h // p, w // p
             x = x.reshape(b, f // t, t, 3, gh // m, m, p, gw // m, m, p)
             x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)  # [B, F/T, gh/m, gw/m, m, m, C, T, p, p]
@@ -125,20 +133,29 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self.min_pixels, self.max_pixels = (self.image_options(mm_processor_kwargs)
                                             or (self.min_pixels, self.max_pixels))
         self._smart_resize = _smart_resize()
-        self.pixel_transform = Qwen2VLPixels(
-            patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
-            merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip))
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
         # Qwen3-VL's temporal patches each follow their time as text ("<1.5 seconds>") in a
         # vision block of their own
         self.timestamped = hf_config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+        # the video processor's own settings (transformers' Qwen2VLVideoProcessor, or
+        # Qwen3VLVideoProcessor: its class defaults where the checkpoint gives none)
         video = _video_processor_config(self.model_path)
+        self.video_settings = video
         size = video.get("size") or {}
         unit = (ip.patch_size * ip.merge_size) ** 2  # transformers' defaults: 128 to 768 units
         self.video_min_pixels: int = (video.get("min_pixels") or size.get("shortest_edge")
                                       or 128 * unit)
         self.video_max_pixels: int = (video.get("max_pixels") or size.get("longest_edge")
                                       or 768 * unit)
+        # qwen-vl-utils' cap on a video's pixels (transformers: off unless set)
+        self.video_cap: bool = bool(video.get("cap_pixels_per_frame"))
+        self.max_video_tokens: int = int(video.get("max_video_tokens")
+                                         or (768 if self.timestamped else 128000))
+        self.video_resample = video.get("resample", ip.resample)
+        self.pixel_transform = Qwen2VLPixels(
+            patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+            merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip),
+            video=_video_normalization(video, self.timestamped))
         # Qwen2.5-VL: a temporal patch's positions step by tokens_per_second * its seconds
         self.tokens_per_second: float | None = (
             getattr(hf_config.vision_config, "tokens_per_second", None)
@@ -249,10 +266,13 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         patch grid (F / T, H / p, W / p)."""
         frames = video.frames
         t = self.pixel_transform.temporal_patch_size
-        extra = self.hash_extra(video=[self.video_min_pixels, self.video_max_pixels, video.fps])
+        extra = self.hash_extra(video=[self.video_min_pixels, self.video_max_pixels, video.fps,
+                                       self.video_cap, self.max_video_tokens,
+                                       self.video_resample, self.pixel_transform.video])
         mm_hash = hash_video(frames, extra)
         count, height, width = frames.shape[:3]
         factor = self.patch_size * self.merge_size
+        max_pixels = self._video_max_pixels(count)
         try:
             if self.timestamped:  # Qwen3-VL's: the pixel range covers all frames
                 from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
@@ -261,21 +281,39 @@ class Qwen2VLInputProcessor(HFInputProcessor):
 
                 new_h, new_w = smart_resize(count, height, width, temporal_factor=t,
                                             factor=factor, min_pixels=self.video_min_pixels,
-                                            max_pixels=self.video_max_pixels)
+                                            max_pixels=max_pixels)
             else:
                 new_h, new_w = self._smart_resize(height, width, factor=factor,
                                                   min_pixels=self.video_min_pixels,
-                                                  max_pixels=self.video_max_pixels)
+                                                  max_pixels=max_pixels)
         except ValueError as e:
             raise InvalidImageError(f"video processor rejected a video: {e}") from e
         pixels = torch.from_numpy(frames)
         if (new_h, new_w) != (height, width):
-            pixels = torch.stack([self._resize(Image.fromarray(f), f, None, (new_h, new_w))
-                                  for f in frames])
+            pixels = torch.stack([self._resize(Image.fromarray(f), f, None, (new_h, new_w),
+                                               self.video_resample) for f in frames])
         if pad := -count % t:
             pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
         p = self.patch_size
         return mm_hash, pixels.contiguous(), ((count + pad) // t, new_h // p, new_w // p)
+
+    def _video_max_pixels(self, count: int) -> int:
+        """The pixel cap `smart_resize` holds a video of ``count`` frames to: the video
+        processor's ``longest_edge`` (Qwen3-VL: all frames together), or with
+        ``cap_pixels_per_frame`` qwen-vl-utils' cap as transformers applies it (Qwen2-VL:
+        each frame within an even share of 90% of ``max_video_tokens`` tokens' pixels per
+        temporal patch; Qwen3-VL: each frame within ``max_video_tokens`` tokens' pixels and an
+        even share of ``longest_edge``; either at least 1.05 x ``shortest_edge``)."""
+        if not self.video_cap:
+            return self.video_max_pixels
+        factor = self.patch_size * self.merge_size
+        floor = int(self.video_min_pixels * 1.05)
+        if self.timestamped:
+            frame_cap = self.max_video_tokens * factor * factor
+            return max(min(frame_cap, self.video_max_pixels // count), floor) * count
+        total = int(self.max_video_tokens * factor * factor * 0.9)
+        t = self.pixel_transform.temporal_patch_size
+        return max(min(self.video_max_pixels, total * t // count), floor)
 
     def _video_step(self, video: Video) -> float:
         """The temporal position step of a video's patches (1 for Qwen2-VL)."""
@@ -412,11 +450,13 @@ class Qwen2VLInputProcessor(HFInputProcessor):
 
     def _resize(self, image: Image.Image, array: np.ndarray,
                 options: tuple[int, int] | None = None,
-                size: tuple[int, int] | None = None) -> torch.Tensor:
+                size: tuple[int, int] | None = None, resample: int | None = None
+                ) -> torch.Tensor:
         """The image at the size the HF processor gives it (or at ``size``, (H, W)),
         ``[H, W, 3]`` uint8, resized (only when the size changes) by the same library as the
-        HF backend in use."""
+        HF backend in use, with ``resample`` (default: the image processor's)."""
         ip = self.image_processor
+        resample = ip.resample if resample is None else resample
         height, width = array.shape[:2]
         factor = self.patch_size * self.merge_size
         if size is not None:
@@ -436,13 +476,13 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         if (new_h, new_w) == (height, width):
             return torch.from_numpy(array)
         if not self.pixel_transform.fused:  # the PIL backend
-            return torch.from_numpy(np.array(image.resize((new_w, new_h), resample=ip.resample)))
+            return torch.from_numpy(np.array(image.resize((new_w, new_h), resample=resample)))
         from torchvision.transforms.v2 import functional as tvF
         from transformers.image_utils import pil_torch_interpolation_mapping
 
         chw = torch.from_numpy(array).permute(2, 0, 1).contiguous()
         out = tvF.resize(chw, [new_h, new_w], antialias=True,
-                         interpolation=pil_torch_interpolation_mapping[ip.resample])
+                         interpolation=pil_torch_interpolation_mapping[resample])
         return out.permute(1, 2, 0).contiguous()
 
 
@@ -462,6 +502,32 @@ def _video_processor_config(path: Path) -> dict:
         if isinstance(data, dict):
             return data
     return {}
+
+
+def _video_normalization(video: dict, qwen3: bool) -> NormalizedPixels:
+    """A video processor's rescale and normalize from its settings (``video``), with its
+    class's defaults (Qwen2VLVideoProcessor: CLIP's mean and std; Qwen3VLVideoProcessor:
+    0.5 and 0.5), in the fused order of transformers' video processors (torchvision)."""
+    from transformers.utils.constants import (
+        IMAGENET_STANDARD_MEAN,
+        IMAGENET_STANDARD_STD,
+        OPENAI_CLIP_MEAN,
+        OPENAI_CLIP_STD,
+    )
+
+    def three(value, default) -> tuple[float, ...]:
+        value = default if value is None else value
+        return tuple(map(float, value if isinstance(value, (list, tuple)) else [value] * 3))
+
+    mean, std = ((IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD) if qwen3
+                 else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+    normalize = video.get("do_normalize", True)
+    return NormalizedPixels(
+        rescale_factor=(float(video.get("rescale_factor", 1 / 255))
+                        if video.get("do_rescale", True) else None),
+        mean=three(video.get("image_mean"), mean) if normalize else None,
+        std=three(video.get("image_std"), std) if normalize else None,
+        fused=True)
 
 
 def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:

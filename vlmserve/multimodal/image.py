@@ -207,9 +207,10 @@ class RestrictedImageLoader:
     def load_video(self, src: ImageSource, pixels_before: int = 0) -> Video:
         """A video file (the front end's fetched bytes, a data URL, or a path inside
         ``allowed_local_dir``) decoded into ``video_num_frames`` frames, each within
-        ``max_pixels`` and all of them within what ``max_request_pixels`` leaves after the
-        request's images and videos before it (``pixels_before``): one budget a request,
-        checked from the file's headers before any frame is decoded."""
+        ``max_pixels`` and ``max_image_bytes`` (decoded, in the stream's pixel format) and all
+        of them within what ``max_request_pixels`` leaves after the request's images and
+        videos before it (``pixels_before``): one budget a request, checked from the file's
+        headers before any frame is decoded (`decode_video`: nothing over a limit is)."""
         left = None
         if self.max_request_pixels is not None:
             left = self.max_request_pixels - pixels_before
@@ -219,9 +220,9 @@ class RestrictedImageLoader:
                     f"pixels, the limit of {self.max_request_pixels} (--max-request-pixels)")
         try:
             return decode_video(self._read(src, "video"), self.video_num_frames,
-                                self.max_pixels, left)
+                                self.max_pixels, left, max_frame_bytes=self.max_image_bytes)
         except InvalidImageError as e:
-            if left is None or "exceeds the limit" not in str(e):
+            if left is None or "exceeds the limit" not in str(e) or "(--max-" in str(e):
                 raise
             raise InvalidImageError(f"{e}: what the limit of {self.max_request_pixels} for a "
                                     "request's images and videos together leaves it "

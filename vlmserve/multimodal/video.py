@@ -100,46 +100,108 @@ def as_video(src: Any) -> Video:
     return Video(np.ascontiguousarray(array), None if fps is None else float(fps))
 
 
+# container formats accepted, by their file's first bytes: each declares its streams (size,
+# codec) in a header, so the streams are known before PyAV's probe decodes anything, and the
+# decoder's own pixel limit (max_pixels, a codec option) reaches them; a format whose streams
+# appear only while probing (MPEG-TS/PS, FLV, raw streams) is refused, and so is every other
+# demuxer (playlists and the like, which name further files)
+CONTAINERS = {"mov": "MP4/MOV", "matroska": "WebM/MKV", "avi": "AVI", "nut": "NUT",
+              "ogg": "Ogg"}
+_MOV_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide")
+
+
+def container_format(data: bytes) -> str | None:
+    """The demuxer (a key of `CONTAINERS`) for a video file's first bytes, or None."""
+    if data[4:8] in _MOV_BOXES:
+        return "mov"
+    if data[:4] == b"\x1aE\xdf\xa3":
+        return "matroska"
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "avi"
+    if data[:24] == b"nut/multimedia container":
+        return "nut"
+    if data[:4] == b"OggS":
+        return "ogg"
+    return None
+
+
+def frame_bytes(pix_fmt: str, width: int, height: int) -> int:
+    """Bytes of one decoded ``width`` x ``height`` frame of FFmpeg's ``pix_fmt`` (all its
+    planes: yuv420p 1.5 a pixel, rgb24 3, 16-bit RGBA 8)."""
+    import av
+
+    return sum((c.bits + 7) // 8 * c.width * c.height
+               for c in av.VideoFormat(pix_fmt, width, height).components)
+
+
 def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | None = None,
-                 max_total_pixels: int | None = None, timeout_s: float = DECODE_TIMEOUT_S
-                 ) -> Video:
+                 max_total_pixels: int | None = None, timeout_s: float = DECODE_TIMEOUT_S,
+                 max_frame_bytes: int | None = None) -> Video:
     """An encoded video file's first video stream as ``num_frames`` frames (at most
     `MAX_FRAMES`) sampled evenly over it (all of them if it has fewer), with the rate they
     were sampled at (frames kept / the stream's duration). Raises `InvalidImageError` for
-    anything PyAV cannot decode, no video stream, frames over ``max_pixels``, frames kept
-    over ``max_total_pixels`` in all (both checked before any frame is decoded), frames
-    that change size, more than `MAX_SOURCE_FRAMES` frames, or decoding past ``timeout_s``
-    (a long, large file must not hold a preprocessing process for minutes)."""
+    anything PyAV cannot decode, a container not in `CONTAINERS`, no video stream, frames
+    over ``max_pixels`` or (decoded, in their pixel format) ``max_frame_bytes``, frames kept
+    over ``max_total_pixels`` in all, frames that change size, more than `MAX_SOURCE_FRAMES`
+    frames, or decoding past ``timeout_s`` (a long, large file must not hold a preprocessing
+    process for minutes).
+
+    Nothing over a limit is decoded: the file's header is read with every decoder barred
+    (its size, the packets counted), and FFmpeg's decoders are given ``max_pixels`` as their
+    own limit, so that the probe PyAV runs on opening a file (it decodes a first frame where
+    the header leaves the pixel format open) refuses a larger frame before allocating it. A
+    refused file costs at most one frame within ``max_pixels`` (in its pixel format: at most
+    8 bytes a pixel for 16-bit RGBA)."""
     import io
 
     try:
         import av
     except ImportError:  # pragma: no cover - av comes with the serve extra
         raise InvalidImageError("video files need PyAV (pip install av)") from None
+    fmt = container_format(data)
+    if fmt is None:
+        raise InvalidImageError(
+            f"not a video container this server reads ({', '.join(CONTAINERS.values())}: "
+            "formats that declare their streams in a header)")
+    limit = {} if max_pixels is None else {"max_pixels": str(max_pixels)}
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), format=fmt,  # the header: no decoder may open
+                     options={"codec_whitelist": "none"}) as container:
             streams = container.streams.video
             if not streams:
                 raise InvalidImageError("the file has no video stream")
             stream = streams[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if max_pixels is not None and width * height > max_pixels:
-                raise InvalidImageError(f"video frames of {width}x{height} = {width * height} "
-                                        f"pixels exceed the limit of {max_pixels}")
+            _check_frame(stream.codec_context.width, stream.codec_context.height,
+                         max_pixels)
             total = sum(1 for packet in container.demux(stream) if packet.size)
         if not 0 < total <= MAX_SOURCE_FRAMES:
             raise InvalidImageError(f"the video has {total} frames (1 to {MAX_SOURCE_FRAMES})")
         count = min(num_frames, total, MAX_FRAMES)
         keep = sorted({int(i) for i in np.linspace(0, total - 1, count)})
-        if max_total_pixels is not None and len(keep) * width * height > max_total_pixels:
-            raise InvalidImageError(
-                f"{len(keep)} frames of {width}x{height} hold {len(keep) * width * height} "
-                f"pixels, which exceeds the limit of {max_total_pixels}")
         frames, wanted = [], iter(keep)
         nxt = next(wanted)
         deadline = time.monotonic() + timeout_s
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), format=fmt, options=limit) as container:
             stream = container.streams.video[0]
+            context = stream.codec_context
+            width, height = context.width, context.height
+            if width <= 0 or height <= 0:
+                raise InvalidImageError(
+                    "the size of the video's frames cannot be read" if max_pixels is None
+                    else f"the video's first frame does not decode within the limit of "
+                    f"{max_pixels} pixels a frame (--max-image-pixels): larger, or broken")
+            _check_frame(width, height, max_pixels)
+            size = frame_bytes(context.pix_fmt, width, height) if context.pix_fmt else 0
+            if max_frame_bytes is not None and size > max_frame_bytes:
+                raise InvalidImageError(
+                    f"video frames of {width}x{height} in {context.pix_fmt} are {size} bytes "
+                    f"once decoded, which exceeds the limit of {max_frame_bytes} "
+                    "(--max-image-bytes)")
+            if max_total_pixels is not None and len(keep) * width * height > max_total_pixels:
+                raise InvalidImageError(
+                    f"{len(keep)} frames of {width}x{height} hold {len(keep) * width * height} "
+                    f"pixels, which exceeds the limit of {max_total_pixels}")
+            context.options = {**context.options, **limit}  # frames that grow mid-stream
             rate = float(stream.average_rate or 0)
             for i, frame in enumerate(container.decode(stream)):
                 if time.monotonic() > deadline:
@@ -161,6 +223,14 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES, max_pixels: int | No
     fps = len(frames) / (total / rate) if rate > 0 else None
     times = tuple(i / rate for i in keep[:len(frames)]) if rate > 0 else None
     return Video(np.stack(frames), fps, times)
+
+
+def _check_frame(width: int, height: int, max_pixels: int | None) -> None:
+    """A frame size (0: not known yet) against the pixel limit a frame."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise InvalidImageError(f"video frames of {width}x{height} = {width * height} pixels "
+                                f"exceed the limit of {max_pixels} pixels a frame "
+                                "(--max-image-pixels)")
 
 
 def load_video(src: Any, num_frames: int = NUM_FRAMES) -> Video:
