@@ -105,6 +105,8 @@ _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
                      "chunked_attention": "chunked"}
 # models whose images' tokens attend to each other both ways (in prefill; on every layer)
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
+# models whose forward sets the logits of their image codes to the minimum (Emu3's does not)
+_SUPPRESS_IMAGE_CODES = frozenset({"chameleon"})
 # models that add image features inside the decoder's layers (DeepStack-like)
 _FEATURES_IN_LAYERS = frozenset({"granite4_vision"})
 # models whose tokens around an image embed from the image's own features (Ovis 2's
@@ -210,7 +212,7 @@ class TransformersVLM(nn.Module):
         # dtype's minimum, as its forward sets them
         vocab_map = getattr(inner, "vocabulary_mapping", None)
         self.suppressed = (torch.tensor(sorted(vocab_map.image_tokens), dtype=torch.int64)
-                           if vocab_map is not None else None)
+                           if self.config.model_type in _SUPPRESS_IMAGE_CODES else None)
         self.logit_scale = getattr(tc, "logit_scale", None)
         self._features = getattr(hf_model, "get_image_features", None) or \
             inner.get_image_features
