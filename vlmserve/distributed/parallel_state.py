@@ -89,9 +89,10 @@ class TensorParallel:
         dead = self.followers.dead(wait_s=0.5) if self.followers is not None else []
         text = str(e)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        self.broken = "; ".join(dead) or (
-            f"no answer within {self.timeout.total_seconds():g} s" if timed_out
-            else "a collective failed")
+        # this rank's own timeout first (whoever noticed a stopped rank first), then the ranks
+        # found gone (one that gave up says why)
+        waited = [f"no answer within {self.timeout.total_seconds():g} s"] if timed_out else []
+        self.broken = "; ".join(waited + dead) or "a collective failed"
         return RankFailedError(f"a tensor-parallel rank failed ({self.broken}): {text[:300]}")
 
     def check(self) -> None:
