@@ -600,6 +600,28 @@ def _build_blip_2(path: Path) -> Path:
     return _finish(path, config, tf.Blip2ForConditionalGeneration, proc)
 
 
+def _build_instructblip(path: Path) -> Path:
+    import transformers as tf
+
+    tok = make_tokenizer(["<image>"])  # as BLIP-2: the processor wants no image_token attribute
+    # the Q-Former reads the prompt too, through its own (BERT-like) tokenizer
+    qtok = make_tokenizer(["[CLS]", "[SEP]", "[MASK]"], bos="[CLS]", eos="[SEP]",
+                          add_bos=True)
+    ip = tf.BlipImageProcessorPil(size={"height": 56, "width": 56})
+    proc = tf.InstructBlipProcessor(image_processor=ip, tokenizer=tok, qformer_tokenizer=qtok,
+                                    num_query_tokens=4)
+    config = tf.InstructBlipConfig(
+        text_config=text_cfg("llama", len(tok), **special_ids(tok)),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=56, patch_size=14),
+        qformer_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, encoder_hidden_size=32,
+                            cross_attention_frequency=1, vocab_size=len(qtok),
+                            pad_token_id=qtok.pad_token_id),
+        num_query_tokens=4, image_token_index=ids(tok, "<image>")[0], **special_ids(tok))
+    return _finish(path, config, tf.InstructBlipForConditionalGeneration, proc)
+
+
 def _build_chameleon(path: Path) -> Path:
     import transformers as tf
 
@@ -749,6 +771,10 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                      "ShieldGemma2Config; processor wraps each image in a policy prompt"),
     "blip-2": (_build_blip_2, "Q-Former (4 query tokens) + OPT decoder; processor prepends "
                "the <image> tokens itself (no chat template); one image a prompt"),
+    "instructblip": (_build_instructblip, "BLIP-2-like Q-Former (4 query tokens) that also "
+                     "reads the prompt (qformer_input_ids from a second tokenizer); Llama "
+                     "(Vicuna) text; processor prepends the <image> tokens; one image a "
+                     "prompt"),
     "chameleon": (_build_chameleon, "early fusion: a VQ-VAE turns the 32 px image into 64 "
                   "codes mapped to BPE ids (IMGIMG..Z tokens) via vocabulary_map; "
                   "<racm3:break> / <eoss> around; qk layernorm; no chat template"),
@@ -765,9 +791,10 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
 
 TINY_ARCHS: dict[str, str] = {k: note for k, (_, note) in _BUILDERS.items()}
 # archs whose processor or model takes one image a prompt
-SINGLE_IMAGE: frozenset[str] = frozenset({"got_ocr2", "blip-2", "shieldgemma2"})
+SINGLE_IMAGE: frozenset[str] = frozenset({"got_ocr2", "blip-2", "shieldgemma2",
+                                          "instructblip"})
 # archs whose processor keeps no chat template (the prompt is plain text; images go first)
-NO_CHAT_TEMPLATE: frozenset[str] = frozenset({"blip-2", "chameleon"})
+NO_CHAT_TEMPLATE: frozenset[str] = frozenset({"blip-2", "chameleon", "instructblip"})
 
 
 def plain_prompt(model_type: str, num_images: int) -> str:

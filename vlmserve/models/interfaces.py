@@ -1,4 +1,11 @@
-"""What the engine needs from a vision-language model; the runner knows nothing else."""
+"""What the engine needs from a vision-language model, and the check that a model class has it.
+
+The runner, executor, loader, scheduler and encoder service know a model only through
+`VisionLanguageModel` (and its input processor through `ModelInputProcessor`). A class is
+checked against `MODEL_CLASS_ATTRIBUTES` when the registry first hands it out
+(`check_model_class`): a family missing a part fails at once, naming it, not in the middle of
+a step.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +22,12 @@ from vlmserve.multimodal.inputs import PixelTransform, ProcessedPrompt
 
 class ModelInputProcessor(Protocol):
     """What admission and the engine ask of a model's input processor (`input_processor_cls`,
-    built with the checkpoint folder and its HF config); the engine asks nothing else."""
+    built with the checkpoint folder, its HF config and the engine's `mm_processor_kwargs`)."""
 
     tokenizer: Any
     #: id of the image placeholder token
     image_token_id: int
-    #: the device-side part of image preprocessing (uint8 pixels -> the tower's input)
+    #: the device-side part of image preprocessing (an image's pixels -> the tower's input)
     pixel_transform: PixelTransform
 
     @property
@@ -35,9 +42,18 @@ class ModelInputProcessor(Protocol):
         another template, no generation prompt, the last message continued, template
         variables."""
 
+    def image_options(self, kwargs: dict | None) -> Any:
+        """A request's `mm_processor_kwargs`, checked, as the options its images are
+        processed with (None: the engine's); `InvalidRequestError` for options it refuses."""
+
+    def prepare(self, image: Image.Image, options: Any = None) -> Any:
+        """(Optional: the front end's cache of processed images needs it.) The host part of
+        image preprocessing for one image: a `PreparedImage` (content hash, pixels) that
+        `process` takes in place of the image."""
+
     def pixel_tokens(self, shape: Sequence[int], encoder_meta: Sequence[int]) -> int:
         """The token count of an image preprocessed elsewhere (the encoder server's pixel
-        images): the shape of its uint8 pixels must be one this processor gives, and its
+        images): the shape of its pixels must be one this processor gives, and its
         ``encoder_meta`` what it computes for them; else `InvalidImageError` naming the
         mismatch."""
 
@@ -45,58 +61,74 @@ class ModelInputProcessor(Protocol):
                          encoder_metas: Sequence[Sequence[int]]) -> ProcessedPrompt:
         """The prompt as `process` makes it for images known only by their ``encoder_meta``
         (images encoded elsewhere: hashes and pixels empty): token ids, offsets, lengths,
-        grids, positions, what a client's embeddings are checked against; an
-        ``encoder_meta`` it never gives an image is an `InvalidImageError`."""
+        grids, positions, what a client's embeddings are checked against."""
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                images: Sequence[Image.Image]) -> ProcessedPrompt:
-        """Token ids with every image's placeholder run expanded to its exact length, one
-        `ImageInput` per image (hash, offset, length, resized uint8 pixels, `encoder_meta`),
-        and the position data the model's `position_scheme` reads (`prompt_positions`,
-        `position_offset`)."""
+                images: Sequence[Any], options: Any = None) -> ProcessedPrompt:
+        """Token ids with every image's span expanded to its exact length, one `ImageInput`
+        per image (hash, offset, length, pixels, `encoder_meta`), and the position data the
+        model's `position_scheme` reads (`prompt_positions`, `position_offset`)."""
 
 
 class VisionLanguageModel(Protocol):
-    #: how the decoder's positions are built from token indices and the processor's position
-    #: data (`prompt_positions`, `position_offset`): `layers.positions.TokenPositions` ([T],
-    #: LLaVA) or `MRopePositions` ([3, T], Qwen2-VL)
-    position_scheme: PositionScheme
-    #: class that turns prompt + images into a ProcessedPrompt (run at admission), a
-    #: `ModelInputProcessor`
+    """A model as the engine runs it: the language model over the paged KV cache, the image
+    encoder, and the family's declarations."""
+
+    # ---- declarations (class attributes) -------------------------------------------------
+    #: the class that turns prompt + images into a `ProcessedPrompt` (`ModelInputProcessor`)
     input_processor_cls: type
-    #: width of the LM's embeddings (== rows of an image embedding)
-    hidden_size: int
-    num_layers: int
-    #: checkpoint name prefixes of the image encoder's weights (what `build_encoder` loads)
+    #: checkpoint name prefixes of the image encoder's weights (what `build_encoder` loads;
+    #: empty: the encoder service cannot run this family)
     encoder_prefixes: tuple[str, ...]
+    #: how the decoder's positions are built from token indices and the processor's position
+    #: data: `layers.positions.TokenPositions` ([T]) or `MRopePositions` ([rows, T])
+    position_scheme: PositionScheme
 
     @classmethod
-    def build_encoder(cls, hf_config: Any) -> torch.nn.Module:
-        """The image encoder alone, no language model (`vlmserve.MultimodalEncoder`): a module
-        with `forward(pixel_values, encoder_meta)` (as `encode_images`), `load_weights(checkpoint
-        names and tensors) -> loaded names`, `out_hidden_size` and `set_attention_backend`."""
+    def image_row_width(cls, hf_config: Any) -> int:
+        """Width of an image's embedding rows (what the encoder gives and the store holds)."""
 
+    @classmethod
+    def reads_images_both_ways(cls, hf_config: Any) -> bool:
+        """Whether each image's tokens attend to each other both ways (each image is then
+        computed whole in one prefill chunk)."""
+
+    # ---- sizes ---------------------------------------------------------------------------
+    #: width of the LM's embeddings
+    hidden_size: int
+    #: `image_row_width` of this model
+    row_width: int
+    #: KV cache tensors: one per layer
+    num_layers: int
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    # ---- a step --------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]"""
 
     def encode_images(self, pixel_values: torch.Tensor,
                       encoder_meta: Sequence[tuple[int, ...]]) -> torch.Tensor:
-        """All images due this step in one batch -> [sum of rows, hidden], in image order.
-        `pixel_values` is the processor's `pixel_transform` output of the images (one call
-        per run of equal `ImageInput.batch_key`, concatenated on dim 0); `encoder_meta` is
-        each image's `ImageInput.encoder_meta`, as the model's processor made it (Qwen2-VL:
-        patch grids; LLaVA-NeXT: tiles and original size; LLaVA-1.5: empty)."""
+        """All images due this step in one batch -> [sum of rows, row width], in image
+        order. `pixel_values` is the processor's `pixel_transform` output of the images (one
+        call per run of equal `ImageInput.batch_key`, concatenated on dim 0); `encoder_meta`
+        is each image's `ImageInput.encoder_meta`, as the model's processor made it."""
+
+    def merge_image_rows(self, embeds: torch.Tensor, dest: torch.Tensor,
+                         rows: torch.Tensor) -> dict:
+        """Image rows into the token embeddings at ``dest``; returns what `forward` takes
+        besides (Qwen3-VL: the DeepStack rows)."""
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                **extra: Any) -> torch.Tensor:
         """[T, hidden] -> final hidden states [T, hidden]"""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]"""
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor."""
-
+    # ---- kernels -------------------------------------------------------------------------
     def set_attention_backend(self, fn) -> None:
         """Paged attention function used by every layer (see layers/attention.py)."""
 
@@ -106,5 +138,41 @@ class VisionLanguageModel(Protocol):
     def set_fused_ops(self, ops) -> None:
         """Eager or compiled elementwise ops of the decoder (see layers/fused.py)."""
 
+    # ---- loading: one of the two ---------------------------------------------------------
     def load_weights(self, weights) -> set[str]:
-        """Copy (checkpoint name, tensor) pairs into the model; returns the names loaded."""
+        """Copy (checkpoint name, tensor) pairs into the model built by ``cls(hf_config)``;
+        returns the names loaded (`models/loader.py` builds, shards and fills it)."""
+
+    # or a classmethod ``from_checkpoint(path, hf_config, dtype, device)`` that builds and
+    # loads the model itself (the transformers backend)
+
+
+#: what `check_model_class` asks of a class: attributes and methods every model has
+MODEL_CLASS_ATTRIBUTES = (
+    "input_processor_cls", "encoder_prefixes", "image_row_width", "reads_images_both_ways",
+    "kv_cache_shape", "embed_tokens", "encode_images", "merge_image_rows", "forward",
+    "compute_logits", "set_attention_backend", "set_vision_attention_backend",
+    "set_fused_ops",
+)
+#: what every input processor class has
+PROCESSOR_CLASS_ATTRIBUTES = (
+    "max_image_tokens", "apply_chat_template", "image_options", "pixel_tokens",
+    "described_prompt", "process",
+)
+
+
+def check_model_class(cls: type) -> type:
+    """``cls`` if it has every part of `VisionLanguageModel` a class can show before it is
+    built (and its input processor every part of `ModelInputProcessor`), one way to load
+    (`load_weights` or `from_checkpoint`); else `TypeError` naming what is missing."""
+    missing = [name for name in MODEL_CLASS_ATTRIBUTES if not hasattr(cls, name)]
+    if not (hasattr(cls, "load_weights") or hasattr(cls, "from_checkpoint")):
+        missing.append("load_weights or from_checkpoint")
+    processor = getattr(cls, "input_processor_cls", None)
+    if processor is not None:
+        missing += [f"input_processor_cls.{name}" for name in PROCESSOR_CLASS_ATTRIBUTES
+                    if not hasattr(processor, name)]
+    if missing:
+        raise TypeError(f"model class {cls.__module__}.{cls.__qualname__} lacks "
+                        f"{', '.join(missing)} (models/interfaces.py)")
+    return cls

@@ -226,6 +226,11 @@ class DecoderVLM(nn.Module):
         return self.language_model(inputs_embeds, positions, kv_caches, meta, **extra)
 
     @classmethod
+    def reads_images_both_ways(cls, hf_config) -> bool:
+        """The native families read images causally, like their text."""
+        return False
+
+    @classmethod
     def image_row_width(cls, hf_config) -> int:
         """Width of an image's embedding rows (what the encoder gives, the store holds and
         encoder services send): the language model's hidden size."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from vlmserve.models.interfaces import check_model_class
+
 _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2VLForConditionalGeneration": ("vlmserve.models.qwen2_vl",
                                         "Qwen2VLForConditionalGeneration"),
@@ -36,8 +38,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 def images_whole(hf_config) -> bool:
     """Whether the model reads each image's tokens both ways, so that an image's tokens are
     computed in one prefill chunk (its class's `reads_images_both_ways`)."""
-    cls = resolve_model_class(hf_config)
-    return bool(getattr(cls, "reads_images_both_ways", lambda c: False)(hf_config))
+    return bool(resolve_model_class(hf_config).reads_images_both_ways(hf_config))
 
 
 def resolve_model_class(hf_config) -> type:
@@ -51,7 +52,7 @@ def resolve_model_class(hf_config) -> type:
         for arch in archs:
             if arch in _MODELS:
                 module, name = _MODELS[arch]
-                return getattr(importlib.import_module(module), name)
+                return check_model_class(getattr(importlib.import_module(module), name))
         if impl == "native":
             raise ValueError(f"no native implementation of {archs}; native ones: "
                              f"{', '.join(supported_architectures())} (model_impl auto or "
@@ -59,4 +60,4 @@ def resolve_model_class(hf_config) -> type:
     from vlmserve.models.transformers_backend import TransformersVLM, check_supported
 
     check_supported(hf_config)
-    return TransformersVLM
+    return check_model_class(TransformersVLM)
