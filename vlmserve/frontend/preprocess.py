@@ -99,7 +99,7 @@ def _init_worker(mc: ModelConfig, limits: AdmissionLimits, eos_token_ids: tuple[
     global _worker, _grammar_limits
     die_with_parent()
     limit_host_threads(threads)  # the pool's processes are its parallelism
-    path, hf_config, model_processor = load_model_processor(mc.model, mc.mm_processor_kwargs)
+    path, hf_config, model_processor = load_model_processor(mc)
     _worker = (InputProcessor.for_model(path, hf_config, model_processor,
                                         image_cache_bytes=image_cache_bytes),
                limits, eos_token_ids, Encoder())

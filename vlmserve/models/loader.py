@@ -44,13 +44,15 @@ from vlmserve.models.registry import resolve_model_class
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(path: str | Path):
-    """The checkpoint's transformers config; a quantization it cannot load raises
-    `ValueError` naming it (models/quantization.py), before anything loads."""
+def load_hf_config(path: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's transformers config (its own config class only with
+    ``trust_remote_code``); a quantization it cannot load raises `ValueError` naming it
+    (models/quantization.py), before anything loads."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint folder: it has no "
                          "config.json")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
     checkpoint_quantization(config)
     return config
 
