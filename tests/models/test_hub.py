@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 from tests.hub_cache import COMMIT, add_snapshot
-from vlmserve import LLM, SamplingParams
+from vlmserve import LLM, MultimodalEncoder, SamplingParams
 from vlmserve.config import ModelConfig
 from vlmserve.entrypoints.cli import main, make_parser
 from vlmserve.flags import engine_kwargs
@@ -84,6 +85,13 @@ def test_tokenizer_comes_from_its_own_id(cache, offline, folder_tokens):
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
 
+def test_encoder_by_id_loads_the_cached_snapshot(cache, offline):
+    snapshot = cache / "models--org--tiny" / "snapshots" / COMMIT
+    with MultimodalEncoder("org/tiny", download_dir=str(cache), dtype="float32",
+                           device="cpu") as enc:
+        assert enc.model_path == snapshot and enc.config.model_config.model == str(snapshot)
+
+
 def test_revision_picks_the_snapshot(cache, offline):
     snapshots = cache / "models--org--tiny" / "snapshots"
     for revision, commit in ((None, COMMIT), ("main", COMMIT), ("v2", OTHER), (OTHER, OTHER)):
@@ -121,6 +129,27 @@ def test_a_model_missing_offline_is_one_line_from_the_cli(tmp_path, offline, cap
         main(["generate", "hi", "--model", "no-such-model"])
     err = capsys.readouterr().err
     assert "neither an existing path, a built-in model nor a Hugging Face model id" in err
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
+    """Online, with nothing listening where the Hub should be (HF_ENDPOINT, as
+    huggingface_hub read it at import) and nothing cached."""
+    from huggingface_hub import constants
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "org/tiny", "--revision", "v1", "--download-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith("vlmserve: error: model 'org/tiny' (revision v1) is not in the "
+                          f"Hugging Face cache {tmp_path} and the Hugging Face Hub could not "
+                          "be reached"), err
 
 
 def test_only_safe_serving_files_are_fetched() -> None:

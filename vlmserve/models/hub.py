@@ -10,6 +10,7 @@ core) gets the local folder, so only one process talks to the Hub and the others
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ ALLOW_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.safetensors")
 # a checkpoint's own Python code, fetched only with trust_remote_code
 CODE_PATTERNS = ("*.py",)
 
+logger = logging.getLogger(__name__)
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -54,6 +56,7 @@ def download_model(model_id: str, revision: str | None = None,
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -63,6 +66,8 @@ def download_model(model_id: str, revision: str | None = None,
     where = f"the Hugging Face cache {download_dir or constants.HF_HUB_CACHE}"
     patterns = [*ALLOW_PATTERNS, *(CODE_PATTERNS if trust_remote_code else ())]
     local_only = offline()
+    logger.info("%s from %s", what, f"{where} (offline)" if local_only
+                else f"the Hugging Face Hub (cached in {where})")
     try:
         return Path(snapshot_download(
             model_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns,
@@ -80,6 +85,10 @@ def download_model(model_id: str, revision: str | None = None,
         raise ValueError(
             f"{what}: the model has no such revision on the Hugging Face Hub; --revision "
             "takes a branch, tag or commit hash of it") from None
+    except IncompleteSnapshotError:
+        raise ValueError(
+            f"{what} is only partly in {where} (an interrupted download): download it again "
+            "online (without HF_HUB_OFFLINE)") from None
     except LocalEntryNotFoundError as e:
         if local_only:
             raise ValueError(

@@ -45,7 +45,7 @@ from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
-from vlmserve.models.metadata import local_engine_config
+from vlmserve.models.metadata import local_engine_config, local_model_config
 from vlmserve.utils import (
     die_with_parent,
     freeze_startup_heap,
@@ -175,6 +175,10 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     from vlmserve.entrypoints.openai.encoder_server import encoder_kwargs
 
     socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)  # a busy port fails now
+    # a model (and tokenizer) given by name becomes its folder here, once: the encoder core
+    # and the front ends get the folder
+    mc = local_model_config(EngineConfig.from_kwargs(**kwargs).model_config)
+    kwargs = {**kwargs, "model": mc.model, "tokenizer": mc.tokenizer}
     try:
         proc, address = start_encoder_core(encoder_kwargs(cfg, kwargs), cfg.log_level)
     except RuntimeError as e:
@@ -373,16 +377,12 @@ def run_server(args: Any) -> None:
     raise_file_limit()  # connections are capped from it (each process inherits it)
     if cfg.encoder_api_key:  # the front ends' preprocessing processes inherit it
         os.environ["VLMSERVE_ENCODER_API_KEY"] = cfg.encoder_api_key
-    # a model (and tokenizer) given by name becomes its folder here, once: every process
-    # started from here gets the folder and none of them reaches the Hub
-    config = local_engine_config(EngineConfig.from_kwargs(**engine_kwargs(args)))
-    # clients name the model as the user did ("org/name"), not by its folder
-    cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_name or getattr(
-        args, "model", None) or EngineConfig().model_config.model)
     if cfg.role == "encoder":
-        mc = config.model_config
-        sys.exit(serve_encoder(cfg, {**engine_kwargs(args), "model": mc.model,
-                                     "tokenizer": mc.tokenizer}))
+        sys.exit(serve_encoder(cfg, engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    # clients name the model as the user did ("org/name"), not by its folder
+    cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_name
+                              or config.model_config.model)
     env = torchrun_env()
     if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
         from vlmserve.executor.multiproc import run_torchrun_worker
@@ -396,6 +396,9 @@ def run_server(args: Any) -> None:
         sys.stderr.flush()
         os._exit(code)
     socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)
+    # the port is ours: now a model (and tokenizer) given by name becomes its folder, once
+    # (a download may take a while); every process started from here gets the folder
+    config = local_engine_config(config)
     if cfg.api_server_count == 1:
         code = serve_frontend(config, cfg, socks[0])
     else:
