@@ -51,7 +51,7 @@ class ModelConfig:
         None, "Branch, tag or commit hash of a Hugging Face model id (default: main).")
     tokenizer_revision: str | None = _opt(
         None, "Branch, tag or commit hash of a --tokenizer given as a Hugging Face model id "
-        "(default: --revision).")
+        "(default: --revision if the tokenizer is the model's own id, else main).")
     download_dir: str | None = _opt(
         None, "Hugging Face cache folder that models given by id are downloaded into and read "
         "from (default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else "

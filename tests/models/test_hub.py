@@ -98,6 +98,15 @@ def test_revision_picks_the_snapshot(cache, offline):
         mc = local_model_config(ModelConfig(model="org/tiny", revision=revision,
                                             download_dir=str(cache)))
         assert mc.model == str(snapshots / commit), revision
+    # the tokenizer's: its own, else the model's when it is the model's id, else main
+    for tokenizer, revision, tokenizer_revision, folder in (
+            ("org/tiny", "v2", None, snapshots / OTHER),
+            ("org/tiny", None, "v2", snapshots / OTHER),
+            ("org/tok", "v2", None, cache / "models--org--tok" / "snapshots" / COMMIT)):
+        mc = local_model_config(ModelConfig(
+            model="org/tiny", tokenizer=tokenizer, revision=revision,
+            tokenizer_revision=tokenizer_revision, download_dir=str(cache)))
+        assert mc.tokenizer == str(folder), (tokenizer, revision, tokenizer_revision)
     llm = LLM("org/tiny", revision="v2", download_dir=str(cache), dtype="float32", device="cpu")
     assert llm.get_default_sampling_params().max_tokens == 3  # v2's generation config
     with pytest.raises(ValueError, match=r"'org/tiny' \(revision v3\) is not in the Hugging "

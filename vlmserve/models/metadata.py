@@ -58,8 +58,9 @@ def local_model_config(mc: ModelConfig) -> ModelConfig:
     check_remote_code(mc.model, model, mc.trust_remote_code)
     tokenizer = None
     if mc.tokenizer is not None:
-        tokenizer = resolve_model(mc.tokenizer, mc.tokenizer_revision or mc.revision,
-                                  mc.download_dir, mc.trust_remote_code)
+        # the model's revision is no revision of another repository
+        revision = mc.tokenizer_revision or (mc.revision if mc.tokenizer == mc.model else None)
+        tokenizer = resolve_model(mc.tokenizer, revision, mc.download_dir, mc.trust_remote_code)
         check_remote_code(mc.tokenizer, tokenizer, mc.trust_remote_code)
     return dataclasses.replace(mc, model=str(model),
                                tokenizer=None if tokenizer is None else str(tokenizer))
