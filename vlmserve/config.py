@@ -40,7 +40,26 @@ def _sizes_help(column: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _opt("tiny-qwen2-vl", "Hugging Face checkpoint folder or a built-in model name.")
+    model: str = _opt(
+        "tiny-qwen2-vl", "Hugging Face checkpoint folder, built-in model name or Hugging Face "
+        "model id (org/name: downloaded into the Hub's cache, or read from it offline with "
+        "HF_HUB_OFFLINE=1; HF_TOKEN for gated and private models), tried in that order.")
+    tokenizer: str | None = _opt(
+        None, "Tokenizer (and chat template) folder or Hugging Face model id, when not the "
+        "model's; the image processor is still the model's (default: the model's).")
+    revision: str | None = _opt(
+        None, "Branch, tag or commit hash of a Hugging Face model id (default: main).")
+    tokenizer_revision: str | None = _opt(
+        None, "Branch, tag or commit hash of a --tokenizer given as a Hugging Face model id "
+        "(default: --revision if the tokenizer is the model's own id, else main).")
+    download_dir: str | None = _opt(
+        None, "Hugging Face cache folder that models given by id are downloaded into and read "
+        "from (default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub).")
+    trust_remote_code: bool = _opt(
+        False, "Let transformers run the Python code a checkpoint ships for its config, "
+        "tokenizer or processor (its auto_map classes that transformers lacks); such a "
+        "checkpoint is refused without it. Only for repositories you trust.")
     dtype: str = _opt("auto", "Weights and activations dtype: auto, float32, bfloat16, float16.")
     device: str = _opt("auto", "Device: auto (cuda if available), cpu, cuda, cuda:N.")
     max_model_len: int | None = _opt(

@@ -688,6 +688,29 @@ def _build_granite4_vision(path: Path) -> Path:
     return _finish(path, config, tf.Granite4VisionForConditionalGeneration, proc)
 
 
+def _build_granite_docling(path: Path) -> Path:
+    import transformers as tf
+
+    roles = ["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"]
+    tok = make_tokenizer([*roles, *_idefics_tokens()], extra={"image_token": "<image>"},
+                         add_bos=False, bos="<|end_of_text|>", eos="<|end_of_text|>")
+    # 32 px tiles (up to 4 + a thumbnail), 8 px patches, pixel shuffle x4: 1 token a tile
+    ip = tf.GraniteDoclingImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+    proc = tf.GraniteDoclingProcessor(
+        image_processor=ip, tokenizer=tok, image_seq_len=1,
+        chat_template=chat_template("<image>", user="<|start_of_role|>user<|end_of_role|>",
+                                    assistant="<|start_of_role|>assistant<|end_of_role|>",
+                                    end="<|end_of_text|>\n"))
+    config = tf.GraniteDoclingConfig(
+        text_config=text_cfg("granite_docling_text", len(tok), **special_ids(tok)),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8,
+                           out_hidden_size=64, scale_factor=4, deepstack_visual_indexes=[0, 1],
+                           use_fine_route=False),
+        image_token_id=ids(tok, "<image>")[0], **special_ids(tok))
+    return _finish(path, config, tf.GraniteDoclingForConditionalGeneration, proc)
+
+
 def _build_emu3(path: Path) -> Path:
     import transformers as tf
 
@@ -783,6 +806,10 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "granite4_vision": (_build_granite4_vision, "llava_next-style anyres tiles; window Q-Former "
                         "downsampler (1/2); deepstack: CLIP layers -2/-1 injected at LLM "
                         "layers 0/1, 4 spatial-offset groups at layers 0-3 (4 text layers)"),
+    "granite_docling": (_build_granite_docling, "idefics3-style tiles (32 px, up to 4 + "
+                        "thumbnail) with <row_i_col_j> / <global-img> markers, pixel shuffle x4 "
+                        "(1 token a tile); deepstack: vision layers 0/1 added at LLM layers "
+                        "0/1; granite text (embedding/residual/logit multipliers)"),
     "emu3": (_build_emu3, "early fusion: a VQ-VAE (8x down) turns the image into codes mapped "
              "to <|visual token N|> BPE ids; H*W header text, an <|extra_200|> per row"),
     "lighton_ocr": (_build_lighton_ocr, "Pixtral tower + 2x2 merger, qwen3 text; "

@@ -42,6 +42,17 @@ def engine_options(args: argparse.Namespace, skip: Iterable[str] = ()) -> dict[s
     return options
 
 
+def with_local_model(options: dict[str, Any]) -> dict[str, Any]:
+    """Engine ``options`` with their model and tokenizer named by local folders
+    (`local_model_config`: a Hugging Face id is fetched once, here, at its revision)."""
+    from vlmserve.config import EngineConfig
+    from vlmserve.models.metadata import local_model_config
+
+    mc = local_model_config(EngineConfig.from_kwargs(**options).model_config)
+    return {**options, "model": mc.model,
+            **({"tokenizer": mc.tokenizer} if mc.tokenizer is not None else {})}
+
+
 def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Right-aligned columns under a header and a rule, to read on screen."""
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]

@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from vlmserve.benchmarks import engine_options, parse_args
+from vlmserve.benchmarks import engine_options, parse_args, with_local_model
 from vlmserve.benchmarks.attention_kernels import measure_roofline
 from vlmserve.benchmarks.datasets import random_mm
 from vlmserve.flags import add_engine_options
@@ -357,10 +357,8 @@ def main(args: argparse.Namespace | None = None) -> None:
         raise SystemExit("kernel benchmarks need a CUDA device (they time the GPU's kernels "
                          "against its bandwidth and matmul ceilings)")
     from vlmserve import LLM
-    from vlmserve.models.builtin import resolve_model
 
-    options = engine_options(args)
-    options["model"] = str(resolve_model(options["model"]))
+    options = with_local_model(engine_options(args))
     ceilings = measure_roofline()
     print(json.dumps(ceilings))
     llm = LLM(**options)

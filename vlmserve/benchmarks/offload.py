@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from vlmserve.benchmarks import engine_options, parse_args, table
+from vlmserve.benchmarks import engine_options, parse_args, table, with_local_model
 from vlmserve.benchmarks.datasets import random_mm
 from vlmserve.flags import add_engine_options
 
@@ -103,11 +103,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace | None = None) -> None:
     args = parse_args(args, add_args, __doc__)
-    from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class
 
-    args.model = str(resolve_model(engine_options(args)["model"]))
+    args.model = with_local_model(engine_options(args))["model"]
     cfg = load_hf_config(args.model)
     tok = resolve_model_class(cfg).input_processor_cls(args.model, cfg).tokenizer
     reqs = random_mm(tok, num_requests=args.num_requests, image_sizes=[args.image_size],

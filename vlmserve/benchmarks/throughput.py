@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
-from vlmserve.benchmarks import engine_options, parse_args, table
+from vlmserve.benchmarks import engine_options, parse_args, table, with_local_model
 from vlmserve.benchmarks.datasets import BenchRequest, jsonl, random_mm
 from vlmserve.flags import add_engine_options
 
@@ -340,12 +340,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace | None = None) -> list[dict]:
     args = parse_args(args, add_args, __doc__)
     from vlmserve.frontend.llm_engine import LLMEngine  # noqa: F401  (fail early on bad install)
-    from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
     from vlmserve.models.registry import resolve_model_class
 
-    engine = engine_options(args, skip=_NOT_ENGINE)
-    path = engine["model"] = str(resolve_model(engine["model"]))
+    engine = with_local_model(engine_options(args, skip=_NOT_ENGINE))
+    path = engine["model"]
     hf_config = load_hf_config(path)
     processor = resolve_model_class(hf_config).input_processor_cls(path, hf_config)
     if args.repeats < 1 or (args.repeats > 1 and args.dataset != "random-mm"):

@@ -25,11 +25,12 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlmserve.config import EngineConfig, resolve_config
+from vlmserve.config import EngineConfig, ModelConfig, resolve_config
 from vlmserve.distributed.parallel_state import RankFailedError, TensorParallel, split_by_rows
 from vlmserve.distributed.ranks import Followers
 from vlmserve.encoder.ledger import HandleLedger, LedgerStats
@@ -37,8 +38,8 @@ from vlmserve.inputs.processor import InputProcessor, PromptInput
 from vlmserve.layers.attention import triton_available
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
-from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import iter_safetensors, load_hf_config
+from vlmserve.models.metadata import local_engine_config, model_processor
 from vlmserve.models.quantization import checkpoint_quantization
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
@@ -74,12 +75,14 @@ class EncoderStats:
     ranks: list[EncoderStats] = field(default_factory=list)
 
 
-def encoder_input_processor(model_path: str, hf_config, mm_processor_kwargs=None
+def encoder_input_processor(model_path: str | Path, hf_config, mc: ModelConfig | None = None
                             ) -> InputProcessor:
     """The engine's admission preprocessing for the checkpoint at ``model_path`` (tokenizer
-    and image processor; no weights): what an encoder and its server's front end share."""
-    return InputProcessor.for_model(model_path, hf_config,
-                                    mm_processor_kwargs=mm_processor_kwargs)
+    and image processor; no weights) with the model options ``mc`` (its image processor
+    options, tokenizer folder, trust_remote_code; default: none): what an encoder and its
+    server's front end share."""
+    return InputProcessor.for_model(
+        model_path, hf_config, model_processor(model_path, hf_config, mc or ModelConfig()))
 
 
 def build_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -126,7 +129,8 @@ class MultimodalEncoder:
                  export_only_delivered: bool = True, tp_timeout_s: float | None = None,
                  _group: TensorParallel | None = None, **kwargs: Any) -> None:
         # _group: a follower rank's group (`serve_follower`)
-        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        # a model given by name becomes its folder here, once (the followers get the folder)
+        config = local_engine_config(EngineConfig.from_kwargs(model=model, **kwargs))
         world = config.parallel_config.tensor_parallel_size
         self.followers: Followers | None = None  # rank 0 of a tensor-parallel encoder
         self.group = _group  # the ranks' group (set on every rank when world > 1)
@@ -142,11 +146,11 @@ class MultimodalEncoder:
                 if rank != 0:
                     raise ValueError("a tensor-parallel encoder starts its ranks 1..N-1 "
                                      f"itself; create it with rank=0 (got rank={rank})")
-                options = {**kwargs, "transport": transport, "lease_s": lease_s,
-                           "export_only_delivered": export_only_delivered}
+                options = {**kwargs, "tokenizer": mc.tokenizer, "transport": transport,
+                           "lease_s": lease_s, "export_only_delivered": export_only_delivered}
                 timeout = (tp_timeout_s if tp_timeout_s is not None
                            else self.config.parallel_config.tp_timeout)
-                self.followers = Followers(world, serve_follower, (model, options), mc.device,
+                self.followers = Followers(world, serve_follower, (mc.model, options), mc.device,
                                            timeout, name="vlmserve-encoder-tp")
                 self.group = self.followers.connect(self.device)
             self._load(mc)
@@ -169,8 +173,9 @@ class MultimodalEncoder:
         self._export_stream: torch.cuda.Stream | None = None
 
     def _load(self, mc) -> None:
-        self.model_path = resolve_model(mc.model)
-        self.hf_config = load_hf_config(self.model_path)
+        self.model_path = Path(mc.model)  # a folder (`local_engine_config`)
+        self.hf_config = load_hf_config(self.model_path, mc.model_impl,
+                                        trust_remote_code=mc.trust_remote_code)
         model_cls = resolve_model_class(self.hf_config)
         torch.manual_seed(mc.seed)
         self.vision = build_encoder(self.hf_config, self.dtype, self.device)
@@ -189,8 +194,7 @@ class MultimodalEncoder:
         self.vision.set_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device,
                                          self.dtype))
-        self.input_processor = encoder_input_processor(self.model_path, self.hf_config,
-                                                       mc.mm_processor_kwargs)
+        self.input_processor = encoder_input_processor(self.model_path, self.hf_config, mc)
         self.model_processor = self.input_processor.model_processor
 
     @property

@@ -29,7 +29,12 @@ from vlmserve.errors import InvalidRequestError, PromptTooLongError
 from vlmserve.executor.multiproc import MultiprocExecutor
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.attention import triton_available
-from vlmserve.models.metadata import eos_token_ids, load_model_processor, text_config
+from vlmserve.models.metadata import (
+    eos_token_ids,
+    load_model_processor,
+    local_engine_config,
+    text_config,
+)
 from vlmserve.models.registry import image_row_width, images_whole
 from vlmserve.request import Request, RequestStatus
 from vlmserve.transfer.consumer_ledger import consumer_ledger
@@ -105,7 +110,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_processor=None, serving: bool = False
                  ) -> None:
         """`serving`: for a server (its role in `resolve_config`: a server's batch limits and
-        image rows beside decodes); `config` is resolved here for this device and model."""
+        image rows beside decodes); `config` is resolved here for this device and model (a
+        model or tokenizer given by name becomes its folder: `local_model_config`, which a
+        server's parent did already, so this process never reaches the Hub)."""
+        config = local_engine_config(config)
         mc = config.model_config
         device = resolve_device(mc.device)
         self.model_path, self.hf_config, processor = load_model_processor(mc)

@@ -17,8 +17,8 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                   help=f"Checkpoint folder or built-in model name (default: {DEFAULT_MODEL}); "
-                   "same as --model.")
+                   help="Checkpoint folder, built-in model name or Hugging Face model id "
+                   f"(org/name) (default: {DEFAULT_MODEL}); same as --model.")
 
 
 def _resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -91,8 +91,8 @@ def make_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         "generate", help="Answer one prompt (with images) and print the text.", allow_abbrev=False,
         description="Run one chat prompt, with any number of images, through the engine.")
     gen.add_argument("prompt", help="The user message.")
-    gen.add_argument("--model", default=None, help="Checkpoint folder or built-in model name "
-                     f"(default: {DEFAULT_MODEL}).")
+    gen.add_argument("--model", default=None, help="Checkpoint folder, built-in model name or "
+                     f"Hugging Face model id (org/name) (default: {DEFAULT_MODEL}).")
     gen.add_argument("--image", action="append", metavar="FILE",
                      help="An image file (or data URL) to show the model; repeatable.")
     s = gen.add_argument_group("sampling options")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import (
     TensorParallel,
@@ -27,6 +27,7 @@ from vlmserve.distributed.parallel_state import (
 from vlmserve.distributed.ranks import Followers
 from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.tensor_parallel import check_divisible, check_vision_divisible
+from vlmserve.models.metadata import local_model_config
 from vlmserve.utils import limit_host_threads, resolve_device
 from vlmserve.worker.model_runner import StepResult
 
@@ -41,16 +42,23 @@ def without_pixels(so: SchedulerOutput) -> SchedulerOutput:
                                        for h, img in so.encoder_inputs.items()})
 
 
-def serve_rank(tp: TensorParallel) -> None:
+def serve_rank(tp: TensorParallel, local: ModelConfig | None = None) -> None:
     """The loop of a rank other than 0: rank 0's config, this rank's share of the model, then
-    rank 0's steps until it sends None."""
-    from vlmserve.models.builtin import resolve_model
+    rank 0's steps until it sends None. The model's folder is rank 0's (a rank spawned on its
+    host), or for a torchrun rank that of its own host (``local``: its options with their
+    model and tokenizer folders, `local_model_config`)."""
     from vlmserve.models.loader import load_hf_config
 
     config, max_model_len = tp.broadcast_object()
-    model_path = resolve_model(config.model_config.model)
-    hf_config = load_hf_config(model_path, config.model_config.model_impl)
-    executor = UniprocExecutor(config, model_path, hf_config, max_model_len, tp=tp)
+    if local is not None:
+        config = replace(config, model_config=replace(
+            config.model_config, model=local.model, tokenizer=local.tokenizer))
+    model_path = config.model_config.model
+    executor = UniprocExecutor(
+        config, model_path,
+        load_hf_config(model_path, config.model_config.model_impl,
+                       trust_remote_code=config.model_config.trust_remote_code),
+        max_model_len, tp=tp)
     tp.all_gather_object(executor.load_stats)
     if config.model_config.kernel_warmup:  # resolved by rank 0, as its own
         executor.warmup()  # the same fake steps as rank 0's: their collectives pair up
@@ -65,14 +73,16 @@ def serve_rank(tp: TensorParallel) -> None:
 
 def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
     """`vlmserve serve` on a torchrun rank other than 0: no server, the worker loop until
-    rank 0 shuts down (0) or is gone (1)."""
+    rank 0 shuts down (0) or is gone (1). Its model is resolved on its own host (which may
+    not be rank 0's)."""
+    local = local_model_config(config.model_config)
     device = resolve_device(config.model_config.device, env.local_rank)
     if device.type == "cuda":
         limit_host_threads()
     tp = init_tensor_parallel(env.rank, env.world_size, "env://", device,
                               config.parallel_config.tp_timeout, env.local_rank)
     try:
-        serve_rank(tp)
+        serve_rank(tp, local)
     except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
         logger.error("tensor-parallel rank %d stops: %s", env.rank, e)
         return 1

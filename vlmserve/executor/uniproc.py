@@ -15,6 +15,7 @@ from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
+from vlmserve.models.metadata import model_processor
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import resolve_device, resolve_dtype
 from vlmserve.worker.model_runner import ModelRunner, StepResult
@@ -96,8 +97,8 @@ class UniprocExecutor:
         (its steps run the same collectives on each)."""
         start = time.perf_counter()
         if processor is None:
-            processor = type(self.runner.model).input_processor_cls(
-                self.model_path, self.hf_config, self.config.model_config.mm_processor_kwargs)
+            processor = model_processor(self.model_path, self.hf_config,
+                                        self.config.model_config)
         sc = self.config.scheduler_config
         limits = Limits(
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,

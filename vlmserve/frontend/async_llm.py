@@ -43,7 +43,11 @@ from vlmserve.frontend.preprocess import (
 from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.frontend.streams import EngineDeadError, RequestStream, RequestTiming
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
-from vlmserve.models.metadata import load_model_processor, sampling_defaults
+from vlmserve.models.metadata import (
+    load_model_processor,
+    local_engine_config,
+    sampling_defaults,
+)
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.multimodal.image import load_image
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -70,7 +74,6 @@ class AsyncLLM:
                  image_cache_bytes: int = 0, preprocess_threads: int = 1) -> None:
         """`preprocess_threads`: torch intra-op threads of each preprocessing process (its
         share of the host's cores: the pool's processes are its parallelism)."""
-        self.config = config
         self._preprocess_threads = preprocess_threads
         # processed images kept by source in each preprocessing process (or this one)
         self.image_cache_bytes = image_cache_bytes
@@ -80,6 +83,10 @@ class AsyncLLM:
         self._encode_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool: ProcessPool | None = None
         self._proc: mp.process.BaseProcess | None = None
+        self.model_name: str = config.model_config.model  # as the user named it
+        # a model given by name becomes its folder here, once: the core and the
+        # preprocessing processes get the folder (a server's parent did this already)
+        config = self.config = local_engine_config(config)
         if core is None:
             self._proc, core = start_engine_core(config, log_level)
         self.core = core
@@ -89,7 +96,6 @@ class AsyncLLM:
             self.input_processor = InputProcessor.for_model(path, hf_config, model_processor,
                                                             image_cache_bytes=image_cache_bytes)
             self.output_processor = OutputProcessor(model_processor.tokenizer)
-            self.model_name: str = config.model_config.model
             self._encoder = Encoder()
             self._ids = itertools.count()
             self.client = CoreClient(core, self._core_alive, self.output_processor)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmserve.models.builtin_tokenizer import build_tokenizer, token_ids
+from vlmserve.models.hub import download_model, is_model_id
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -378,8 +379,12 @@ def cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "vlmserve"
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """Checkpoint folder for an existing path or a built-in name (created once, then reused).
+def resolve_model(name_or_path: str, revision: str | None = None,
+                  download_dir: str | None = None, trust_remote_code: bool = False) -> Path:
+    """Checkpoint folder for an existing path, a built-in name (created once, then reused) or
+    a Hugging Face model id ``org/name`` (`hub.download_model` at ``revision`` into the Hub's
+    cache or ``download_dir``; its Python files too with ``trust_remote_code``), in that
+    order. A folder resolves to itself, so resolving again is free and never reaches the Hub.
 
     Creation writes to a temporary folder beside the target and renames it into place, so a
     folder that exists is complete, and two processes racing both end with the same folder.
@@ -389,9 +394,12 @@ def resolve_model(name_or_path: str) -> Path:
     if path.exists():
         return path
     if name_or_path not in BUILTIN_MODELS:
+        if is_model_id(name_or_path):
+            return download_model(name_or_path, revision, download_dir, trust_remote_code)
         raise ValueError(
-            f"model {name_or_path!r} is neither an existing path nor a built-in model; "
-            f"built-in models: {', '.join(sorted(BUILTIN_MODELS))}"
+            f"model {name_or_path!r} is neither an existing path, a built-in model nor a "
+            f"Hugging Face model id (org/name); built-in models: "
+            f"{', '.join(sorted(BUILTIN_MODELS))}"
         )
     root = cache_root()
     target = root / name_or_path

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -107,8 +107,8 @@ class LlavaNextInputProcessor(HFInputProcessor):
     PIL_IMAGE_PROCESSOR = "LlavaNextImageProcessorPil"
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
-                 mm_processor_kwargs: dict | None = None) -> None:
-        super().__init__(model_path, hf_config, mm_processor_kwargs)
+                 mm_processor_kwargs: dict | None = None, **load: Any) -> None:
+        super().__init__(model_path, hf_config, mm_processor_kwargs, **load)
         hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         if hf_config.vision_feature_select_strategy != "default":

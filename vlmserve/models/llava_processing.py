@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,8 +59,8 @@ class LlavaInputProcessor(HFInputProcessor):
     PIL_IMAGE_PROCESSOR = "CLIPImageProcessorPil"
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
-                 mm_processor_kwargs: dict | None = None) -> None:
-        super().__init__(model_path, hf_config, mm_processor_kwargs)
+                 mm_processor_kwargs: dict | None = None, **load: Any) -> None:
+        super().__init__(model_path, hf_config, mm_processor_kwargs, **load)
         hf_config, ip = self.hf_config, self.image_processor
         self.image_token_id = image_token_id(hf_config)
         self.num_image_tokens = tokens_per_image(hf_config)

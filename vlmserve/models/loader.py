@@ -44,15 +44,16 @@ from vlmserve.models.registry import MODEL_IMPLS, resolve_model_class
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(path: str | Path, model_impl: str = "auto"):
-    """The checkpoint's transformers config; a quantization it cannot load raises
-    `ValueError` naming it (models/quantization.py), before anything loads. ``model_impl``
-    (`ModelConfig.model_impl`) goes with it: the model class is chosen by it
-    (`registry.resolve_model_class`)."""
+def load_hf_config(path: str | Path, model_impl: str = "auto", trust_remote_code: bool = False):
+    """The checkpoint's transformers config (its own config class only with
+    ``trust_remote_code``); a quantization it cannot load raises `ValueError` naming it
+    (models/quantization.py), before anything loads. ``model_impl`` (`ModelConfig.model_impl`)
+    goes with it: the model class is chosen by it (`registry.resolve_model_class`)."""
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint folder: it has no "
                          "config.json")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
     checkpoint_quantization(config)
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl {model_impl!r}: one of {', '.join(MODEL_IMPLS)}")

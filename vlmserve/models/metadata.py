@@ -3,6 +3,7 @@ config, end-of-sequence ids, default sampling parameters and input processor."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from transformers import GenerationConfig
 
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.models.builtin import resolve_model
+from vlmserve.models.hub import check_remote_code
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.sampling_params import generation_defaults
@@ -46,11 +48,43 @@ def sampling_defaults(config: EngineConfig, model_path: str | Path) -> dict[str,
     return defaults
 
 
-def load_model_processor(mc: ModelConfig):
-    """(checkpoint path, HF config, the model's input processor with the engine's
-    `mm_processor_kwargs`) for a model config (its model name or folder, `model_impl`)."""
-    path = resolve_model(mc.model)
-    hf_config = load_hf_config(path, mc.model_impl)
-    model_cls = resolve_model_class(hf_config)
-    return path, hf_config, model_cls.input_processor_cls(path, hf_config,
-                                                          mc.mm_processor_kwargs)
+def local_model_config(mc: ModelConfig) -> ModelConfig:
+    """``mc`` with its model and tokenizer (``--tokenizer``) named by their local folders:
+    Hugging Face ids downloaded or found in the cache, built-in models created; refused in
+    one line where loading would run the checkpoint's own code without
+    ``trust_remote_code``. Called once where the options are parsed, so the folders are what
+    every other process gets; folders come back as they are, without a Hub request."""
+    model = resolve_model(mc.model, mc.revision, mc.download_dir, mc.trust_remote_code)
+    check_remote_code(mc.model, model, mc.trust_remote_code)
+    tokenizer = None
+    if mc.tokenizer is not None:
+        # the model's revision is no revision of another repository
+        revision = mc.tokenizer_revision or (mc.revision if mc.tokenizer == mc.model else None)
+        tokenizer = resolve_model(mc.tokenizer, revision, mc.download_dir, mc.trust_remote_code)
+        check_remote_code(mc.tokenizer, tokenizer, mc.trust_remote_code)
+    return dataclasses.replace(mc, model=str(model),
+                               tokenizer=None if tokenizer is None else str(tokenizer))
+
+
+def local_engine_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with `local_model_config` applied to its model options."""
+    return dataclasses.replace(config, model_config=local_model_config(config.model_config))
+
+
+def model_processor(path: str | Path, hf_config, mc: ModelConfig):
+    """The model's input processor for the checkpoint at ``path`` with the engine's options:
+    ``mm_processor_kwargs``, the tokenizer folder (``--tokenizer``), ``trust_remote_code``."""
+    return resolve_model_class(hf_config).input_processor_cls(
+        path, hf_config, mc.mm_processor_kwargs, tokenizer=mc.tokenizer,
+        trust_remote_code=mc.trust_remote_code)
+
+
+def load_model_processor(mc: ModelConfig | str):
+    """(checkpoint path, HF config, `model_processor`) for the model options ``mc`` (or a
+    model with the default options), its model a folder (`local_model_config`) or else a
+    built-in name or Hub id, resolved here."""
+    if isinstance(mc, str):
+        mc = ModelConfig(model=mc)
+    path = resolve_model(mc.model, mc.revision, mc.download_dir, mc.trust_remote_code)
+    hf_config = load_hf_config(path, mc.model_impl, trust_remote_code=mc.trust_remote_code)
+    return path, hf_config, model_processor(path, hf_config, mc)

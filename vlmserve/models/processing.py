@@ -50,13 +50,14 @@ class ChatTemplateOptions:
                                       " (arguments of the rendering itself)")
 
 
-def load_image_processor(path: Path, pil_class: str):
+def load_image_processor(path: Path, pil_class: str, trust_remote_code: bool = False):
     """``AutoImageProcessor``; without torchvision, transformers' PIL class ``pil_class``."""
     import transformers
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        return AutoImageProcessor.from_pretrained(path, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
     except ImportError:
         return getattr(transformers, pil_class).from_pretrained(path, local_files_only=True)
 
@@ -68,19 +69,27 @@ class HFInputProcessor:
     PIL_IMAGE_PROCESSOR = ""
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+                 mm_processor_kwargs: dict[str, Any] | None = None, *,
+                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+        """``tokenizer``: a folder to read the tokenizer and chat template from instead of
+        the model's (``--tokenizer``); ``trust_remote_code``: transformers may run the
+        checkpoint's own config, tokenizer and image processor classes (the user said so)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = Path(model_path)
         if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True,
+                                                   trust_remote_code=trust_remote_code)
         self.hf_config = hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.model_path if tokenizer is None else tokenizer, local_files_only=True,
+            trust_remote_code=trust_remote_code)
         # the engine checks prompt lengths itself (admission): no tokenizer warning about a
         # "sequence length longer than the maximum" in the server's log
         self.tokenizer.model_max_length = 1 << 62
         self._tokenizer_lock = threading.Lock()
-        self.image_processor = load_image_processor(self.model_path, self.PIL_IMAGE_PROCESSOR)
+        self.image_processor = load_image_processor(self.model_path, self.PIL_IMAGE_PROCESSOR,
+                                                    trust_remote_code)
         # the engine's own (`mm_processor_kwargs`): a subclass that takes options applies them
         self.image_options(mm_processor_kwargs)
 

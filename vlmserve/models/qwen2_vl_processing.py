@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -118,8 +118,8 @@ class Qwen2VLInputProcessor(HFInputProcessor):
     takes_videos = True  # (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the models of this processor)
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
-                 mm_processor_kwargs: dict | None = None) -> None:
-        super().__init__(model_path, hf_config)
+                 mm_processor_kwargs: dict | None = None, **load: Any) -> None:
+        super().__init__(model_path, hf_config, **load)
         hf_config = self.hf_config
         self.image_token_id: int = hf_config.image_token_id
         self.video_token_id: int | None = getattr(hf_config, "video_token_id", None)

@@ -138,16 +138,25 @@ class TransformersInputProcessor(HFInputProcessor):
     """Prompt + images -> `ProcessedPrompt` through the checkpoint's own `AutoProcessor`."""
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
-                 mm_processor_kwargs: dict | None = None) -> None:
+                 mm_processor_kwargs: dict | None = None, *,
+                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+        """``tokenizer``: a folder to read the tokenizer from instead of the model's
+        (``--tokenizer``); ``trust_remote_code``: the checkpoint's own processor classes may
+        run (the user said so)."""
         import threading
 
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
         self.model_path = Path(model_path)
         if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+            hf_config = AutoConfig.from_pretrained(self.model_path, local_files_only=True,
+                                                   trust_remote_code=trust_remote_code)
         self.hf_config = hf_config
-        self.processor = AutoProcessor.from_pretrained(self.model_path, local_files_only=True)
+        parts = {} if tokenizer is None else {"tokenizer": AutoTokenizer.from_pretrained(
+            tokenizer, local_files_only=True, trust_remote_code=trust_remote_code)}
+        self.processor = AutoProcessor.from_pretrained(
+            self.model_path, local_files_only=True, trust_remote_code=trust_remote_code,
+            **parts)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         self.image_processor = getattr(self.processor, "image_processor", None)
         if self.tokenizer is None or self.image_processor is None:

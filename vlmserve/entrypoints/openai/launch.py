@@ -20,6 +20,7 @@ seconds, ends the rest with an error, stops the engine core and exits 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -44,6 +45,7 @@ from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
+from vlmserve.models.metadata import local_engine_config, local_model_config
 from vlmserve.utils import (
     die_with_parent,
     freeze_startup_heap,
@@ -173,6 +175,10 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     from vlmserve.entrypoints.openai.encoder_server import encoder_kwargs
 
     socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)  # a busy port fails now
+    # a model (and tokenizer) given by name becomes its folder here, once: the encoder core
+    # and the front ends get the folder
+    mc = local_model_config(EngineConfig.from_kwargs(**kwargs).model_config)
+    kwargs = {**kwargs, "model": mc.model, "tokenizer": mc.tokenizer}
     try:
         proc, address = start_encoder_core(encoder_kwargs(cfg, kwargs), cfg.log_level)
     except RuntimeError as e:
@@ -199,19 +205,18 @@ def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: sock
     from vlmserve.encoder.encoder import encoder_input_processor
     from vlmserve.encoder.service import EncoderCoreClient
     from vlmserve.entrypoints.openai.encoder_server import build_encoder_app
-    from vlmserve.models.builtin import resolve_model
     from vlmserve.models.loader import load_hf_config
 
-    model_path = resolve_model(kwargs.get("model"))  # made by the core if built in
-    processor = encoder_input_processor(model_path, load_hf_config(model_path),
-                                        kwargs.get("mm_processor_kwargs"))
+    mc = EngineConfig.from_kwargs(**kwargs).model_config  # its model a folder: serve_encoder
+    processor = encoder_input_processor(
+        mc.model, load_hf_config(mc.model, trust_remote_code=mc.trust_remote_code), mc)
     server = _Server(server_config(None, cfg, timeout_graceful_shutdown=cfg.shutdown_timeout))
     core = EncoderCoreClient(address, core_pid, on_dead=server.core_died, owns_core=owns_core)
     cuda = resolve_device(kwargs.get("device") or "auto").type == "cuda"
     server.config.app = build_encoder_app(core, processor, cfg, cuda=cuda)
     freeze_startup_heap()
     logger.info("encoder server for %s on http://%s:%d (handles: %s, lease %g s)",
-                kwargs.get("model"), cfg.host, cfg.port, cfg.encoder_transport,
+                mc.model, cfg.host, cfg.port, cfg.encoder_transport,
                 cfg.encoder_lease)
     server.run(sockets=[sock])
     return server.exit_code
@@ -375,6 +380,9 @@ def run_server(args: Any) -> None:
     if cfg.role == "encoder":
         sys.exit(serve_encoder(cfg, engine_kwargs(args)))
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    # clients name the model as the user did ("org/name"), not by its folder
+    cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_name
+                              or config.model_config.model)
     env = torchrun_env()
     if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
         from vlmserve.executor.multiproc import run_torchrun_worker
@@ -388,6 +396,9 @@ def run_server(args: Any) -> None:
         sys.stderr.flush()
         os._exit(code)
     socks = bind_sockets(cfg.host, cfg.port, cfg.api_server_count)
+    # the port is ours: now a model (and tokenizer) given by name becomes its folder, once
+    # (a download may take a while); every process started from here gets the folder
+    config = local_engine_config(config)
     if cfg.api_server_count == 1:
         code = serve_frontend(config, cfg, socks[0])
     else:
