@@ -694,21 +694,51 @@ def _build_granite_docling(path: Path) -> Path:
     roles = ["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"]
     tok = make_tokenizer([*roles, *_idefics_tokens()], extra={"image_token": "<image>"},
                          add_bos=False, bos="<|end_of_text|>", eos="<|end_of_text|>")
-    # 32 px tiles (up to 4 + a thumbnail), 8 px patches, pixel shuffle x4: 1 token a tile
+    # 32 px tiles (up to 4 + a thumbnail), 4 px patches, pixel shuffle x4: 4 tokens a tile
     ip = tf.GraniteDoclingImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
     proc = tf.GraniteDoclingProcessor(
-        image_processor=ip, tokenizer=tok, image_seq_len=1,
+        image_processor=ip, tokenizer=tok, image_seq_len=4,
         chat_template=chat_template("<image>", user="<|start_of_role|>user<|end_of_role|>",
                                     assistant="<|start_of_role|>assistant<|end_of_role|>",
                                     end="<|end_of_text|>\n"))
     config = tf.GraniteDoclingConfig(
         text_config=text_cfg("granite_docling_text", len(tok), **special_ids(tok)),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=32, patch_size=8,
+                           num_attention_heads=4, image_size=32, patch_size=4,
                            out_hidden_size=64, scale_factor=4, deepstack_visual_indexes=[0, 1],
                            use_fine_route=False),
         image_token_id=ids(tok, "<image>")[0], **special_ids(tok))
     return _finish(path, config, tf.GraniteDoclingForConditionalGeneration, proc)
+
+
+def _build_deepseek_ocr2(path: Path) -> Path:
+    import transformers as tf
+
+    tok = make_tokenizer(["<image>", "<|User|>", "<|Assistant|>"],
+                         extra={"image_token": "<image>"})
+    # the encoder's learned queries are fixed: 256 for a view of 16x16 SAM features (global),
+    # 144 for 12x12 (a tile): 128 px global / 96 px tiles at SAM patch 2, two stride-2 convs
+    ip = tf.DeepseekOcr2ImageProcessorPil(size={"height": 128, "width": 128}, tile_size=96)
+    proc = tf.DeepseekOcr2Processor(
+        image_processor=ip, tokenizer=tok, patch_size=2, downsample_ratio=4,
+        chat_template=chat_template("<image>\n", user="<|User|>", assistant="<|Assistant|>"))
+    config = tf.DeepseekOcr2Config(
+        text_config=text_cfg("deepseek_ocr2_text", len(tok), num_key_value_heads=4,
+                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                             moe_intermediate_size=32, num_hidden_layers=3,
+                             # a sparse layer early makes the tiny model repeat one token
+                             mlp_layer_types=["dense", "dense", "sparse"],
+                             **special_ids(tok)),
+        vision_config=dict(
+            sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2,
+                            num_attention_heads=4, image_size=128, patch_size=2,
+                            window_size=8, global_attn_indexes=[], mlp_dim=64,
+                            downsample_channels=[16, 32]),
+            encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                vocab_size=1)),
+        image_token_id=ids(tok, "<image>")[0], **special_ids(tok))
+    return _finish(path, config, tf.DeepseekOcr2ForConditionalGeneration, proc)
 
 
 def _build_emu3(path: Path) -> Path:
@@ -808,8 +838,13 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                         "layers 0/1, 4 spatial-offset groups at layers 0-3 (4 text layers)"),
     "granite_docling": (_build_granite_docling, "idefics3-style tiles (32 px, up to 4 + "
                         "thumbnail) with <row_i_col_j> / <global-img> markers, pixel shuffle x4 "
-                        "(1 token a tile); deepstack: vision layers 0/1 added at LLM layers "
+                        "(4 tokens a tile); deepstack: vision layers 0/1 added at LLM layers "
                         "0/1; granite text (embedding/residual/logit multipliers)"),
+    "deepseek_ocr2": (_build_deepseek_ocr2, "SAM tower (patch 2, windowed) + two stride-2 "
+                      "convs, then a Qwen2-style encoder over features + learned queries (256 "
+                      "global / 144 a tile: fixed counts); 96 px tiles past 96 px; a view "
+                      "separator; DeepSeek-V2 MoE text (2 dense + 1 sparse layer, 4 experts, "
+                      "top-2, 1 shared)"),
     "emu3": (_build_emu3, "early fusion: a VQ-VAE (8x down) turns the image into codes mapped "
              "to <|visual token N|> BPE ids; H*W header text, an <|extra_200|> per row"),
     "lighton_ocr": (_build_lighton_ocr, "Pixtral tower + 2x2 merger, qwen3 text; "

@@ -108,7 +108,10 @@ _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
 # models whose forward sets the logits of their image codes to the minimum (Emu3's does not)
 _SUPPRESS_IMAGE_CODES = frozenset({"chameleon"})
 # models that add image features inside the decoder's layers (DeepStack-like)
-_FEATURES_IN_LAYERS = frozenset({"granite4_vision"})
+_FEATURES_IN_LAYERS = frozenset({"granite4_vision", "granite_docling"})
+# models whose image features depend on the prompt's text (InstructBLIP's Q-Former reads it):
+# an image's rows would not be the image's alone
+_TEXT_DEPENDENT_FEATURES = frozenset({"instructblip"})
 # models whose tokens around an image embed from the image's own features (Ovis 2's
 # indicator tokens), not from the text embedding
 _VISUAL_MARKERS = frozenset({"ovis2"})
@@ -154,6 +157,9 @@ def check_supported(hf_config) -> None:
     if kind in _FEATURES_IN_LAYERS:
         raise ValueError(f"{kind}: its image features are added inside the decoder's layers, "
                          "which the transformers backend does not carry")
+    if kind in _TEXT_DEPENDENT_FEATURES:
+        raise ValueError(f"{kind}: its image features depend on the prompt's text, which the "
+                         "engine's caches of image rows do not allow for")
     if kind in _VISUAL_MARKERS:
         raise ValueError(f"{kind}: the tokens around its images embed from its visual "
                          "vocabulary, which the transformers backend does not carry")

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",
                "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
                "image_num_patches", "pixel_mask", "num_crops", "grids",
-               "high_res_pixel_values")
+               "high_res_pixel_values", "num_local_patches", "pixel_values_local")
 # models whose processor takes a prompt's images as a flat list (nested: pages)
 _FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
@@ -250,14 +250,19 @@ class TransformersInputProcessor(HFInputProcessor):
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
                     for img in images]
         pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
+        # each image's tensors as the processor makes them for that image alone: from the
+        # call that expanded it where it was the call's only image, else from its own
+        alone: list[dict[str, torch.Tensor] | None]
         if prompt is None:
-            ids = self._expanded(list(prompt_token_ids), pil)
+            ids, alone = self._expanded(list(prompt_token_ids), pil)
         else:
-            ids = self._call(text=[prompt], images=self._batch(pil))["input_ids"][0].tolist()
+            out = self._call(text=[prompt], images=self._batch(pil))
+            ids = out["input_ids"][0].tolist()
+            alone = [_image_tensors_of(out)] if len(pil) == 1 else [None] * len(pil)
         spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared])
         image_inputs, grids = [], []
-        for p, image, (start, end) in zip(prepared, pil, spans, strict=True):
-            tensors = self._image_tensors(image)
+        for p, image, own, (start, end) in zip(prepared, pil, alone, spans, strict=True):
+            tensors = own if own is not None else self._image_tensors(image)
             if "image_grid_thw" in tensors:
                 grids.append(tensors["image_grid_thw"])
             data, meta = pack_image(tensors, ids[start:end], self.image_token_id)
@@ -284,22 +289,25 @@ class TransformersInputProcessor(HFInputProcessor):
                 raise InvalidRequestError(f"the model's processor refused the prompt and its "
                                           f"image(s): {e}") from None
 
-    def _expanded(self, ids: list[int], images: list[Image.Image]) -> list[int]:
+    def _expanded(self, ids: list[int], images: list[Image.Image]
+                  ) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         """Token ids with each image token (one per image) replaced by the processor's
-        expansion of that token with its image."""
+        expansion of that token with its image, and each image's tensors from that call."""
         where = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(where) != len(images):
             raise InvalidRequestError(f"the prompt has {len(where)} image token(s) for "
                                       f"{len(images)} image(s): give one per image")
         token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         out: list[int] = []
+        tensors = []
         prev = 0
         for at, image in zip(where, images, strict=True):
             one = self._call(text=[token], images=self._batch([image]),
                              add_special_tokens=False)
             out += ids[prev:at] + one["input_ids"][0].tolist()
+            tensors.append(_image_tensors_of(one))
             prev = at + 1
-        return out + ids[prev:]
+        return out + ids[prev:], tensors
 
     def _positions(self, token_ids: list[int], grids: torch.Tensor | None
                    ) -> tuple[torch.Tensor, int]:
@@ -327,9 +335,8 @@ class TransformersInputProcessor(HFInputProcessor):
         except (AttributeError, TypeError, KeyError):
             kwargs = dict(self.engine_kwargs)
         kwargs.pop("return_tensors", None)
-        out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
-        return {k: v for k, v in out.items()
-                if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
+        return _image_tensors_of(self.image_processor(images=[image], return_tensors="pt",
+                                                      **kwargs))
 
     def _spans(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Each image's [start, end) in ``ids``: its image tokens, in order, by the count
@@ -375,6 +382,11 @@ def rope_index_of(hf_config) -> Any:
     torch.nn.Module.__init__(holder)
     holder.config = hf_config
     return holder.get_rope_index
+
+
+def _image_tensors_of(out: Any) -> dict[str, torch.Tensor]:
+    """The image tensors of a processor's (or image processor's) output."""
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
 
 
 def _runs(where: list[int]) -> list[tuple[int, int]]:
