@@ -2,6 +2,9 @@
 
     python benchmarks/soak.py --model tiny-qwen2-vl --duration 600 \\
         --server-args "--dtype float32 --device cpu --max-model-len 1024" --out soak.json
+    python benchmarks/soak.py --duration 600 --concurrency 8 --bad-fraction 0.3 --server-args \
+        "--dtype float32 --device cpu --max-model-len 1024 --accept-encoder-handles bytes,shm"
+        # issue 39's soak: shm handles accepted too, so their segment checks are reached
     python benchmarks/soak.py --url http://127.0.0.1:8000 --server-pid PID   # attach
 
 Starts `python -m vlmserve serve MODEL` in its own process group (or attaches to `--url`), then
@@ -9,12 +12,21 @@ Starts `python -m vlmserve serve MODEL` in its own process group (or attaches to
 chat requests with 0-3 images (PNG/JPEG data URLs of varied sizes, half drawn from a small
 pool so the encoder cache hits), text completions, streams the client closes after k chunks,
 non-streaming requests it abandons, and bad inputs (invalid JSON, unsupported fields, bad image
-bytes, over-long prompts, out-of-range sampling values, a wrong model name), each with the
-statuses it may get. The server's process tree RSS/PSS (from /proc) and its `/stats` (KV blocks,
-encoder cache, embedding store) are sampled idle at the start, idle after `--warmup` seconds of
-traffic (the RSS baseline), every `--sample-interval` seconds and idle at the end. Prints a JSON
-summary (also written to `--out`) and a PASS/FAIL line: no 5xx or dropped connection, healthy
-at the end, occupancy back to its start value, RSS growth since warm-up under `--max-rss-growth`.
+bytes, over-long prompts, out-of-range sampling values, a wrong model name) and, with
+`--hostile` (the default), issue 39's: structured outputs (JSON schemas oversized or nested
+500 deep, as dicts and as strings; an unsatisfiable regex; 5,000 choices), 2,000 tools,
+`stop_token_ids` [2**70], a huge `n`, `logit_bias` out of range, client
+`multi_modal_embeddings` valid (sent again: a retry) and malformed (not safetensors, wrong
+shape or dtype, bogus shm segment names...), placeholder tokens without images in raw prompts
+and token ids, a 1x1 image, a tiny video and videos whose header declares a huge frame,
+`chat_template_kwargs` abuse; each kind with the statuses it may get. Every stream must end
+with `data: [DONE]` (after its error event, whose status counts as the request's). The
+server's process tree RSS/PSS (from /proc) and its `/stats` (KV blocks, encoder cache,
+embedding store) are sampled idle at the start, idle after `--warmup` seconds of traffic (the
+RSS baseline), every `--sample-interval` seconds and idle at the end. Prints a JSON summary
+(also written to `--out`) and a PASS/FAIL line: no 5xx, dropped connection or stream without
+[DONE], healthy at the end, occupancy back to its start value, RSS growth since warm-up under
+`--max-rss-growth`.
 """
 
 from __future__ import annotations
@@ -29,12 +41,15 @@ import random
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import httpx
 import numpy as np
@@ -73,6 +88,178 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+# ---- hostile inputs (issue 39) ------------------------------------------------------------
+
+# Qwen-VL's placeholders: a raw prompt holding them and no images (and image data without them)
+PLACEHOLDER_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe."
+                      "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def png_16bit(width: int, height: int) -> bytes:
+    """A 16-bit RGBA PNG of zeros (8 bytes a pixel once decoded; tests/multimodal/
+    test_video_files.py's), small on the wire however large it decodes."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+
+    z, row = zlib.compressobj(9), bytes(1 + width * 8)
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16,
+                                                             6, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def png_video(fmt: str, declared: int, frame: bytes) -> bytes:
+    """A two-frame `fmt` file whose header declares `declared` x `declared` 16-bit RGBA
+    frames, each packet the PNG `frame` (whatever size that one is)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as out:
+        stream = out.add_stream("png", rate=1)
+        stream.width, stream.height, stream.pix_fmt = declared, declared, "rgba64be"
+        for i in range(2):
+            packet = av.Packet(frame)
+            packet.stream, packet.pts, packet.dts = stream, i, i
+            packet.time_base = Fraction(1, 1)
+            out.mux(packet)
+    return buf.getvalue()
+
+
+class Embeddings:
+    """A completion's client `multi_modal_embeddings` for `PLACEHOLDER_PROMPT` and one 84x56
+    image, made as tests/e2e/test_server_hardening.py's `encoded` makes them (the served
+    model's input processor, bytes handles of random rows), and the malformed variants of
+    that test. Every `body()` is the same valid body: sent again, it is a client's retry."""
+
+    def __init__(self, model: str, seed: int) -> None:
+        import msgspec
+        import torch
+
+        from vlmserve.models.metadata import load_model_processor
+        from vlmserve.models.registry import image_row_width
+        from vlmserve.transfer.wire import BytesWire, output_to_wire
+
+        _, hf_config, processor = load_model_processor(model)
+        self.width = image_row_width(hf_config)
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        image = Image.fromarray(rng.integers(0, 256, (56, 84, 3), np.uint8))
+        processed = processor.process(PLACEHOLDER_PROMPT, None, [image])
+        handles = []
+        for i, img in enumerate(processed.images):
+            rows = torch.randn(img.length, self.width, generator=gen)
+            handles.append(BytesWire(handle_id=f"soak-{i}", shape=tuple(rows.shape),
+                                     dtype="float32", release_address=None,
+                                     expires_at=time.time() + 7 * 86400,
+                                     data=self.rows(rows)))
+        self.valid = json.loads(msgspec.json.encode(output_to_wire(processed, handles)))
+        # one image's rows given for both of a prompt's two placeholders (served)
+        self.twice_prompt = PLACEHOLDER_PROMPT.replace(
+            "<|image_pad|>", "<|image_pad|><|vision_end|><|vision_start|><|image_pad|>", 1)
+        twice = processor.process(self.twice_prompt, None, [image, image])
+        self.twice = json.loads(msgspec.json.encode(output_to_wire(twice, handles * 2)))
+        self.length = self.valid["images"][0]["length"]
+        self.token_ids = processor.tokenizer.convert_tokens_to_ids(
+            ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"])
+
+    @staticmethod
+    def rows(rows, name: str = "rows") -> bytes:
+        from safetensors.torch import save
+
+        return save({name: rows})
+
+    def random_rows(self, n: int, width: int, name: str = "rows", dtype=None) -> str:
+        import torch
+
+        return base64.b64encode(self.rows(torch.randn(n, width).to(dtype or torch.float32),
+                                          name)).decode()
+
+    def body(self) -> dict:
+        return json.loads(json.dumps(self.valid))
+
+    def edited(self, edit) -> dict:
+        mme = self.body()
+        edit(mme)
+        return mme
+
+    def variants(self) -> list[tuple[str, object]]:
+        """(name, edit of a valid body): each a 400."""
+        n, w = self.length, self.width
+
+        def handle(**fields):
+            return lambda m: m["images"][0]["handle"].update(fields)
+
+        def field_(path: str, value):
+            def edit(m: dict) -> None:
+                *head, last = path.split(".")
+                d = m
+                for k in head:
+                    d = d[int(k)] if k.isdigit() else d[k]
+                d[last] = value(d[last]) if callable(value) else value
+            return edit
+
+        def shm(segment: str):
+            def edit(m: dict) -> None:
+                h = m["images"][0]["handle"]
+                m["images"][0]["handle"] = {
+                    "kind": "shm", "handle_id": "s1", "shape": h["shape"], "dtype": "float32",
+                    "release_address": None, "expires_at": h["expires_at"], "segment": segment}
+            return edit
+
+        def length_0(m: dict) -> None:
+            field_("images.0.length", 0)(m)
+            handle(shape=[0, w], data=self.random_rows(0, w))(m)
+
+        return [
+            ("not_safetensors", handle(data=base64.b64encode(b"not safetensors").decode())),
+            ("no_rows_tensor", handle(data=self.random_rows(n, w, name="x"))),
+            ("wrong_width", handle(shape=[n, w + 1], data=self.random_rows(n, w + 1))),
+            ("wrong_dtype_rows", handle(data=self.random_rows(n, w, dtype=_float64()))),
+            ("expired_lease", handle(expires_at=1.0)),
+            ("float8_dtype", handle(dtype="float8_e4m3fn")),
+            ("qint8_dtype", handle(dtype="qint8")),
+            ("not_a_dtype", handle(dtype="Tensor")),
+            ("shape_3d", handle(shape=[1, n, w])),
+            ("shape_huge", handle(shape=[2_000_000, w], dtype="float64")),
+            ("shape_2_70", handle(shape=[2**70, 1])),
+            ("shape_negative", handle(shape=[-1, w])),
+            ("one_row_broadcast", handle(data=self.random_rows(1, w))),
+            ("position_offset_2_70", field_("position_offset", 2**70)),
+            ("positions_2_rows", field_("prompt_positions", lambda p: p[:2])),
+            ("positions_short", field_("prompt_positions", lambda p: [r[:-1] for r in p])),
+            ("offset_past_prompt", field_("images.0.offset", 500)),
+            ("offset_negative", field_("images.0.offset", -1)),
+            ("length_0", length_0),
+            ("grid_not_the_images", field_("images.0.encoder_meta", [1, 4, 4])),
+            ("grid_negative", field_("images.0.encoder_meta", [1, -2, 3])),
+            ("token_ids_not_the_prompts", field_("prompt_token_ids", lambda ids: ids[:-1])),
+            ("cuda_handle", handle(kind="cuda")),
+            ("shm_missing", shm("vlmserve-soak-no-such-segment")),
+            ("shm_dotdot_x", shm("../x")),
+            ("shm_slash", shm("a/b")),
+            ("shm_dotdot", shm("..")),
+            ("shm_nul", shm("a\x00b")),
+            ("shm_empty", shm("")),
+            ("shm_300_chars", shm("a" * 300)),
+            ("no_images_listed", field_("images", [])),
+            ("images_40", field_("images", lambda i: i * 40)),
+        ]
+
+
+def _float64():
+    import torch
+
+    return torch.float64
+
+
 @dataclass
 class Case:
     """One request to send: `expect` lists the statuses that are correct for it."""
@@ -94,6 +281,13 @@ class Traffic:
         self.np_rng = np.random.default_rng(args.seed)
         self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
         self.pool = [make_image(self.np_rng, self.sizes) for _ in range(args.image_pool)]
+        self.embeddings = None
+        if args.hostile:
+            try:  # the served model's processor, here: for client embeddings
+                self.embeddings = Embeddings(model, args.seed)
+            except Exception as e:  # noqa: BLE001 - an attached server's model may be elsewhere
+                print(f"no multi_modal_embeddings cases: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
         self.bad_cases = [(name, fn) for name, fn, crasher in self._bad_cases()
                           if args.include_known_crashers or not crasher]
 
@@ -192,8 +386,9 @@ class Traffic:
                 {"model": self.model, "prompt": "hi", "temperature": float("nan")}).encode(),
                 expect=(400,)), False),
             ("unknown_field", chat_with(foo_bar=1), False),
-            ("response_format", chat_with(response_format={"type": "json_object"}), False),
-            ("n_2", chat_with(n=2), False),
+            ("response_format", chat_with(response_format={"type": "json_object"},
+                                           _expect=(200,)), False),
+            ("n_2", chat_with(n=2, _expect=(200,)), False),
             ("top_logprobs_21", chat_with(logprobs=True, top_logprobs=21), False),
             ("bad_type_max_tokens", chat_with(max_tokens="ten"), False),
             ("empty_messages", chat_with(messages=[]), False),
@@ -233,7 +428,159 @@ class Traffic:
             ("local_image", image_url("file:///etc/passwd"), False),
             ("image_too_many_pixels", image_url(bomb_url), False),
             ("too_many_images", chat_with(_images=9, max_tokens=1, _expect=(400,)), False),
+        ] + (self._hostile_cases() if self.args.hostile else [])
+
+    def _hostile_cases(self) -> list:
+        """Issue 39's second battery: structured outputs, tools, sampling values, client
+        embeddings, placeholders without images, tiny and lying videos, chat template
+        arguments. A 400 unless a 200 is also right (valid edge inputs); never a 5xx."""
+        chat, comp = "/v1/chat/completions", "/v1/completions"
+        r, either = self.rng, (200, 400)
+
+        def chat_with(_expect=(400,), _images=0, **kw):
+            def make() -> Case:
+                body = self.chat_body(r.random() < 0.5, n_images=_images)
+                body["max_tokens"] = min(body["max_tokens"], 8)
+                body.update(kw)
+                return Case("", chat, body, expect=_expect, stream=bool(body.get("stream")))
+            return make
+
+        def complete(_expect=(400,), **kw):
+            def make() -> Case:
+                body = {"model": self.model, "prompt": _text(r, 5), "max_tokens": 4,
+                        "stream": r.random() < 0.5, **kw}
+                return Case("", comp, body, expect=_expect, stream=body["stream"])
+            return make
+
+        def media(kind: str, url: str, expect=(400,), **kw):
+            def make() -> Case:
+                body = self.chat_body(r.random() < 0.5, n_images=0)
+                body["max_tokens"] = min(body["max_tokens"], 8)
+                body["messages"][0]["content"].insert(0, {"type": kind, kind: {"url": url}})
+                body.update(kw)
+                return Case("", chat, body, expect=expect, stream=bool(body.get("stream")))
+            return make
+
+        def so(**spec):
+            return {"structured_outputs": spec}
+
+        big_schema = {"type": "object", "properties": {
+            f"field_{i:05d}": {"type": "string", "description": "x" * 40} for i in range(5000)}}
+        deep_string = '{"type": "array", "items": ' * 500 + "{}" + "}" * 500
+        tool = {"type": "function", "function": {"name": "get", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+        tools = [{"type": "function", "function": {**tool["function"], "name": f"f{i}"}}
+                 for i in range(2000)]
+        one_by_one = io.BytesIO()
+        Image.new("RGB", (1, 1), (200, 10, 10)).save(one_by_one, "PNG")
+        from vlmserve.benchmarks.client import video_data_url
+
+        tiny_video = video_data_url(4, 32, np.random.default_rng(self.args.seed))
+        frame = png_16bit(4000, 4000)  # 128 MB decoded, ~130 KB as a file
+        lying = {f"{fmt}{d}": "data:video/mp4;base64," + base64.b64encode(
+            png_video(fmt, d, frame)).decode() for fmt, d in (("nut", 4000), ("avi", 4000),
+                                                                ("nut", 64))}
+        cases = [
+            # structured outputs and tools (issue 39, items 3, 5 and 10)
+            ("schema_oversized_dict", chat_with(**so(json=big_schema)), False),
+            ("schema_oversized_response_format", chat_with(response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": big_schema}}),
+             False),
+            ("schema_nested_500_dict", chat_with(**so(json=nested_schema(500))), False),
+            ("schema_nested_500_string", chat_with(**so(json=deep_string)), False),
+            ("schema_brackets_1200_string", chat_with(**so(json="[" * 1200 + "]" * 1200)),
+             False),
+            ("guided_json_nested_500_string", chat_with(guided_json=deep_string), False),
+            ("regex_unsatisfiable", chat_with(**so(regex=r"[^\s\S]")), False),
+            ("regex_unsatisfiable_alternatives", chat_with(**so(regex=r"ab[^\d\D]c|x{0}[^\w\W]")),
+             False),
+            ("regex_invalid", chat_with(**so(regex="(unclosed")), False),
+            ("choice_5000", chat_with(**so(choice=[f"option {i}" for i in range(5000)])), False),
+            ("choice_valid", chat_with(**so(choice=["yes", "no"]), _expect=(200,)), False),
+            ("tools_2000_required", chat_with(tools=tools, tool_choice="required"), False),
+            ("tools_2000_named", chat_with(tools=tools, tool_choice={
+                "type": "function", "function": {"name": "f7"}}), False),
+            ("tools_required_valid", chat_with(tools=[tool], tool_choice="required",
+                                               _expect=(200,)), False),
+            # sampling values
+            ("stop_token_ids_2_70", chat_with(stop_token_ids=[2**70]), False),
+            ("stop_token_ids_2_70_completion", complete(stop_token_ids=[2**70]), False),
+            ("n_huge", chat_with(n=10**9), False),
+            ("n_2_70", chat_with(n=2**70), False),
+            ("n_zero", chat_with(n=0), False),
+            ("logit_bias_out_of_range", chat_with(logit_bias={"1": 1e6}), False),
+            ("logit_bias_negative_out_of_range", chat_with(logit_bias={"1": -101}), False),
+            ("logit_bias_not_a_token", chat_with(logit_bias={"99999999": 1}), False),
+            ("logit_bias_not_an_id", chat_with(logit_bias={"x": 1}), False),
+            ("logit_bias_2_70", chat_with(logit_bias={str(2**70): 1}), False),
+            # placeholders without images (raw prompts, token ids), in a chat's text
+            ("raw_prompt_placeholders", complete(prompt=PLACEHOLDER_PROMPT), False),
+            ("chat_text_placeholders", chat_with(messages=[{"role": "user", "content":
+                                                            PLACEHOLDER_PROMPT}],
+                                                 _expect=either), False),
+            # images and videos
+            ("image_1x1", media("image_url", "data:image/png;base64," + base64.b64encode(
+                one_by_one.getvalue()).decode(), expect=either), False),
+            ("video_tiny", media("video_url", tiny_video, expect=(200,)), False),
+            ("video_huge_frame_nut", media("video_url", lying["nut4000"]), False),
+            ("video_huge_frame_avi", media("video_url", lying["avi4000"]), False),
+            ("video_frame_lies", media("video_url", lying["nut64"]), False),
+            ("video_fps_huge", media("video_url", tiny_video, expect=either,
+                                     mm_processor_kwargs={"fps": 1e9}), False),
+            ("video_num_frames_huge", media("video_url", tiny_video, expect=either,
+                                            mm_processor_kwargs={"num_frames": 10**9}), False),
+            # chat_template_kwargs
+            ("template_kwargs_reserved_messages", chat_with(chat_template_kwargs={
+                "messages": [{"role": "system", "content": "x"}]}), False),
+            ("template_kwargs_reserved_tools", chat_with(chat_template_kwargs={
+                "tools": "x"}), False),
+            ("template_kwargs_reserved_generation", chat_with(chat_template_kwargs={
+                "add_generation_prompt": False}), False),
+            ("template_continue_and_generate", chat_with(continue_final_message=True,
+                                                         add_generation_prompt=True), False),
+            ("template_kwargs_not_a_dict", chat_with(chat_template_kwargs=[1, 2]), False),
+            ("template_kwargs_100k_unused", chat_with(chat_template_kwargs={
+                "enable_thinking": False, "x": "y" * 100_000}, _expect=either), False),
+            ("template_kwargs_nested_500", chat_with(chat_template_kwargs={
+                "x": nested_schema(500)}, _expect=either), False),
         ]
+        if self.embeddings is not None:
+            cases += self._embedding_cases(comp)
+        return cases
+
+    def _embedding_cases(self, comp: str) -> list:
+        """A completion's client `multi_modal_embeddings`: valid (and the same body again, a
+        retry; one image's rows listed twice), malformed (a 400 each), without the prompt's
+        placeholders, and placeholders in token ids without embeddings."""
+        emb, r = self.embeddings, self.rng
+        start, pad, end, video_pad = emb.token_ids
+
+        def complete(mme: object, expect=(400,), prompt: object = PLACEHOLDER_PROMPT):
+            def make() -> Case:
+                m = mme() if callable(mme) else mme
+                body = {"model": self.model, "prompt": prompt, "max_tokens": r.randint(1, 8),
+                        "stream": r.random() < 0.5, "multi_modal_embeddings": m}
+                if m is None:
+                    del body["multi_modal_embeddings"]
+                return Case("", comp, body, expect=expect, stream=body["stream"])
+            return make
+
+        cases = [
+            ("embeddings_valid", complete(emb.body, expect=(200,)), False),
+            ("embeddings_image_listed_twice", complete(
+                lambda: json.loads(json.dumps(emb.twice)), expect=(200,),
+                prompt=emb.twice_prompt), False),
+            ("embeddings_without_placeholders", complete(emb.body, prompt="Describe."), False),
+            ("embeddings_token_id_prompt", complete(emb.body, prompt=[1, 2, 3]), False),
+            ("token_ids_placeholders_no_images", complete(
+                None, prompt=[start, pad, pad, pad, end, 13]), False),
+            ("token_ids_video_placeholders_no_videos", complete(
+                None, prompt=[start, video_pad, end, 13]), False),
+        ]
+        for name, edit in emb.variants():
+            cases.append((f"embeddings_{name}", complete(
+                lambda edit=edit: emb.edited(edit)), False))
+        return cases
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -325,14 +672,28 @@ class Tally:
     sent: Counter = field(default_factory=Counter)  # kind -> requests
     status: Counter = field(default_factory=Counter)  # (kind, status) -> count
     unexpected: Counter = field(default_factory=Counter)  # (kind, status) -> count
-    stream_errors: Counter = field(default_factory=Counter)  # kind -> 200 streams that failed
+    stream_errors: Counter = field(default_factory=Counter)  # kind -> streams without [DONE]
     transport: Counter = field(default_factory=Counter)  # (kind, exception) -> count
     aborts: int = 0
     examples: list = field(default_factory=list)  # first few failures, for the report
 
     def note(self, what: str) -> None:
         if len(self.examples) < 20:
-            self.examples.append(what[:400])
+            self.examples.append(what[:700])
+
+
+def stream_error_status(event: str) -> int:
+    """The status a stream's error event stands for: its `code` where it is one, else 400
+    for an `invalid_request_error` and 500 for anything else (a `server_error`)."""
+    try:
+        error = json.loads(event)["error"]
+    except (ValueError, KeyError, TypeError):
+        return 500
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 600:
+        return code
+    return 400 if isinstance(error, dict) and error.get("type") == "invalid_request_error" \
+        else 500
 
 
 async def send(client: httpx.AsyncClient, case: Case, tally: Tally, timeout: float) -> None:
@@ -355,24 +716,33 @@ async def send(client: httpx.AsyncClient, case: Case, tally: Tally, timeout: flo
                     await r.aread()
                     text = r.text
                 else:
-                    chunks, done, err = 0, False, None
+                    chunks, done, err, after_done = 0, False, None, False
                     async for line in r.aiter_lines():
                         if not line.startswith("data: "):
                             continue
                         data = line[6:]
+                        if done:  # nothing may follow [DONE]
+                            after_done = True
+                            break
                         if data == "[DONE]":
                             done = True
-                            break
+                            continue
                         if data.startswith('{"error"'):
                             err = data
                         chunks += 1
                         if case.abort_after is not None and chunks >= case.abort_after:
                             tally.aborts += 1
                             return  # leaving the block closes the connection mid-stream
-                    if err or not done:
+                    text = err or ""
+                    if not done or after_done:
+                        # a stream, failed or not, ends with [DONE] (after its error event)
                         tally.stream_errors[case.kind] += 1
-                        tally.note(f"{case.kind}: stream {'error ' + err if err else 'no [DONE]'}")
-                    text = ""
+                        tally.note(f"{case.kind}: stream "
+                                   f"{'with events after [DONE]' if done else 'without [DONE]'}"
+                                   f"{': ' + err if err else ''}; body "
+                                   f"{json.dumps(case.body)[:200] if case.body else case.raw}")
+                    elif err:  # failed after its 200: the error event's status counts
+                        status = stream_error_status(err)
         else:
             r = await client.post(case.path, timeout=timeout, **kw)
             status, text = r.status_code, r.text
@@ -383,7 +753,9 @@ async def send(client: httpx.AsyncClient, case: Case, tally: Tally, timeout: flo
     tally.status[(case.kind, status)] += 1
     if status not in case.expect:
         tally.unexpected[(case.kind, status)] += 1
-        tally.note(f"{case.kind}: HTTP {status} (expected {case.expect}): {text[:300]}")
+        body = json.dumps(case.body)[:300] if case.body is not None else repr(case.raw[:300])
+        tally.note(f"{case.kind}: HTTP {status} (expected {case.expect}): {text[:300]}; "
+                   f"body {body}")
 
 
 async def get_json(client: httpx.AsyncClient, path: str) -> dict | None:
@@ -546,6 +918,8 @@ def summarize(args, tally: Tally, samples: list[dict], wall: float, drained: boo
         "stream_errors": dict(tally.stream_errors),
         "transport_errors": {f"{k} {e}": n for (k, e), n in tally.transport.items()},
         "sent_by_kind": dict(sorted(tally.sent.items())),
+        "status_by_kind": {k: {str(st): n for (kk, st), n in sorted(tally.status.items())
+                               if kk == k} for k in sorted(tally.sent)},
         "rss_mib": rss, "pss_mib": pss,
         "rss_growth_since_warmup": None if growth is None else round(growth, 4),
         "occupancy": occupancy,
@@ -575,6 +949,9 @@ def main() -> None:
     ap.add_argument("--image-pool", type=int, default=16, help="images reused across requests")
     ap.add_argument("--include-known-crashers", action=argparse.BooleanOptionalAction,
                     default=True, help="send the inputs that used to kill the engine core")
+    ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=True,
+                    help="also send issue 39's inputs (structured outputs, tools, client "
+                    "embeddings, videos, template arguments)")
     ap.add_argument("--warmup", type=float, default=60, help="seconds before the RSS baseline")
     ap.add_argument("--sample-interval", type=float, default=30)
     ap.add_argument("--idle", type=float, default=5, help="idle seconds before idle samples")

@@ -615,6 +615,13 @@ def test_a_retried_body_and_an_image_listed_twice_are_served(srv) -> None:
     assert_serving(srv)
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 # other bad input that raised inside the server
 @pytest.mark.parametrize("kw, words", [
     ({"stop_token_ids": [2**70]}, ["stop_token_ids"]),
@@ -622,6 +629,9 @@ def test_a_retried_body_and_an_image_listed_twice_are_served(srv) -> None:
     ({"structured_outputs": {"json": "[" * 1200 + "]" * 1200}},
      ["JSON schema", "64 deep", "--max-grammar-nesting"]),
     ({"structured_outputs": {"json": '{"type": "array", "items": ' * 300 + "{}" + "}" * 300}},
+     ["JSON schema", "64 deep", "--max-grammar-nesting"]),
+    # as an object 500 deep: the preprocessing pool's pickling raised RecursionError (a 500)
+    ({"structured_outputs": {"json": _nested_schema(500)}},
      ["JSON schema", "64 deep", "--max-grammar-nesting"]),
     ({"structured_outputs": {"regex": r"[^\s\S]"}}, ["regex", "matches nothing"]),
     ({"structured_outputs": {"regex": r"ab[^\d\D]c|x{0}[^\w\W]"}},

@@ -43,6 +43,7 @@ from vlmserve.frontend.preprocess import (
 from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.frontend.streams import EngineDeadError, RequestStream, RequestTiming
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
+from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import (
     load_model_processor,
     local_engine_config,
@@ -209,6 +210,11 @@ class AsyncLLM:
                           ) -> tuple[str | None, list[int], list]:
         """(prompt text, prompt token ids, `AddRequest` frames) from a preprocessing process,
         or a worker thread without them."""
+        limits = self.config.structured_outputs_config
+        if params.structured_outputs is not None and limits is not None:
+            # here too, before the pool's pickling: a JSON schema nested 500 deep (as a dict)
+            # raised RecursionError there, a 500 (the check walks it without recursing)
+            check_grammar_limits(params.structured_outputs, limits)
         if self._pool is None:
             return await asyncio.to_thread(preprocess, self.input_processor, self.limits,
                                            self.eos_token_ids, self._encoder, prompt, params,

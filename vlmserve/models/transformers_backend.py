@@ -107,16 +107,19 @@ _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
 # models whose forward sets the logits of their image codes to the minimum (Emu3's does not)
 _SUPPRESS_IMAGE_CODES = frozenset({"chameleon"})
-# models that add image features inside the decoder's layers (DeepStack-like)
-_FEATURES_IN_LAYERS = frozenset({"granite4_vision", "granite_docling"})
-# models whose image features depend on the prompt's text (InstructBLIP's Q-Former reads it):
-# an image's rows would not be the image's alone
-_TEXT_DEPENDENT_FEATURES = frozenset({"instructblip"})
-# models whose tokens around an image embed from the image's own features (Ovis 2's
-# indicator tokens), not from the text embedding
-_VISUAL_MARKERS = frozenset({"ovis2"})
-# models whose whole prompt attends both ways, which the engine does not do yet
-_PROMPT_BOTH_WAYS = frozenset({"paligemma"})
+# models the backend cannot serve exactly, and why (each a one-line refusal at load)
+_REFUSED = {
+    **dict.fromkeys(("granite4_vision", "granite_docling"),
+                    "its image features are added inside the decoder's layers, which the "
+                    "transformers backend does not carry"),
+    # InstructBLIP's Q-Former reads the prompt: an image's rows would not be its own alone
+    "instructblip": "its image features depend on the prompt's text, which the engine's "
+                    "caches of image rows do not allow for",
+    "ovis2": "the tokens around its images embed from its visual vocabulary, which the "
+             "transformers backend does not carry",
+    "paligemma": "its prompt's tokens attend both ways, which the engine's attention does "
+                 "not do yet",
+}
 
 
 def layer_windows(hf_config) -> list[Window | None]:
@@ -154,18 +157,8 @@ def check_supported(hf_config) -> None:
     if getattr(tc, "attn_logit_softcapping", None):
         raise ValueError(f"{kind}: attention logit soft-capping is not served by the "
                          "transformers backend")
-    if kind in _FEATURES_IN_LAYERS:
-        raise ValueError(f"{kind}: its image features are added inside the decoder's layers, "
-                         "which the transformers backend does not carry")
-    if kind in _TEXT_DEPENDENT_FEATURES:
-        raise ValueError(f"{kind}: its image features depend on the prompt's text, which the "
-                         "engine's caches of image rows do not allow for")
-    if kind in _VISUAL_MARKERS:
-        raise ValueError(f"{kind}: the tokens around its images embed from its visual "
-                         "vocabulary, which the transformers backend does not carry")
-    if kind in _PROMPT_BOTH_WAYS:
-        raise ValueError(f"{kind}: its prompt's tokens attend both ways, which the engine's "
-                         "attention does not do yet")
+    if kind in _REFUSED:
+        raise ValueError(f"{kind}: {_REFUSED[kind]}")
     hf_model_class(hf_config)
 
 
