@@ -62,7 +62,8 @@ class UniprocExecutor:
             model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
             mm_offload=self.mm_offload, max_num_batched_tokens=sc.max_num_batched_tokens,
             attention_backend=mc.attention_backend,
-            cuda_graph_max_batch=sc.max_num_seqs if config.resolved.cuda_graphs else 0,
+            cuda_graph_max_batch=(sc.max_num_seqs if config.resolved.cuda_graphs
+                                  and getattr(model, "cuda_graphs_safe", True) else 0),
             max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows,
             tp=tp,
             encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data")

@@ -182,6 +182,9 @@ class TransformersVLM(nn.Module):
         self.step = _Step()
         self.step.windows = layer_windows(self.config)
         self.bidirectional_images = self.reads_images_both_ways(self.config)
+        # windowed layers run the reference attention, whose masks are built on the host per
+        # step: no decode graph can hold them
+        self.cuda_graphs_safe = not any(self.step.windows)
         inner = getattr(hf_model, "model", hf_model)
         text = getattr(inner, "language_model", None) or hf_model.get_decoder()
         if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)
