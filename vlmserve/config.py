@@ -60,7 +60,9 @@ class ModelConfig:
         False, "Let transformers run the Python code a checkpoint ships for its config, "
         "tokenizer or processor (its auto_map classes that transformers lacks); such a "
         "checkpoint is refused without it. Only for repositories you trust.")
-    dtype: str = _opt("auto", "Weights and activations dtype: auto, float32, bfloat16, float16.")
+    dtype: str = _opt("auto", "Weights and activations dtype: auto (bfloat16 on CUDA, float32 "
+                      "on the CPU), float32, bfloat16, float16 (float and half: vLLM's names).",
+                      choices=("auto", "float32", "bfloat16", "float16", "float", "half"))
     device: str = _opt("auto", "Device: auto (cuda if available), cpu, cuda, cuda:N.")
     max_model_len: int | None = _opt(
         None, "Longest prompt + output in tokens (default: the model's)."
@@ -93,11 +95,13 @@ class ModelConfig:
         "than in bfloat16 (the kernels have changed since, not measured yet), so none "
         "trades weight memory for speed.",
         choices=("auto", "none", "fp8"))
-    attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.")
+    attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.",
+                                  choices=("auto", "torch", "triton"))
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "
         "varlen FlashAttention, one call for all images and windows; CUDA, fp16/bf16), triton "
-        "(ours, one launch; CUDA) or auto (flash where it runs, else torch).")
+        "(ours, one launch; CUDA) or auto (flash where it runs, else torch).",
+        choices=("torch", "flash", "triton", "auto"))
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "
@@ -105,7 +109,8 @@ class ModelConfig:
         "CUDA.")
     fused_ops: str = _opt(
         "auto", "The decoder's norm/rotary/SiLU pieces: auto (triton on CUDA), eager, triton "
-        "(one kernel each), compile (torch.compile, compiles at start-up).")
+        "(one kernel each), compile (torch.compile, compiles at start-up).",
+        choices=("auto", "eager", "triton", "compile"))
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,9 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "Reuse the KV blocks of a prompt's prefix computed for an earlier request (keyed "
         "by tokens and image content); images inside a reused prefix are not encoded.")
+    kv_cache_dtype: str = _opt(
+        "auto", "The KV cache's dtype (vLLM's flag): only auto, the model's dtype.",
+        choices=("auto",))
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _opt(
         1, "Ranks that split the language model's heads and MLP (one process per rank; "
-        "a GPU each on CUDA, gloo on CPU).")
+        "a GPU each on CUDA, gloo on CPU); -tp is the same flag (vLLM's).", aliases=("-tp",))
     tp_timeout: float = _opt(
         300.0, "Seconds a tensor-parallel collective may wait for a rank before the engine "
         "gives up (a rank that died is noticed before each step, at once).")
@@ -279,6 +287,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c = self.scheduler_config, self.cache_config
+        if self.model_config.max_model_len is not None and self.model_config.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
         if s.max_num_seqs is not None and s.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < 1:
@@ -298,11 +308,13 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.parallel_config.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        for section, name in ((ParallelConfig, "mm_encoder_tp_mode"),
-                              (ModelConfig, "quantization")):
-            modes, value = _choices(section, name), getattr(self._section(section), name)
-            if value not in modes:
-                raise ValueError(f"{name} must be one of {', '.join(modes)}, got {value!r}")
+        for section in _SECTIONS.values():  # every option with choices
+            for f in dataclasses.fields(section):
+                modes, value = f.metadata.get("choices"), getattr(self._section(section), f.name)
+                if modes and value not in modes:
+                    raise ValueError(f"{f.name}: only {modes[0]} is supported, not {value!r}"
+                                     if len(modes) == 1 else f"{f.name} must be one of "
+                                     f"{', '.join(modes)}, got {value!r}")
 
         if self.model_config.quantization == "fp8" and self.tensor_parallel:
             raise ValueError("quantization='fp8' (quantizing as the weights load) does not run "
@@ -312,11 +324,6 @@ class EngineConfig:
 
     def _section(self, section: type) -> Any:
         return next(getattr(self, n) for n, cls in _SECTIONS.items() if cls is section)
-
-
-def _choices(section: type, name: str) -> tuple[str, ...]:
-    """An option's allowed values, from its field's metadata (as the CLI reads them)."""
-    return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]
 
 
 def sized_scheduler_limits(device_type: str, device_memory: int | None, serving: bool

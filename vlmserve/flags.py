@@ -1,7 +1,9 @@
 """Command-line flags generated from option dataclasses: the engine's options
 (`EngineConfig.option_fields()`) for `vlmserve serve` / `generate` and the benchmarks, the
 server's (`entrypoints/args.py`). Each field becomes `--field-name` with its
-`metadata["help"]`, its type (Optional ints parse as ints) and, for bools, `--x/--no-x`.
+`metadata["help"]`, its type (Optional ints parse as ints) and, for bools, `--x/--no-x`;
+a field's metadata may also give `choices` (a value outside them is refused naming them),
+`type` (a parser of its own), `nargs` and `aliases` (other flags, vLLM's `-tp`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ def _json_object(text: str) -> dict:
 
 
 _json_object.__name__ = "json"  # the metavar: --mm-processor-kwargs JSON
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    """A parser of `choices`: a value outside them is refused in one line naming them."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"only {choices[0]} is supported, not {text!r}" if len(choices) == 1 else
+                f"must be one of {', '.join(choices)}, not {text!r}")
+        return text
+    return parse
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -61,7 +74,7 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     for f in fields:
         if f.name in skipped:
             continue
-        typ = _field_type(f)
+        typ = f.metadata.get("type") or _field_type(f)
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         if "default" not in help_text:
@@ -71,14 +84,15 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             given_default, why = defaults[f.name]
             help_text = help_text.replace("(default:", "(the engine's default:")
             help_text += f" Default here: {given_default} ({why})."
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if typ is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=given_default, help=help_text)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(flag, dest=f.name, type=typ, default=given_default,
-                                help=help_text, choices=choices,
+            parser.add_argument(*flags, dest=f.name, type=_one_of(choices) if choices else typ,
+                                default=given_default, help=help_text,
+                                nargs=f.metadata.get("nargs"),
                                 metavar="{" + ",".join(choices) + "}" if choices
                                 else typ.__name__.upper())
         added.append(f.name)

@@ -93,12 +93,18 @@ def test_generate_prints_the_answer(vlmserve_cache: Path, tmp_path: Path) -> Non
 
 
 def test_serve_subprocess(vlmserve_cache: Path) -> None:
+    """A server started with vLLM's flags honours them: several served names (the first
+    reported), --max-logprobs and --limit-mm-per-prompt's JSON form (400s naming them),
+    --uvicorn-log-level apart from --log-level, --disable-log-requests (no access log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "vlmserve", "serve", "--port", str(port), "--dtype", "float32",
-         "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning"],
+         "--device", "cpu", "--served-model-name", "tiny", "other", "--log-level", "warning",
+         "--uvicorn-log-level", "info", "--disable-log-requests", "--max-logprobs", "2",
+         "--limit-mm-per-prompt", '{"image": 1, "video": 0}', "-tp", "1",
+         "--kv-cache-dtype", "auto"],
         cwd=REPO, env=_env(vlmserve_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -111,15 +117,28 @@ def test_serve_subprocess(vlmserve_cache: Path) -> None:
                 time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert [m.id for m in client.models.list().data] == ["tiny", "other"]
         resp = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4,
+            model="other", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4,
             temperature=0, extra_body={"ignore_eos": True})
         assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
+        assert resp.model == "tiny"
+        with pytest.raises(openai.BadRequestError, match=r"top_logprobs=3 .*--max-logprobs"):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                logprobs=True, top_logprobs=3)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(openai.BadRequestError, match="2 images .*--limit-mm-per-prompt"):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": [image, image]}],
+                max_tokens=1)
     finally:
         proc.terminate()
         proc.wait(30)
     assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once shut down
+    log = proc.stdout.read().decode() if proc.stdout else ""
+    assert "Application startup complete" in log, log  # uvicorn at info, ours at warning
+    assert "/v1/chat/completions" not in log, log  # no access log
 
 
 def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None:
@@ -137,8 +156,10 @@ def test_bench_throughput_is_wired(vlmserve_cache: Path, tmp_path: Path) -> None
     (["generate", "--model", "{tmp}", "hi"], "no config.json"),
     (["generate", "--image", "/nonexistent.png", "--dtype", "float32", "hi"],
      "image file not found"),
-    (["generate", "--dtype", "fp16", "hi"], "unknown dtype 'fp16'"),
+    (["generate", "--image", "{tmp}", "--dtype", "float32", "hi"],
+     "image 1 of the request: '{tmp}' is a directory"),
     (["generate", "--max-tokens", "0", "--dtype", "float32", "hi"], "max_tokens must be"),
+    (["generate", "--max-tokens", "-3", "--dtype", "float32", "hi"], "max_tokens must be"),
     (["generate", "--device", "cuda", "hi"], "no CUDA GPU"),
     (["generate", "--no-enable-chunked-prefill", "--max-num-prefill-tokens-while-decoding",
       "64", "hi"], "needs chunked prefill"),
@@ -152,6 +173,7 @@ def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, ca
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("a GPU is here")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    words = words.replace("{tmp}", str(tmp_path))
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     err = capsys.readouterr().err.strip()
@@ -171,10 +193,82 @@ def test_cli_mistakes_are_one_line_and_exit_nonzero(vlmserve_cache, tmp_path, ca
     (["--tool-call-parser", "nope"], "must be one of hermes"),
     (["--reasoning-parser", "nope"], "must be one of qwen3, deepseek_r1"),
 ])
-def test_serve_option_mistakes_exit_before_loading(flags, words) -> None:
+def test_serve_option_mistakes_exit_before_loading(flags, words, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "/nonexistent/model", *flags])
-    assert words in str(exit_.value.code)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.startswith("vlmserve: error: ") and words in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_copied_vllm_command_lines_parse() -> None:
+    """vLLM's forms of the flags it shares with us, and its default host."""
+    args = make_parser().parse_args([
+        "serve", "org/model", "--limit-mm-per-prompt", '{"image":2,"video":1}',
+        "--served-model-name", "a", "b", "-tp", "2", "--max-logprobs", "5",
+        "--disable-log-requests", "--uvicorn-log-level", "warning", "--kv-cache-dtype", "auto",
+        "--trust-remote-code", "--tokenizer", "org/tok", "--revision", "r1",
+        "--download-dir", "/tmp/hf"])
+    server = ServerConfig.from_args(args)
+    assert server.limit_mm_per_prompt == {"image": 2, "video": 1}
+    assert (server.mm_limit("image"), server.mm_limit("video")) == (2, 1)
+    assert server.served_model_names() == ("a", "b") and server.max_logprobs == 5
+    assert server.disable_log_requests and server.uvicorn_log_level == "warning"
+    assert server.host == "0.0.0.0"
+    assert engine_kwargs(args) == {
+        "tensor_parallel_size": 2, "kv_cache_dtype": "auto", "trust_remote_code": True,
+        "tokenizer": "org/tok", "revision": "r1", "download_dir": "/tmp/hf"}
+    one = ServerConfig.from_args(make_parser().parse_args(
+        ["serve", "--limit-mm-per-prompt", "3", "--served-model-name", "x"]))
+    assert (one.limit_mm_per_prompt, one.mm_limit("video")) == (3, 3)
+    assert one.served_model_names() == ("x",)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--port", "abc"], "argument --port: not a port number: 'abc'"),
+    (["serve", "--port", "99999"], "argument --port: a port is in 0-65535"),
+    (["serve", "--dtype", "float64"], "argument --dtype: must be one of auto, float32"),
+    (["generate", "--dtype", "fp16", "hi"], "argument --dtype: must be one of auto"),
+    (["serve", "--attention-backend", "nope"], "argument --attention-backend: must be one of"),
+    (["serve", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: only auto is supported"),
+    (["serve", "--limit-mm-per-prompt", "{image: 2}"], "argument --limit-mm-per-prompt: "),
+    (["serve", "--max-logprobs", "21"], "argument --max-logprobs: must be in 0-20"),
+    (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["generate"], "the following arguments are required: prompt"),
+])
+def test_command_line_mistakes_are_one_line_with_a_hint(argv, words, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"vlmserve: error: {words}"), err
+    assert err.rstrip().endswith("--help` lists the options)"), err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--device", "cuda"], "torch sees no CUDA GPU"),
+    (["--max-model-len", "100000"], "max_model_len=100000 is more than the model's context "
+     "length of 32768"),
+])
+def test_serve_engine_mistakes_exit_before_loading(vlmserve_cache, monkeypatch, capsys, flags,
+                                                   words) -> None:
+    import torch
+
+    from vlmserve.entrypoints.openai import launch
+
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(launch, "serve_frontend", loads)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "0", "--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("vlmserve: error: ")]
+    assert exit_.value.code == 1 and len(errors) == 1 and words in errors[0], err
+    assert "Traceback" not in err, err
 
 
 def test_version_and_no_abbreviated_flags(capsys) -> None:

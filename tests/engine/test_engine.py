@@ -125,10 +125,10 @@ def test_bad_input_rejected_while_others_are_served(llm):
         ({"prompt": one_pad, "multi_modal_data": {"image": [make_image(56, 56, 1)] * 2}},
          InvalidRequestError, "placeholder"),
         ({"prompt": one_pad, "multi_modal_data": {"image": b"not an image at all"}},
-         InvalidImageError, "image 0"),
+         InvalidImageError, "image 1 of the request"),
         ({"prompt": one_pad, "multi_modal_data": {"image": "data:image/png;base64,"
                                                   + base64.b64encode(b"junk").decode()}},
-         InvalidImageError, "image 0"),
+         InvalidImageError, "image 1 of the request"),
         ({"prompt": one_pad, "multi_modal_data": {"image": _zero_image()}},
          InvalidImageError, "zero"),
         ({"prompt_token_ids": [10**9]}, InvalidRequestError, "vocabulary"),
@@ -258,7 +258,7 @@ def test_seeded_sampling_survives_preemption(vlmserve_cache):
 def test_generate_with_a_bad_prompt_raises_and_leaves_the_engine_clean(llm):
     good = chat_prompt(llm, "Fine.", [make_image(56, 56, 3)])
     bad = {"prompt": good["prompt"], "multi_modal_data": {"image": b"garbage"}}
-    with pytest.raises(InvalidImageError, match="image 0"):
+    with pytest.raises(InvalidImageError, match="image 1 of the request"):
         llm.generate([good, good, bad, good], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     s = llm.engine.get_stats()
@@ -314,7 +314,7 @@ def test_generate_preprocesses_while_the_device_is_busy(llm, monkeypatch):
 
     bad = {"prompt": prompts[1]["prompt"], "multi_modal_data": {"image": b"garbage"}}
     traced.clear()
-    with pytest.raises(InvalidImageError, match="image 0"):
+    with pytest.raises(InvalidImageError, match="image 1 of the request"):
         llm.generate(prompts[:4] + [bad] + prompts[4:], greedy(), use_tqdm=False)
     assert traced[-1][0], "the bad prompt should have been reached during a step"
     assert not engine.has_unfinished_requests()

@@ -33,6 +33,7 @@ from vlmserve.models.metadata import (
     eos_token_ids,
     load_model_processor,
     local_engine_config,
+    max_model_len,
     text_config,
 )
 from vlmserve.models.registry import image_row_width, images_whole
@@ -117,6 +118,7 @@ class EngineCore:
         mc = config.model_config
         device = resolve_device(mc.device)
         self.model_path, self.hf_config, processor = load_model_processor(mc)
+        context = max_model_len(mc, self.hf_config)  # too long: refused before the weights
         self.model_processor = model_processor or processor
         dtype = resolve_dtype(mc.dtype, device)
         config = resolve_config(
@@ -126,8 +128,7 @@ class EngineCore:
             embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize)
         self.config = config
         mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
-        self.max_model_len = mc.max_model_len or text_config(
-            self.hf_config).max_position_embeddings
+        self.max_model_len = context
         executor_cls = MultiprocExecutor if config.tensor_parallel else UniprocExecutor
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)

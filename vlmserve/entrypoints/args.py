@@ -6,27 +6,91 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.flags import add_engine_options, add_field_options, engine_kwargs
+from vlmserve.sampling_params import MAX_LOGPROBS
 
 __all__ = ["ServerConfig", "add_engine_options", "add_server_options", "engine_kwargs"]
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 0-65535 (0: any free one), not {value}")
+    return value
+
+
+_port.__name__ = "port"
+
+MM_MODALITIES = ("image", "video")
+DEFAULT_MM_LIMIT = 8
+
+
+def _mm_limit(text: str) -> int | dict[str, int]:
+    """--limit-mm-per-prompt: an int (images and videos together) or vLLM's JSON object of
+    per-modality limits ('{"image": 2, "video": 1}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or a JSON object such as '{{\"image\": 2, \"video\": 1}}', "
+            f"not {text!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer or a JSON object, "
+                                         f"not {text!r}")
+    for key, n in value.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise argparse.ArgumentTypeError(f"{key}: expected a non-negative integer, not {n!r}")
+        if key not in MM_MODALITIES and n:  # vLLM's audio: 0 asks for nothing
+            raise argparse.ArgumentTypeError(
+                f"{key}: this server takes {' and '.join(MM_MODALITIES)} only")
+    return {k: n for k, n in value.items() if k in MM_MODALITIES}
+
+
+_mm_limit.__name__ = "limit"
+
+_UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _max_logprobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(
+            f"must be in 0-{MAX_LOGPROBS} (the engine computes at most {MAX_LOGPROBS} "
+            f"log-probabilities per token), not {value}")
+    return value
+
+
+_max_logprobs.__name__ = "int"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Options of the OpenAI-compatible server (`vlmserve serve`), beside the engine's."""
 
-    host: str = _opt("127.0.0.1", "Address to listen on.")
-    port: int = _opt(8000, "Port to listen on.")
-    served_model_name: str | None = _opt(
-        None, "Model name clients must use in requests (default: the model argument).")
+    host: str = _opt(
+        "0.0.0.0", "Address to listen on: every interface by default, as vLLM (a container's "
+        "port mapping must reach it); 127.0.0.1 keeps the server to this host.")
+    port: int = _opt(8000, "Port to listen on (0-65535).", type=_port)
+    served_model_name: tuple[str, ...] | str | None = _opt(
+        None, "Model names clients may use in requests' `model`, as vLLM: one or more; the "
+        "first is the one responses report (default: the model argument).", nargs="+")
     allowed_local_media_path: str | None = _opt(
         None, "Directory from which requests may read images by path or file:// URL; "
         "local paths are refused when unset.")
@@ -47,7 +111,10 @@ class ServerConfig:
     remote_image_fetch_workers: int = _opt(
         8, "Remote images each front end fetches at once (more wait their turn); fetching "
         "never holds up requests without remote images.")
-    limit_mm_per_prompt: int = _opt(8, "Most images and videos in one request.")
+    limit_mm_per_prompt: int | dict[str, int] = _opt(
+        DEFAULT_MM_LIMIT, "Most images and videos in one request: a number for both together, "
+        "or vLLM's JSON object of per-modality limits ('{\"image\": 2, \"video\": 1}'; a "
+        f"modality it leaves out: {DEFAULT_MM_LIMIT}).", type=_mm_limit)
     video_num_frames: int = _opt(
         32, "Frames sampled evenly from each video a request sends as a file (video_url), as "
         "vLLM's default; every frame within --max-image-pixels.")
@@ -65,6 +132,15 @@ class ServerConfig:
         "default, 96 MiB, is an RGB image at the pixel limit); unlimited if unset.")
     max_request_bytes: int = _opt(64 << 20, "Largest request body in bytes (413 beyond it).")
     log_level: str = _opt("info", "Log level of the server: debug, info, warning, error.")
+    uvicorn_log_level: str | None = _opt(
+        None, "Log level of uvicorn, the HTTP server (vLLM's flag; default: --log-level).",
+        choices=_UVICORN_LEVELS)
+    disable_log_requests: bool = _opt(
+        False, "Log no line per request (uvicorn's access log; vLLM's flag).")
+    max_logprobs: int = _opt(
+        MAX_LOGPROBS, "Most log-probabilities per token a request may ask for (logprobs, "
+        "top_logprobs, prompt_logprobs), as vLLM's flag; more is a 400 naming it.",
+        type=_max_logprobs)
     api_key: str | None = _opt(
         None, "Key clients must send as `Authorization: Bearer KEY` to the /v1 endpoints "
         "(401 otherwise); also read from VLMSERVE_API_KEY.")
@@ -148,6 +224,17 @@ class ServerConfig:
         30.0, "On SIGTERM, seconds in-flight requests may take to finish before they are "
         "ended with an error.")
 
+    def served_model_names(self) -> tuple[str, ...]:
+        """--served-model-name's names (a string is one); empty when unset."""
+        names = self.served_model_name
+        return (names,) if isinstance(names, str) else tuple(names or ())
+
+    def mm_limit(self, modality: str) -> int:
+        """--limit-mm-per-prompt for one modality ("image" or "video"); with a number, the
+        number, which bounds them together."""
+        v = self.limit_mm_per_prompt
+        return v.get(modality, DEFAULT_MM_LIMIT) if isinstance(v, dict) else v
+
     def chat_template_text(self) -> str | None:
         """--chat-template's template: the file's text, or the value itself; a missing file
         or a template that does not parse raises `ValueError` naming it."""
@@ -171,7 +258,8 @@ class ServerConfig:
     def from_args(cls, args: Any) -> ServerConfig:
         """Pick this class's fields from a namespace (absent ones keep their defaults)."""
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+        given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        return cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> list[str]:

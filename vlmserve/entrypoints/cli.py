@@ -1,4 +1,10 @@
-"""The `vlmserve` command: `serve`, `generate`, `bench ...`."""
+"""The `vlmserve` command: `serve`, `generate`, `bench ...`.
+
+Every mistake is one line on stderr, `vlmserve: error: ...`: a command line the parser
+refuses (an unknown flag, a value of the wrong type, out of its range or choices) exits 2, as
+argparse; any other mistake found before or while running (a missing file, option values
+that do not go together, a device that is not here) exits 1.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,21 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from vlmserve import __version__
 from vlmserve.entrypoints.args import add_engine_options, add_server_options, engine_kwargs
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are one line (not the whole usage) and a hint."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"vlmserve: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -34,15 +49,31 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+def _check_images(paths: Sequence[str]) -> None:
+    """`generate --image` files exist and are files (URLs are read later), before the model
+    loads; numbered as the server numbers a request's images."""
+    for n, path in enumerate(paths, 1):
+        if path.split(":", 1)[0].lower() in ("data", "http", "https", "file"):
+            continue
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise ValueError(f"image {n} of the request: {path!r} is a directory, not an "
+                             "image file")
+        if not p.is_file():
+            raise ValueError(f"image {n} of the request: image file not found: {path!r}")
+
+
 def _generate(args: argparse.Namespace) -> None:
     from vlmserve import LLM, SamplingParams
 
+    # the inputs are checked before the model loads
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    _check_images(args.image or [])
     kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "seed"}
     if args.seed is not None:
         kwargs["seed"] = args.seed
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     parts = [{"type": "image_url", "image_url": {"url": path}} for path in args.image or []]
     parts.append({"type": "text", "text": args.prompt})
     out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
@@ -69,7 +100,7 @@ def _bench(args: argparse.Namespace) -> None:
 def make_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     """The parser; without `with_benchmarks`, the benchmarks are listed but their modules
     (and torch) are not imported for their options."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vlmserve", description="A serving engine for vision-language models.",
         allow_abbrev=False)
     parser.add_argument("--version", action="version",
@@ -154,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         func(args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit as e:  # a message (not an exit code): the same one line
+        if not isinstance(e.code, str):
+            raise
+        print(f"vlmserve: error: {' '.join(e.code.split())}", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:  # noqa: BLE001 - the user gets one line, --debug the traceback
         if debug:
             raise

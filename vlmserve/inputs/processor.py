@@ -67,11 +67,11 @@ def _images_of(prompt: dict[str, Any], load: ImageLoader) -> list[Image.Image]:
     if load_all is not None:  # a server's loader: a request's limits over all its images,
         return load_all(list(images))  # checked before any is decoded; names them itself
     loaded = []
-    for i, img in enumerate(images):
+    for n, img in enumerate(images, 1):  # numbered as a server's loader numbers them
         try:
             loaded.append(load(img))
         except InvalidImageError as e:
-            raise InvalidImageError(f"image {i}: {e}") from None
+            raise InvalidImageError(f"image {n} of the request: {e}") from None
     return loaded
 
 

@@ -24,6 +24,18 @@ def text_config(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+def max_model_len(mc: ModelConfig, hf_config) -> int:
+    """The longest prompt + output: ``mc.max_model_len``, or the model's context length
+    (its text config's max_position_embeddings); more than that is refused, as vLLM does."""
+    context = text_config(hf_config).max_position_embeddings
+    if mc.max_model_len is None:
+        return context
+    if mc.max_model_len > context:
+        raise ValueError(f"max_model_len={mc.max_model_len} is more than the model's context "
+                         f"length of {context} (max_position_embeddings in its config.json)")
+    return mc.max_model_len
+
+
 def eos_token_ids(path, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     try:

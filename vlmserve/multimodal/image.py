@@ -114,6 +114,8 @@ def _read_file(path: str, allowed_local_dir: str | None, kind: str = "image") ->
         root = Path(os.path.realpath(allowed_local_dir))
         if not real.is_relative_to(root):
             raise InvalidImageError(f"{kind} path {path!r} is outside the allowed directory")
+    if real.is_dir():
+        raise InvalidImageError(f"{kind} path {path!r} is a directory, not a file")
     if not real.is_file():
         raise InvalidImageError(f"{kind} file not found: {path!r}")
     try:

@@ -152,9 +152,11 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: _Guard) -> type[asynci
 
 def server_config(app: Any, cfg: ServerConfig, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's configuration of a front end serving ``app`` under ``cfg``'s connection
-    bounds (its log level unless ``kwargs`` give one)."""
+    bounds (its log level, --uvicorn-log-level else --log-level, and its access log, off with
+    --disable-log-requests, unless ``kwargs`` give them)."""
     guard = _Guard(connection_cap(cfg), cfg.request_header_timeout)
     base = import_from_string(HTTP_PROTOCOLS["auto"])
-    kwargs.setdefault("log_level", cfg.log_level)
+    kwargs.setdefault("log_level", cfg.uvicorn_log_level or cfg.log_level)
+    kwargs.setdefault("access_log", not cfg.disable_log_requests)
     return uvicorn.Config(app, http=guarded_protocol(base, guard),
                           timeout_keep_alive=cfg.timeout_keep_alive, **kwargs)

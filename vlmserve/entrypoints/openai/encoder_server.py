@@ -122,8 +122,9 @@ def build_encoder_app(core: EncoderCoreClient, input_processor: InputProcessor,
         preprocessing decodes, resizes and hashes the URLs)."""
         if not req.images:
             raise InvalidRequestError("images: give at least one image")
-        if len(req.images) > cfg.limit_mm_per_prompt:
-            raise InvalidRequestError(f"images: at most {cfg.limit_mm_per_prompt} per request")
+        if len(req.images) > cfg.mm_limit("image"):
+            raise InvalidRequestError(f"images: at most {cfg.mm_limit('image')} per request "
+                                      "(--limit-mm-per-prompt)")
         if req.transport not in TRANSPORTS:
             raise InvalidRequestError(f"transport: one of {', '.join(TRANSPORTS)}")
         if cuda is False and (req.transport == "cuda" or req.transport == "auto"

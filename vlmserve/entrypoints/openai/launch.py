@@ -45,7 +45,8 @@ from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
-from vlmserve.models.metadata import local_engine_config, local_model_config
+from vlmserve.models.loader import load_hf_config
+from vlmserve.models.metadata import local_engine_config, local_model_config, max_model_len
 from vlmserve.utils import (
     die_with_parent,
     freeze_startup_heap,
@@ -81,7 +82,7 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
+        raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -182,7 +183,7 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
     try:
         proc, address = start_encoder_core(encoder_kwargs(cfg, kwargs), cfg.log_level)
     except RuntimeError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"{e}") from None
     if len(socks) > 1:
         ctx = mp.get_context("spawn")
         fronts = [ctx.Process(target=_encoder_frontend_main, name=f"vlmserve-encoder-api-{i}",
@@ -205,7 +206,6 @@ def serve_encoder_frontend(cfg: ServerConfig, kwargs: dict[str, Any], sock: sock
     from vlmserve.encoder.encoder import encoder_input_processor
     from vlmserve.encoder.service import EncoderCoreClient
     from vlmserve.entrypoints.openai.encoder_server import build_encoder_app
-    from vlmserve.models.loader import load_hf_config
 
     mc = EngineConfig.from_kwargs(**kwargs).model_config  # its model a folder: serve_encoder
     processor = encoder_input_processor(
@@ -348,30 +348,34 @@ def _setup_logging(cfg: ServerConfig) -> None:
 
 def run_server(args: Any) -> None:
     """`vlmserve serve`: bind the port, start the processes, serve until stopped; exits
-    non-zero if the engine core dies."""
+    non-zero if the engine core dies. The options are checked before anything loads: a
+    mistake raises `SystemExit` or `ValueError` with one line (the CLI prints it)."""
     cfg = ServerConfig.from_args(args)
+    # the engine's options as well (values, a device that is not here): no process starts
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    resolve_device(config.model_config.device)
     if cfg.api_server_count < 1:
-        raise SystemExit("error: --api-server-count must be >= 1")
+        raise SystemExit("--api-server-count must be >= 1")
     if cfg.role not in ("llm", "encoder"):
-        raise SystemExit(f"error: --role must be llm or encoder, not {cfg.role!r}")
+        raise SystemExit(f"--role must be llm or encoder, not {cfg.role!r}")
     if cfg.encoder_transport not in TRANSPORTS:
-        raise SystemExit(f"error: --encoder-transport must be one of {', '.join(TRANSPORTS)}")
+        raise SystemExit(f"--encoder-transport must be one of {', '.join(TRANSPORTS)}")
     if cfg.tool_call_parser is not None and cfg.tool_call_parser not in TOOL_CALL_PARSERS:
-        raise SystemExit(f"error: --tool-call-parser must be one of "
+        raise SystemExit(f"--tool-call-parser must be one of "
                          f"{', '.join(TOOL_CALL_PARSERS)}, not {cfg.tool_call_parser!r}")
     try:
         cfg.chat_template_text()
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"{e}") from None
     if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
-        raise SystemExit(f"error: --reasoning-parser must be one of "
+        raise SystemExit(f"--reasoning-parser must be one of "
                          f"{', '.join(REASONING_PARSERS)}, not {cfg.reasoning_parser!r}")
     for name in ("request_header_timeout", "timeout_keep_alive", "limit_concurrency"):
         value = getattr(cfg, name)
         if value is not None and not value > 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be > 0")
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if cfg.enable_auto_tool_choice and cfg.tool_call_parser is None:
-        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (one of "
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     _setup_logging(cfg)
     raise_file_limit()  # connections are capped from it (each process inherits it)
@@ -379,10 +383,9 @@ def run_server(args: Any) -> None:
         os.environ["VLMSERVE_ENCODER_API_KEY"] = cfg.encoder_api_key
     if cfg.role == "encoder":
         sys.exit(serve_encoder(cfg, engine_kwargs(args)))
-    config = EngineConfig.from_kwargs(**engine_kwargs(args))
     # clients name the model as the user did ("org/name"), not by its folder
-    cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_name
-                              or config.model_config.model)
+    cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_names()
+                              or (config.model_config.model,))
     env = torchrun_env()
     if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
         from vlmserve.executor.multiproc import run_torchrun_worker
@@ -399,6 +402,9 @@ def run_server(args: Any) -> None:
     # the port is ours: now a model (and tokenizer) given by name becomes its folder, once
     # (a download may take a while); every process started from here gets the folder
     config = local_engine_config(config)
+    mc = config.model_config  # a --max-model-len beyond the model's context: refused now
+    max_model_len(mc, load_hf_config(mc.model, mc.model_impl,
+                                     trust_remote_code=mc.trust_remote_code))
     if cfg.api_server_count == 1:
         code = serve_frontend(config, cfg, socks[0])
     else:

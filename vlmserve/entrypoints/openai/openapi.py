@@ -35,7 +35,7 @@ _ERROR_STATUSES = {
 }
 
 
-def openapi_schema(app: FastAPI, model_name: str) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, model_names: tuple[str, ...]) -> dict[str, Any]:
     """`/openapi.json`: FastAPI's, plus what it cannot see because the endpoints parse their
     bodies themselves (msgspec, then the pydantic models): request bodies and responses."""
     if app.openapi_schema is not None:
@@ -54,7 +54,7 @@ def openapi_schema(app: FastAPI, model_name: str) -> dict[str, Any]:
     for req in (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                 DetokenizeRequest):  # any other model: 404
         props = components[refs[req, "validation"]["$ref"].rsplit("/", 1)[1]]["properties"]
-        props["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}],
+        props["model"] = {"anyOf": [{"enum": list(model_names)}, {"type": "null"}],
                           "title": "Model", "default": None}
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
 

@@ -83,8 +83,12 @@ _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 class OpenAIServing:
     """The request handlers, bound to one engine and one server configuration."""
 
-    def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_name: str) -> None:
-        self.engine, self.cfg, self.model_name = engine, cfg, model_name
+    def __init__(self, engine: AsyncLLM, cfg: ServerConfig, model_names: tuple[str, ...]
+                 ) -> None:
+        """`model_names`: what requests may name (--served-model-name); responses report the
+        first."""
+        self.engine, self.cfg = engine, cfg
+        self.model_names, self.model_name = model_names, model_names[0]
         # --default-max-tokens, else the model's generation config's max_new_tokens
         self.default_max_tokens = (cfg.default_max_tokens if cfg.default_max_tokens is not None
                                    else engine.sampling_defaults.get("max_tokens"))
@@ -131,9 +135,19 @@ class OpenAIServing:
         return data
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`.", param="model", code="model_not_found")
+                                + ", ".join(f"`{m}`" for m in self.model_names) + ".",
+                           param="model", code="model_not_found")
+
+    def check_logprobs(self, params: SamplingParams, field: str) -> None:
+        """--max-logprobs: a request's `field` (top_logprobs or logprobs) and prompt_logprobs
+        at most it (a 400 naming it, as vLLM)."""
+        limit = self.cfg.max_logprobs
+        for name, value in ((field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name}={value} is more than this server allows: "
+                                          f"at most {limit} (--max-logprobs)")
 
     def check_prompt_chars(self, num_chars: int) -> None:
         """Refuse a prompt too long to tokenize at all (before spending the time on it)."""
@@ -151,10 +165,15 @@ class OpenAIServing:
         self.check_prompt_chars(sum(m.num_chars for m in req.messages))
         hf_messages, sources, videos = parse_chat_messages([m.to_dict() for m in req.messages])
         limit = self.cfg.limit_mm_per_prompt
-        if len(sources) + len(videos) > limit:
+        if isinstance(limit, int) and len(sources) + len(videos) > limit:
             raise InvalidRequestError(f"{len(sources) + len(videos)} images and videos in one "
                                       f"request; at most {limit} are allowed "
                                       "(--limit-mm-per-prompt)")
+        for kind, items in (("image", sources), ("video", videos)):
+            if len(items) > self.cfg.mm_limit(kind):
+                raise InvalidRequestError(
+                    f"{len(items)} {kind}s in one request; at most {self.cfg.mm_limit(kind)} "
+                    "are allowed (--limit-mm-per-prompt)")
 
         # the engine's preprocessing decodes the images, off the event loop (with
         # `image_loader`, under this server's limits); remote ones are fetched first, here
@@ -238,6 +257,7 @@ class OpenAIServing:
         req._auto_tool_choice = self.cfg.enable_auto_tool_choice
         self.check_model(req.model)
         params = req.sampling_params(self.engine.sampling_defaults)
+        self.check_logprobs(params, "top_logprobs")
         prompt = await self.chat_prompt(req)
         if self.cfg.reasoning_parser is not None and req.tool_call_mode in (None, "auto"):
             # under a grammar the answer is what the grammar lets it write: thinking only
@@ -341,6 +361,7 @@ class OpenAIServing:
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
         params = req.sampling_params(self.engine.sampling_defaults)
+        self.check_logprobs(params, "logprobs")
         n = req.n or 1
         for p in req.prompts:
             if isinstance(p, str):
@@ -399,8 +420,8 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; `args` carries `ServerConfig`
     fields (an argparse namespace or a `ServerConfig`)."""
     cfg = args if isinstance(args, ServerConfig) else ServerConfig.from_args(args)
-    model_name = cfg.served_model_name or getattr(args, "model", None) or engine.model_name
-    serving = OpenAIServing(engine, cfg, model_name)
+    names = cfg.served_model_names() or (getattr(args, "model", None) or engine.model_name,)
+    serving = OpenAIServing(engine, cfg, names)
     metrics = ServerMetrics(engine)
     app = FastAPI(title="vlmserve", description="OpenAI-compatible vision-language server")
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
@@ -471,12 +492,12 @@ def build_app(engine: AsyncLLM, args: Any = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         serving.check_auth(request)
-        card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     app.post("/v1/chat/completions")(serving.chat)
     app.post("/v1/completions")(serving.completions)
     app.post("/tokenize")(serving.tokenize)
     app.post("/detokenize")(serving.detokenize)
-    app.openapi = functools.partial(openapi_schema, app, model_name)  # type: ignore[method-assign]
+    app.openapi = functools.partial(openapi_schema, app, names)  # type: ignore[method-assign]
     return app
