@@ -104,7 +104,7 @@ def test_serve_subprocess(vlmserve_cache: Path) -> None:
          "--device", "cpu", "--served-model-name", "tiny", "other", "--log-level", "warning",
          "--uvicorn-log-level", "info", "--disable-log-requests", "--max-logprobs", "2",
          "--limit-mm-per-prompt", '{"image": 1, "video": 0}', "-tp", "1",
-         "--kv-cache-dtype", "auto"],
+         "--kv-cache-dtype", "auto", "--host", "127.0.0.1"],
         cwd=REPO, env=_env(vlmserve_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -31,8 +31,9 @@ from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.frontend.async_llm import AsyncLLM
 
 MAX_MODEL_LEN = 1024
+# test servers listen on loopback alone (the default host is every interface, as vLLM's)
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-                "--max-num-batched-tokens", "256"]
+                "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
 MODEL = "tiny-qwen2-vl"
 
 

@@ -284,7 +284,7 @@ def test_fetches_run_at_most_workers_at_once(origin: Origin, requests_sent: dict
 
 MODEL = "tiny-qwen2-vl"
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
-                "--max-num-batched-tokens", "256"]
+                "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
 
 
 def data_url(data: bytes) -> str:
