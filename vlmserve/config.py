@@ -352,7 +352,8 @@ def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str,
 def resolve_config(config: EngineConfig, role: str, device_type: str,
                    device_memory: int | None = None, *, triton: bool = False,
                    dtype: str | None = None, max_image_tokens: int | None = None,
-                   embedding_row_bytes: int | None = None) -> EngineConfig:
+                   embedding_row_bytes: int | None = None,
+                   prompt_whole: bool = False) -> EngineConfig:
     """`config` with every derived default settled for `role` on this device: the one place
     they are computed; every consumer reads the result, never an option's None or auto.
 
@@ -362,8 +363,10 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
     rank of a tensor-parallel encoder resolves its own from the same options.
     The device: `device_type`, `device_memory` (a GPU's total bytes: `utils.device_memory`),
     `triton` (Triton kernels run there), `dtype` (the weights', by name: `utils.resolve_dtype`).
-    The model, for the engine's roles: `max_image_tokens` (rows of its largest image) and
-    `embedding_row_bytes` (one image embedding row in `dtype`).
+    The model, for the engine's roles: `max_image_tokens` (rows of its largest image),
+    `embedding_row_bytes` (one image embedding row in `dtype`), `prompt_whole` (it reads its
+    whole prompt both ways: each prompt computed in one step, chunked prefill and prefix
+    caching off).
 
     Written into the options:
     - max_num_seqs, max_num_batched_tokens: `sized_scheduler_limits` where unset (an encoder
@@ -399,7 +402,8 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
         enc_decoding = max(tokens // 2, 1)
     scheduler = dataclasses.replace(
         sc, max_num_seqs=sc.max_num_seqs or seqs, max_num_batched_tokens=tokens,
-        max_num_encoder_tokens=encoder_tokens, max_num_encoder_tokens_while_decoding=enc_decoding)
+        max_num_encoder_tokens=encoder_tokens, max_num_encoder_tokens_while_decoding=enc_decoding,
+        enable_chunked_prefill=sc.enable_chunked_prefill and not prompt_whole)
 
     auto = auto_kernels(device_type, triton, dtype)
     kernels = {name: auto[name] if getattr(mc, name) == "auto" else getattr(mc, name)
@@ -409,9 +413,10 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
     if engine and warmup is None:
         warmup = cuda
     if engine and offload is None:
-        offload = sc.enable_chunked_prefill and cuda
+        offload = scheduler.enable_chunked_prefill and cuda
     model = dataclasses.replace(mc, kernel_warmup=warmup, **kernels)
-    cache = dataclasses.replace(cc, mm_embedding_offload=offload)
+    cache = dataclasses.replace(cc, mm_embedding_offload=offload,
+                                enable_prefix_caching=cc.enable_prefix_caching and not prompt_whole)
     resolved = Resolved(
         role=role, device_type=device_type,
         limits_sized=sc.max_num_seqs is None or sc.max_num_batched_tokens is None,

@@ -36,7 +36,7 @@ from vlmserve.models.metadata import (
     max_model_len,
     text_config,
 )
-from vlmserve.models.registry import image_row_width, images_whole
+from vlmserve.models.registry import image_row_width, images_whole, prompt_whole
 from vlmserve.request import Request, RequestStatus
 from vlmserve.transfer.consumer_ledger import consumer_ledger
 from vlmserve.utils import device_memory, resolve_device, resolve_dtype
@@ -125,7 +125,8 @@ class EngineCore:
             config, "serving" if serving else "offline", device.type, device_memory(device),
             triton=triton_available(device), dtype=str(dtype).removeprefix("torch."),
             max_image_tokens=self.model_processor.max_image_tokens,
-            embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize)
+            embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize,
+            prompt_whole=prompt_whole(self.hf_config))
         self.config = config
         mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
         self.max_model_len = context

@@ -168,9 +168,11 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     window: Window | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each query over its request's cached keys: causal, within ``window`` if given, and
-    both ways inside the step's `bidirectional` spans."""
+    both ways inside the step's `bidirectional` spans; with ``softcap``, the scores capped
+    (``tanh(s / cap) * cap``, Gemma 2's) before the softmax."""
     T, H, D = q.shape
     Hkv = kv_cache.shape[-2]
     G = H // Hkv  # query heads per KV head: folded into the query axis, K/V never repeated
@@ -184,7 +186,11 @@ def paged_attention_reference(
         k = kv_cache[0][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
         v = kv_cache[1][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
         mask = g.mask if g.max_q == 1 else g.mask.repeat(1, 1, G, 1)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        else:
+            s = torch.tanh((qp @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype) @ v
         # [B, Hkv, G * max_q, D] -> [B * max_q, H, D]
         o = o.view(g.batch, Hkv, G, g.max_q, D).permute(0, 3, 1, 2, 4)
         out[g.token_index] = o.reshape(g.batch * g.max_q, H, D)[g.pad_index]

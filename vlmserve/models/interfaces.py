@@ -93,6 +93,11 @@ class VisionLanguageModel(Protocol):
         """Whether each image's tokens attend to each other both ways (each image is then
         computed whole in one prefill chunk)."""
 
+    @classmethod
+    def reads_prompt_both_ways(cls, hf_config: Any) -> bool:
+        """Whether the whole prompt attends both ways in prefill (PaliGemma's prefix): each
+        prompt is then computed in one step, and no prefix of it is cached."""
+
     # ---- sizes ---------------------------------------------------------------------------
     #: width of the LM's embeddings
     hidden_size: int
@@ -150,6 +155,7 @@ class VisionLanguageModel(Protocol):
 #: what `check_model_class` asks of a class: attributes and methods every model has
 MODEL_CLASS_ATTRIBUTES = (
     "input_processor_cls", "encoder_prefixes", "image_row_width", "reads_images_both_ways",
+    "reads_prompt_both_ways",
     "kv_cache_shape", "embed_tokens", "encode_images", "merge_image_rows", "forward",
     "compute_logits", "set_attention_backend", "set_vision_attention_backend",
     "set_fused_ops",

@@ -231,6 +231,10 @@ class DecoderVLM(nn.Module):
         return False
 
     @classmethod
+    def reads_prompt_both_ways(cls, hf_config) -> bool:
+        return False
+
+    @classmethod
     def image_row_width(cls, hf_config) -> int:
         """Width of an image's embedding rows (what the encoder gives, the store holds and
         encoder services send): the language model's hidden size."""

@@ -41,6 +41,13 @@ def images_whole(hf_config) -> bool:
     return bool(resolve_model_class(hf_config).reads_images_both_ways(hf_config))
 
 
+def prompt_whole(hf_config) -> bool:
+    """Whether the model reads its whole prompt both ways (PaliGemma's prefix): each prompt is
+    then computed in one step and no prefix of it is cached (its class's
+    `reads_prompt_both_ways`)."""
+    return bool(resolve_model_class(hf_config).reads_prompt_both_ways(hf_config))
+
+
 def resolve_model_class(hf_config) -> type:
     """The class that runs a checkpoint of config ``hf_config``, by its `model_impl` (set by
     `loader.load_hf_config`; default auto): the native class of its architecture, else (or

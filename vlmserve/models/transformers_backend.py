@@ -68,10 +68,11 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     write_kv(cache, key[0].transpose(0, 1), value[0].transpose(0, 1), step.meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = step.windows[module.layer_idx]
-    if window is None and not step.meta.bidirectional:
+    softcap = kwargs.get("softcap")
+    if window is None and softcap is None and not step.meta.bidirectional:
         return step.attn_fn(q, cache, step.meta, scale)[None], None
-    # windows and spans read both ways: the reference kernel's masks
-    return paged_attention_reference(q, cache, step.meta, scale, window)[None], None
+    # windows, soft-capping and spans read both ways: the reference kernel's
+    return paged_attention_reference(q, cache, step.meta, scale, window, softcap)[None], None
 
 
 def _register() -> None:
@@ -117,9 +118,13 @@ _REFUSED = {
                     "caches of image rows do not allow for",
     "ovis2": "the tokens around its images embed from its visual vocabulary, which the "
              "transformers backend does not carry",
-    "paligemma": "its prompt's tokens attend both ways, which the engine's attention does "
-                 "not do yet",
 }
+# models whose whole prompt (image and text) attends both ways in prefill (PaliGemma's prefix):
+# a prompt is computed in one step, and no prefix of it is cached (its keys depend on what
+# follows)
+_PROMPT_BOTH_WAYS = frozenset({"paligemma"})
+# models whose positions count from 1 (PaliGemma's, as its generate sets them)
+_POSITIONS_FROM_ONE = frozenset({"paligemma"})
 
 
 def layer_windows(hf_config) -> list[Window | None]:
@@ -151,12 +156,8 @@ def layer_windows(hf_config) -> list[Window | None]:
 
 def check_supported(hf_config) -> None:
     """Refuse, in one line, a model the backend cannot serve exactly (`ValueError`)."""
-    tc = _text_config(hf_config)
     kind = hf_config.model_type
     layer_windows(hf_config)
-    if getattr(tc, "attn_logit_softcapping", None):
-        raise ValueError(f"{kind}: attention logit soft-capping is not served by the "
-                         "transformers backend")
     if kind in _REFUSED:
         raise ValueError(f"{kind}: {_REFUSED[kind]}")
     hf_model_class(hf_config)
@@ -173,6 +174,10 @@ class TransformersVLM(nn.Module):
     def reads_images_both_ways(cls, hf_config) -> bool:
         return hf_config.model_type in _IMAGES_BOTH_WAYS
 
+    @classmethod
+    def reads_prompt_both_ways(cls, hf_config) -> bool:
+        return hf_config.model_type in _PROMPT_BOTH_WAYS
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
@@ -182,9 +187,11 @@ class TransformersVLM(nn.Module):
         self.step = _Step()
         self.step.windows = layer_windows(self.config)
         self.bidirectional_images = self.reads_images_both_ways(self.config)
+        self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
-        self.cuda_graphs_safe = not any(self.step.windows)
+        self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
+            tc, "attn_logit_softcapping", None)
         inner = getattr(hf_model, "model", hf_model)
         text = getattr(inner, "language_model", None) or hf_model.get_decoder()
         if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)

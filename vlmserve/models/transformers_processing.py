@@ -50,7 +50,8 @@ TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention
 # models whose processor takes a prompt's images as a flat list (nested: pages)
 _FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
-_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
+                        "labels"})
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8)
 _ALIGN = 8  # every tensor's bytes start on a multiple of this (a view as int64 needs it)
@@ -175,6 +176,9 @@ class TransformersInputProcessor(HFInputProcessor):
         self._hash_extra = self.hash_extra(engine=self.engine_kwargs)
         self._max_image_tokens: int | None = None
         self.rope_index = rope_index_of(hf_config)
+        from vlmserve.models.transformers_backend import _POSITIONS_FROM_ONE
+
+        self.first_position = 1 if hf_config.model_type in _POSITIONS_FROM_ONE else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
 
     def hash_extra(self, **more: Any) -> str:
@@ -242,11 +246,13 @@ class TransformersInputProcessor(HFInputProcessor):
         makes of that token and its image alone."""
         if not images:
             if prompt is None:
-                return ProcessedPrompt(prompt, self.token_ids(prompt, prompt_token_ids))
-            try:  # the processor's own tokenization (some add tokens of their own)
-                return ProcessedPrompt(prompt, self._call(text=[prompt])["input_ids"][0].tolist())
-            except InvalidRequestError:  # a processor that wants images: its tokenizer's
-                return ProcessedPrompt(prompt, self.token_ids(prompt, None))
+                ids = self.token_ids(prompt, prompt_token_ids)
+            else:
+                try:  # the processor's own tokenization (some add tokens of their own)
+                    ids = self._call(text=[prompt])["input_ids"][0].tolist()
+                except InvalidRequestError:  # a processor that wants images: its tokenizer's
+                    ids = self.token_ids(prompt, None)
+            return ProcessedPrompt(prompt, ids, position_offset=self.first_position)
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
                     for img in images]
         pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
@@ -269,7 +275,7 @@ class TransformersInputProcessor(HFInputProcessor):
             image_inputs.append(ImageInput(mm_hash=p.mm_hash, offset=start, length=end - start,
                                            pixels=data, encoder_meta=meta,
                                            transform=self.pixel_transform))
-        positions, offset = None, 0
+        positions, offset = None, self.first_position
         if self.rope_index is not None:
             positions, offset = self._positions(ids, torch.cat(grids) if grids else None)
         return ProcessedPrompt(prompt, ids, images=image_inputs, prompt_positions=positions,

@@ -471,6 +471,10 @@ class ModelRunner:
                 for f in st.mm_features
                 if f.offset < st.num_computed_tokens + n
                 and f.offset + f.length > st.num_computed_tokens]
+        elif getattr(self.model, "bidirectional_prompt", False):  # the prompt's, both ways
+            meta.bidirectional = [
+                (i, 0, st.num_prompt_tokens) for i, st in enumerate(states)
+                if st.num_computed_tokens < st.num_prompt_tokens]
         hidden = self.model(embeds, pos, self.kv_caches, meta, **extra)  # [T, hidden]
         prompt = None
         if scored:
