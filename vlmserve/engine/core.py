@@ -119,15 +119,17 @@ class EngineCore:
         self.model_path, self.hf_config, processor = load_model_processor(mc)
         self.model_processor = model_processor or processor
         dtype = resolve_dtype(mc.dtype, device)
+        self.max_model_len = mc.max_model_len or text_config(
+            self.hf_config).max_position_embeddings
         config = resolve_config(
             config, "serving" if serving else "offline", device.type, device_memory(device),
             triton=triton_available(device), dtype=str(dtype).removeprefix("torch."),
             max_image_tokens=self.model_processor.max_image_tokens,
+            max_video_item_tokens=getattr(self.model_processor, "max_video_item_tokens", 0),
+            max_model_len=self.max_model_len,
             embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize)
         self.config = config
         mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
-        self.max_model_len = mc.max_model_len or text_config(
-            self.hf_config).max_position_embeddings
         executor_cls = MultiprocExecutor if config.tensor_parallel else UniprocExecutor
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
