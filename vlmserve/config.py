@@ -123,7 +123,8 @@ class CacheConfig:
     gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
     mm_cache_gb: float = _opt(
         4.0, "Byte budget (GiB) for image embeddings: with offload, host memory reserved at "
-        "start (pinned on CUDA); else device memory, taken as needed."
+        "start (pinned on CUDA); else device memory, taken as needed (an image or video "
+        "of more rows than it holds is refused; the default holds any a model allows)."
     )
     enable_mm_cache: bool = _opt(
         True, "Keep embeddings of finished requests (LRU, by image content hash) for reuse."
@@ -151,8 +152,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.")
     max_num_encoder_tokens: int | None = _opt(
         None, "Image-embedding rows the vision tower may produce per step (default: the step "
-        "budget, at least the model's largest image; an encoder server's forward: the step "
-        "budget).")
+        "budget, at least the model's largest image or video item within its context length: "
+        "a whole Qwen2-VL video is one item; an encoder server's forward: the step budget).")
     max_num_prefill_tokens_while_decoding: int | None = _opt(
         None, "Prompt tokens (prefill chunks) a step may carry while it also carries decodes, "
         "so running streams wait less behind new prompts; also the image rows such a step "
@@ -352,7 +353,8 @@ def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str,
 def resolve_config(config: EngineConfig, role: str, device_type: str,
                    device_memory: int | None = None, *, triton: bool = False,
                    dtype: str | None = None, max_image_tokens: int | None = None,
-                   embedding_row_bytes: int | None = None,
+                   embedding_row_bytes: int | None = None, max_video_item_tokens: int = 0,
+                   max_model_len: int | None = None,
                    prompt_whole: bool = False) -> EngineConfig:
     """`config` with every derived default settled for `role` on this device: the one place
     they are computed; every consumer reads the result, never an option's None or auto.
@@ -364,24 +366,28 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
     The device: `device_type`, `device_memory` (a GPU's total bytes: `utils.device_memory`),
     `triton` (Triton kernels run there), `dtype` (the weights', by name: `utils.resolve_dtype`).
     The model, for the engine's roles: `max_image_tokens` (rows of its largest image),
-    `embedding_row_bytes` (one image embedding row in `dtype`), `prompt_whole` (it reads its
-    whole prompt both ways: each prompt computed in one step, chunked prefill and prefix
-    caching off).
+    `max_video_item_tokens` (of its largest video encoder item: a whole Qwen2-VL video, a
+    Qwen3-VL temporal patch; 0 without videos), `max_model_len` (its context, where known: no
+    item longer can be served), `embedding_row_bytes` (one image embedding row in `dtype`) and
+    `prompt_whole` (it reads its whole prompt both ways: each prompt computed in one step,
+    chunked prefill and prefix caching off). The largest item is the larger of the first two,
+    at most `max_model_len`.
 
     Written into the options:
     - max_num_seqs, max_num_batched_tokens: `sized_scheduler_limits` where unset (an encoder
       sized as an offline run);
     - max_num_encoder_tokens: the engine's encoder budget, unset: the step budget, at least the
-      largest image (else one could never be scheduled); an encoder's rows per tower forward,
-      unset: the step budget;
+      largest item (else one could never be scheduled: vLLM sizes it so too); an encoder's
+      rows per tower forward, unset: the step budget;
     - max_num_encoder_tokens_while_decoding: a server's, unset: half its step budget (offline
       and an encoder: as given, None is no cap);
     - mm_embedding_offload (engine): unset, on with chunked prefill on CUDA;
     - kernel_warmup (engine): unset, on CUDA;
     - attention_backend, fused_ops, vision_attention_backend: `auto` by `auto_kernels`.
     And `config.resolved` (`Resolved`): whether the batch limits were sized, the encoder
-    cache's rows, whether decode steps replay CUDA graphs. Whether tensor parallelism is on is
-    `EngineConfig.tensor_parallel`.
+    cache's rows (mm_cache_gb's: a byte budget the user may set below the largest item, which
+    admission then refuses naming it), whether decode steps replay CUDA graphs. Whether
+    tensor parallelism is on is `EngineConfig.tensor_parallel`.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -395,8 +401,12 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     seqs, tokens = sized_scheduler_limits(device_type, device_memory, role == "serving")
     tokens = sc.max_num_batched_tokens or tokens
-    encoder_tokens = sc.max_num_encoder_tokens or (max(tokens, max_image_tokens) if engine
-                                                   else tokens)
+    largest_item = 0
+    if engine:
+        largest_item = max(max_image_tokens, max_video_item_tokens)
+        if max_model_len:
+            largest_item = min(largest_item, max_model_len)
+    encoder_tokens = sc.max_num_encoder_tokens or max(tokens, largest_item)
     enc_decoding = sc.max_num_encoder_tokens_while_decoding
     if enc_decoding is None and role == "serving":
         enc_decoding = max(tokens // 2, 1)

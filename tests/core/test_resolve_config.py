@@ -151,3 +151,25 @@ def test_a_config_is_resolved_once_for_a_known_role_with_the_model_it_needs() ->
     with pytest.raises(ValueError, match="max_image_tokens"):
         resolve_config(EngineConfig(), "serving", "cpu")
     assert resolve_config(EngineConfig(), "encoder", "cpu").resolved.role == "encoder"
+
+
+def test_the_encoder_budget_holds_the_largest_video_item_within_the_context() -> None:
+    """vLLM's sizing: a video encoder item (a whole Qwen2-VL video) counts as an image does,
+    at most the context length (no longer item can be served); a budget the user set stays,
+    as does the encoder cache's byte budget (admission names either when an item exceeds
+    it); the default cache holds far more than the largest item."""
+    def resolve(video: int, context: int | None, **options):
+        config = EngineConfig.from_kwargs(model="m", **options)
+        r = resolve_config(config, "serving", "cpu", max_image_tokens=256,
+                           embedding_row_bytes=256, max_video_item_tokens=video,
+                           max_model_len=context)
+        return r.scheduler_config.max_num_encoder_tokens, r.resolved.encoder_cache_rows
+
+    rows = 4 * GIB // 256
+    assert resolve(98304, 32768) == (32768, rows)
+    assert resolve(98304, None) == (98304, rows)
+    assert resolve(4096, 32768, max_num_batched_tokens=256) == (4096, rows)
+    assert resolve(0, 32768) == (2048, rows)  # no videos: the step budget
+    assert resolve(4096, 1024) == (2048, rows)  # the step budget already holds 1,024
+    assert resolve(4096, 8192, max_num_encoder_tokens=1024) == (1024, rows)
+    assert resolve(4096, 8192, mm_cache_gb=0.0001) == (4096, int(0.0001 * GIB) // 256)

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.test_server_procs import ServeProc
+from tests.engine.helpers import make_smooth_mp4
 from vlmserve.entrypoints.cli import make_parser
 
 README_PATH = Path(__file__).resolve().parents[2] / "README.md"
@@ -51,6 +52,8 @@ def server(vlmserve_cache: Path) -> Iterator[ServeProc]:
 def test_python_api_example(vlmserve_cache, tmp_path: Path) -> None:
     (code,) = [b for b in blocks("python") if "from vlmserve import LLM" in b]
     photo(tmp_path, "photo.jpg")
+    # a 32-frame 448x448 file: one encoder item of 4,096 rows, 16 times the example's step
+    (tmp_path / "clip.mp4").write_bytes(make_smooth_mp4(32, 448, 448))
     out = run_python(code + "\nprint('OUTS', len(outs), len(outs[0].outputs[0].token_ids))",
                      tmp_path)
     assert "OUTS 1 32" in out

@@ -21,7 +21,7 @@ import uvicorn
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.helpers import make_image, make_mp4
+from tests.engine.helpers import make_image, make_mp4, make_smooth_mp4
 from tests.wait import wait_until
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
@@ -1072,3 +1072,15 @@ def test_chat_with_a_video_url_matches_llm_chat(server: Server, llm: LLM) -> Non
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAAAAA"}},
             {"type": "text", "text": "Hi"}]}]})
     assert bad.status_code == 400 and "video 0" in bad.json()["error"]["message"], bad.text
+
+
+def test_a_video_of_more_rows_than_a_step_is_served(server: Server) -> None:
+    """A video is one encoder item (Qwen2-VL): 6 frames of 440x420 become 720 rows, more than
+    the server's step budget of 256; the encoder budget holds the model's largest video
+    within its context (1,024), so it is served, its prompt in chunks."""
+    clip = make_smooth_mp4(6, 440, 420)
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    r = server.client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                     {"type": "text", "text": "What happens?"}]}])
+    assert r.usage.completion_tokens == 2 and r.usage.prompt_tokens > 720

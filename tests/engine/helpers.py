@@ -24,6 +24,18 @@ def make_mp4(count: int = 12, width: int = 64, height: int = 48, fps: int = 6) -
     return encode_mp4(rng.integers(0, 256, (count, height, width, 3), np.uint8), fps)
 
 
+def make_smooth_mp4(count: int, width: int, height: int, fps: int = 8) -> bytes:
+    """An MPEG-4 clip of a gradient that changes colour frame by frame: a file of a camera's
+    size that stays small and encodes fast (random pixels do neither)."""
+    from vlmserve.benchmarks.client import encode_mp4
+
+    frames = np.empty((count, height, width, 3), np.uint8)
+    frames[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)
+    frames[..., 1] = np.linspace(0, 255, height, dtype=np.uint8)[:, None]
+    frames[..., 2] = (np.arange(count, dtype=np.uint8) * 7)[:, None, None]
+    return encode_mp4(frames, fps)
+
+
 def chat_prompt(llm, text: str, images: list[Image.Image]) -> dict:
     parts = [{"type": "image", "image": img} for img in images] + [{"type": "text", "text": text}]
     return llm.chat_prompt([{"role": "user", "content": parts}])

@@ -359,9 +359,12 @@ def test_batch_limits_are_sized_to_the_device_unless_given(llm, caplog):
     sc = llm.engine.config.scheduler_config  # the fixture set only the step budget
     assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (64, 64)
     assert sc.max_num_encoder_tokens_while_decoding is None  # offline: not capped
-    # the encoder budget: the step budget, at least the largest image
-    image_rows = llm.engine.core.model_processor.max_image_tokens
-    assert sc.max_num_encoder_tokens == max(64, image_rows)
+    # the encoder budget: the step budget, at least the largest image or video item (a
+    # whole Qwen2-VL video) within the context length
+    processor, core = llm.engine.core.model_processor, llm.engine.core
+    largest = min(max(processor.max_image_tokens, processor.max_video_item_tokens),
+                  core.max_model_len)
+    assert sc.max_num_encoder_tokens == max(64, largest)
     assert llm.engine.scheduler.max_num_encoder_tokens == sc.max_num_encoder_tokens
     assert llm.engine.config.resolved.role == "offline"
     import logging

@@ -29,9 +29,11 @@ class AdmissionLimits:
                 f"included) and the model's maximum context length is {self.max_model_len}, "
                 f"so at most {room} output tokens fit")
 
-    def check(self, num_prompt_tokens: int, image_lengths: list[int]) -> str | None:
-        """Why a prompt of this many tokens with images of these lengths can never be
-        served, or None."""
+    def check(self, num_prompt_tokens: int, image_lengths: list[int],
+              names: list[str] | None = None) -> str | None:
+        """Why a prompt of this many tokens with images (encoder items: an image, a video,
+        a Qwen3-VL temporal patch) of these lengths can never be served, or None; `names`:
+        what a message calls each item ("video 0"; default "image N", N its place)."""
         n = num_prompt_tokens
         if n + 1 > self.max_model_len:
             return (f"prompt is {n} tokens (images included); with at least one output token it "
@@ -42,14 +44,15 @@ class AdmissionLimits:
         if n + 1 > self.max_kv_tokens:
             return f"prompt is {n} tokens, more than the whole KV cache holds"
         for i, length in enumerate(image_lengths):
+            name = (names[i] if names else "") or f"image {i}"
             if length > self.max_num_encoder_tokens:
-                return (f"image {i} becomes {length} tokens, more than the per-step encoder "
-                        f"budget of {self.max_num_encoder_tokens}")
+                return (f"{name} becomes {length} tokens, more than the per-step encoder "
+                        f"budget of {self.max_num_encoder_tokens} (--max-num-encoder-tokens)")
             if self.whole_images and length > self.max_num_batched_tokens:
-                return (f"image {i} becomes {length} tokens, more than a step computes "
+                return (f"{name} becomes {length} tokens, more than a step computes "
                         f"(max_num_batched_tokens={self.max_num_batched_tokens}), and this "
                         "model's images are computed whole in one step")
             if length > self.encoder_cache_rows:
-                return (f"image {i} becomes {length} tokens, more than the encoder cache "
-                        f"capacity of {self.encoder_cache_rows}")
+                return (f"{name} becomes {length} tokens, more than the encoder cache "
+                        f"capacity of {self.encoder_cache_rows} (--mm-cache-gb)")
         return None

@@ -125,6 +125,8 @@ class EngineCore:
             config, "serving" if serving else "offline", device.type, device_memory(device),
             triton=triton_available(device), dtype=str(dtype).removeprefix("torch."),
             max_image_tokens=self.model_processor.max_image_tokens,
+            max_video_item_tokens=getattr(self.model_processor, "max_video_item_tokens", 0),
+            max_model_len=context,
             embedding_row_bytes=image_row_width(self.hf_config) * dtype.itemsize,
             prompt_whole=prompt_whole(self.hf_config))
         self.config = config

@@ -54,9 +54,11 @@ class LLMEngine:
         params = params or SamplingParams(**self.sampling_defaults)
         self.input_processor.check_sampling(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        req = Request(request_id, self.input_processor.process(prompt), params,
-                      self.eos_token_ids)
-        reason = self.scheduler.check_admissible(req)
+        processed = self.input_processor.process(prompt)
+        req = Request(request_id, processed, params, self.eos_token_ids)
+        reason = self.scheduler.limits.check(req.num_prompt_tokens,
+                                             [f.length for f in req.mm_features],
+                                             [img.name for img in processed.images])
         if reason is not None:
             raise PromptTooLongError(reason)
         return req

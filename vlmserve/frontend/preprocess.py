@@ -40,7 +40,8 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
     input_processor.check_sampling(params)
     processed = input_processor.process(prompt, image_loader)
     n = len(processed.prompt_token_ids)
-    reason = limits.check(n, [img.length for img in processed.images])
+    reason = limits.check(n, [img.length for img in processed.images],
+                          [img.name for img in processed.images])
     if reason is not None:
         raise PromptTooLongError(reason)
     if params.max_tokens is not None:

@@ -21,7 +21,7 @@ from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
 from vlmserve.multimodal.hashing import hash_image, hash_video
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
-from vlmserve.multimodal.video import Video
+from vlmserve.multimodal.video import MAX_FRAMES, Video
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -152,6 +152,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self.max_video_tokens: int = int(video.get("max_video_tokens")
                                          or (768 if self.timestamped else 128000))
         self.video_resample = video.get("resample", ip.resample)
+        self._max_video_item_tokens: int | None = None  # `max_video_item_tokens`, computed once
         self.pixel_transform = Qwen2VLPixels(
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip),
@@ -429,7 +430,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             placed.append((len(out_ids), grid, step))
             image_inputs.append(ImageInput(mm_hash=mm_hash, offset=len(out_ids), length=n,
                                            pixels=px, encoder_meta=grid,
-                                           transform=self.pixel_transform))
+                                           transform=self.pixel_transform, name=name))
             out_ids += [token] * n
             cursor = start + length
         out_ids += ids[cursor:]
@@ -447,6 +448,29 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         """Most placeholder tokens one image can become (from the processor's pixel cap)."""
         unit = self.patch_size * self.merge_size
         return max(int(self.max_pixels) // (unit * unit), 1)
+
+    @property
+    def max_video_item_tokens(self) -> int:
+        """Most placeholder tokens (embedding rows) one video encoder item can become: a whole
+        video (Qwen2-VL, Qwen2.5-VL) or a temporal patch (Qwen3-VL), over every frame count a
+        video may have (up to `MAX_FRAMES`), each frame at the most pixels the video processor
+        leaves it for that count (`_video_max_pixels`); 0 for a model without videos."""
+        if self.video_token_id is None:
+            return 0
+        if self._max_video_item_tokens is None:
+            unit = (self.patch_size * self.merge_size) ** 2
+            t = self.pixel_transform.temporal_patch_size
+            most = 0
+            for count in range(1, MAX_FRAMES + 1):
+                cap = self._video_max_pixels(count)
+                if not self.timestamped:  # every frame within cap, in ceil(count / t) patches
+                    most = max(most, -(-count // t) * (cap // unit))
+                elif count >= t:  # Qwen3-VL's smart_resize: t' x H x W within cap (t' the
+                    # frames rounded to whole patches), or count x H x W when it shrinks them
+                    frames = min(count, round(count / t) * t)
+                    most = max(most, cap // frames // unit)
+            self._max_video_item_tokens = max(most, 1)
+        return self._max_video_item_tokens
 
     def _resize(self, image: Image.Image, array: np.ndarray,
                 options: tuple[int, int] | None = None,

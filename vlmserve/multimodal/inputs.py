@@ -53,6 +53,9 @@ class ImageInput:
     # the image's embedding rows [length, hidden] on the host, encoded elsewhere (an encoder
     # service): stored as they are instead of running the vision tower; `pixels` then empty
     embeds: torch.Tensor | None = None
+    # what a message calls it: its modality and number in the prompt ("image 1", "video 0",
+    # "video 0 patch 3": a Qwen3-VL temporal patch); empty: "image N", N its place among them
+    name: str = ""
 
     @property
     def feature(self) -> MultiModalFeature:
