@@ -66,3 +66,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", f"fuzz: {total} inputs tried")
         for nodeid, n in counts:
             terminalreporter.write_line(f"{n:7d}  {nodeid}")
+
+
+# the folders and files whose tests start servers, engine-core processes, process groups or
+# tensor-parallel ranks: `slow` (`pytest -m "not slow"`, the quick subset, leaves them out)
+_SLOW = ("e2e", "distributed", "encoder", "engine/test_async_llm.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(root)
+        if path.parts[0] in _SLOW or path.as_posix() in _SLOW:
+            item.add_marker(pytest.mark.slow)
