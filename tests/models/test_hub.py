@@ -70,9 +70,11 @@ def test_llm_by_id_runs_the_cached_snapshot_like_its_folder(cache, offline, fold
 def test_tokenizer_comes_from_its_own_id(cache, offline, folder_tokens):
     llm = LLM("org/tiny-untokenized", tokenizer="org/tok", download_dir=str(cache),
               dtype="float32", device="cpu")
-    # without it, transformers makes an empty tokenizer of the model's folder (no files)
-    alone = LLM("org/tiny-untokenized", download_dir=str(cache), dtype="float32", device="cpu")
-    assert len(alone.get_tokenizer()) < 2 < len(llm.get_tokenizer())
+    # without it, transformers would make an empty tokenizer of the model's folder (no files):
+    # refused in one line
+    with pytest.raises(ValueError, match="has no tokenizer files .*--tokenizer"):
+        LLM("org/tiny-untokenized", download_dir=str(cache), dtype="float32", device="cpu")
+    assert len(llm.get_tokenizer()) > 2
     tokenizer_folder = cache / "models--org--tok" / "snapshots" / COMMIT
     assert llm.engine.config.model_config.tokenizer == str(tokenizer_folder)
     assert Path(llm.get_tokenizer().name_or_path) == tokenizer_folder

@@ -50,6 +50,15 @@ class ChatTemplateOptions:
                                       " (arguments of the rendering itself)")
 
 
+def check_tokenizer(tokenizer: Any, source: str | Path) -> None:
+    """Refuse a tokenizer transformers made of a folder without tokenizer files (an empty
+    vocabulary: the model would run on nonsense), in one line naming the folder."""
+    if len(tokenizer) < 2:
+        raise ValueError(f"{str(source)!r} has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...): name a folder or Hugging Face id that has "
+                         "them with --tokenizer")
+
+
 def load_image_processor(path: Path, pil_class: str, trust_remote_code: bool = False):
     """``AutoImageProcessor``; without torchvision, transformers' PIL class ``pil_class``."""
     import transformers
@@ -84,6 +93,7 @@ class HFInputProcessor:
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_path if tokenizer is None else tokenizer, local_files_only=True,
             trust_remote_code=trust_remote_code)
+        check_tokenizer(self.tokenizer, self.model_path if tokenizer is None else tokenizer)
         # the engine checks prompt lengths itself (admission): no tokenizer warning about a
         # "sequence length longer than the maximum" in the server's log
         self.tokenizer.model_max_length = 1 << 62

@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
-from vlmserve.models.processing import HFInputProcessor
+from vlmserve.models.processing import HFInputProcessor, check_tokenizer
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
@@ -163,6 +163,7 @@ class TransformersInputProcessor(HFInputProcessor):
         if self.tokenizer is None or self.image_processor is None:
             raise ValueError(f"{type(self.processor).__name__} of {model_path} has no tokenizer "
                              "or no image processor")
+        check_tokenizer(self.tokenizer, model_path if tokenizer is None else tokenizer)
         self.tokenizer.model_max_length = 1 << 62
         self._tokenizer_lock = threading.Lock()  # the processor calls the tokenizer
         tid = image_token_id_of(hf_config)
