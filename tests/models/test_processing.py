@@ -154,6 +154,33 @@ def test_placeholder_count_mismatch_names_both_counts(processor: Qwen2VLInputPro
         processor.process("no images here", None, [random_image(56, 56)])
 
 
+def test_placeholder_text_in_a_message_stays_a_plain_token(
+        processor: Qwen2VLInputProcessor) -> None:
+    """A message's text may hold placeholder strings (vLLM's random-mm prompts are random
+    tokens and sometimes do): the image goes where the template framed it, the strays stay one
+    token each, as in vLLM. Placeholders the template did not frame still count as before."""
+    stray = "words <|video_pad|> more <|vision_start|><|image_pad|>"
+    messages = [{"role": "user", "content": [{"type": "text", "text": stray},
+                                             {"type": "image"}]}]
+    prompt = processor.apply_chat_template(messages)
+    image = random_image(56, 56)  # 4 tokens
+    out = processor.process(prompt, None, [image])
+    clean = processor.process(processor.apply_chat_template(chat(1)), None, [image])
+    (placed,) = out.images
+    framed = processor.token_ids(prompt, None)
+    start = framed.index(processor.hf_config.vision_end_token_id) - 1  # the framed pad
+    assert placed.offset == start and placed.length == clean.images[0].length == 4
+    ids = out.prompt_token_ids
+    assert ids[start:start + 4] == [processor.image_token_id] * 4
+    assert ids.count(processor.image_token_id) == 5  # the stray pad stays one token
+    assert ids.count(processor.video_token_id) == 1
+    assert out.prompt_positions.shape[1] == len(ids)
+    # text positions run on through the strays; the image's block follows its frame
+    assert out.prompt_positions[0, start] == out.prompt_positions[0, start - 1] + 1
+    with pytest.raises(InvalidRequestError, match=r"2 image placeholder.*1 image"):
+        processor.process("<|image_pad|> and <|image_pad|>", None, [image])
+
+
 def test_rejects_bad_runs_and_bad_arguments(processor: Qwen2VLInputProcessor) -> None:
     pad = processor.image_token_id
     image = random_image(56, 56)  # 4x4 patches -> 4 tokens

@@ -388,13 +388,14 @@ class Qwen2VLInputProcessor(HFInputProcessor):
             ids = self.token_ids(prompt_text, None)
         else:
             ids = self.token_ids(prompt, prompt_token_ids)
-        runs = _placeholder_runs(ids, self.image_token_id)
+        frame = (self.hf_config.vision_start_token_id, self.hf_config.vision_end_token_id)
+        runs = _item_runs(ids, self.image_token_id, len(images), frame)
         if len(runs) != len(images):
             raise InvalidRequestError(
                 f"the prompt has {len(runs)} image placeholder(s) but {len(images)} image(s) "
                 "were given"
             )
-        video_runs = (_placeholder_runs(ids, self.video_token_id)
+        video_runs = (_item_runs(ids, self.video_token_id, len(video_items), frame)
                       if self.video_token_id is not None else [])
         if len(video_runs) != len(video_items):
             raise InvalidRequestError(
@@ -552,6 +553,20 @@ def _video_normalization(video: dict, qwen3: bool) -> NormalizedPixels:
         mean=three(video.get("image_mean"), mean) if normalize else None,
         std=three(video.get("image_std"), std) if normalize else None,
         fused=True)
+
+
+def _item_runs(ids: list[int], token_id: int, count: int,
+               frame: tuple[int, int]) -> list[tuple[int, int]]:
+    """The placeholder runs of ``count`` items: every run of ``token_id`` when there are that
+    many, else the runs the chat template frames (vision start, run, vision end) when those are
+    that many: a placeholder's text in a message (random prompts hold them) stays a plain token,
+    as in vLLM. Other counts are the caller's error to report (all runs returned)."""
+    runs = _placeholder_runs(ids, token_id)
+    if len(runs) == count:
+        return runs
+    framed = [(s, n) for s, n in runs
+              if s > 0 and ids[s - 1] == frame[0] and s + n < len(ids) and ids[s + n] == frame[1]]
+    return framed if len(framed) == count else runs
 
 
 def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
