@@ -15,6 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n N`, CI's command) each worker is one of N processes sharing the cores:
+# one torch thread each, or their thread pools oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
 from vlmserve.models.builtin import resolve_model  # noqa: E402
 
 
