@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.procs import pytest_fixture_setup, pytest_runtest_call  # noqa: E402, F401
 from vlmserve.models.builtin import resolve_model  # noqa: E402
 
 

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests import procs
 from tests.engine.helpers import make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
@@ -99,7 +100,7 @@ def test_serve_subprocess(vlmserve_cache: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
+    proc = procs.start(  # its process group killed with the test, however it ends
         [sys.executable, "-m", "vlmserve", "serve", "--port", str(port), "--dtype", "float32",
          "--device", "cpu", "--served-model-name", "tiny", "other", "--log-level", "warning",
          "--uvicorn-log-level", "info", "--disable-log-requests", "--max-logprobs", "2",
