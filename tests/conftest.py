@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
+from tests.procs import pytest_fixture_setup, pytest_runtest_call  # noqa: E402, F401
 from vlmserve.models.builtin import resolve_model  # noqa: E402
 
 

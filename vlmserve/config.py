@@ -43,48 +43,53 @@ class ModelConfig:
     model: str = _opt(
         "tiny-qwen2-vl", "Hugging Face checkpoint folder, built-in model name or Hugging Face "
         "model id (org/name: downloaded into the Hub's cache, or read from it offline with "
-        "HF_HUB_OFFLINE=1; HF_TOKEN for gated and private models), tried in that order.")
+        "HF_HUB_OFFLINE=1; HF_TOKEN for gated and private models), tried in that order.",
+        group="model")
     tokenizer: str | None = _opt(
         None, "Tokenizer (and chat template) folder or Hugging Face model id, when not the "
-        "model's; the image processor is still the model's (default: the model's).")
+        "model's; the image processor is still the model's (default: the model's).", group="model")
     revision: str | None = _opt(
-        None, "Branch, tag or commit hash of a Hugging Face model id (default: main).")
+        None, "Branch, tag or commit hash of a Hugging Face model id (default: main).",
+        group="model")
     tokenizer_revision: str | None = _opt(
         None, "Branch, tag or commit hash of a --tokenizer given as a Hugging Face model id "
-        "(default: --revision if the tokenizer is the model's own id, else main).")
+        "(default: --revision if the tokenizer is the model's own id, else main).", group="model")
     download_dir: str | None = _opt(
         None, "Hugging Face cache folder that models given by id are downloaded into and read "
         "from (default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else "
-        "~/.cache/huggingface/hub).")
+        "~/.cache/huggingface/hub).", group="model")
     trust_remote_code: bool = _opt(
         False, "Let transformers run the Python code a checkpoint ships for its config, "
         "tokenizer or processor (its auto_map classes that transformers lacks); such a "
-        "checkpoint is refused without it. Only for repositories you trust.")
+        "checkpoint is refused without it. Only for repositories you trust.", group="model")
     dtype: str = _opt("auto", "Weights and activations dtype: auto (bfloat16 on CUDA, float32 "
                       "on the CPU), float32, bfloat16, float16 (float and half: vLLM's names).",
-                      choices=("auto", "float32", "bfloat16", "float16", "float", "half"))
-    device: str = _opt("auto", "Device: auto (cuda if available), cpu, cuda, cuda:N.")
+                      choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
+                      group="model")
+    device: str = _opt("auto", "Device: auto (cuda if available), cpu, cuda, cuda:N.",
+                       group="model")
     max_model_len: int | None = _opt(
-        None, "Longest prompt + output in tokens (default: the model's)."
-    )
-    seed: int = _opt(0, "Seed for random sampling of requests that give no seed.")
+        None, "Longest prompt + output in tokens (default: the model's).", group="model")
+    seed: int = _opt(0, "Seed for random sampling of requests that give no seed.", group="model")
     generation_config: str = _opt(
         "auto", "Default sampling parameters of requests that leave them unset: auto (the "
         "model's generation_config.json: its temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_new_tokens, as vLLM does), vllm (none of it: "
-        "SamplingParams' own defaults), or a folder holding a generation_config.json.")
+        "SamplingParams' own defaults), or a folder holding a generation_config.json.",
+        group="model")
     mm_processor_kwargs: dict[str, Any] | None = _opt(
         None, "Image processor options (vLLM's; JSON on the command line): for the Qwen "
         "models min_pixels and max_pixels (or size: {shortest_edge, longest_edge}), the pixel "
         "range every image is resized into, which decides its token count; LLaVA's take "
-        "none. A request may give its own (mm_processor_kwargs) for its images.")
+        "none. A request may give its own (mm_processor_kwargs) for its images.",
+        group="multimodal")
     model_impl: str = _opt(
         "auto", "Which implementation runs the model (vLLM's --model-impl): auto (the "
         "native one where vlmserve has it, else transformers'), native, or transformers (the "
         "checkpoint's transformers model with the engine's paged attention, for any "
         "image-text-to-text architecture of transformers whose layers are all attention; "
         "one that cannot be served is refused at load, naming why).",
-        choices=("auto", "native", "transformers"))
+        choices=("auto", "native", "transformers"), group="model")
     quantization: str = _opt(
         "auto", "Weights of the language model's projections: auto (a block-wise FP8 "
         "checkpoint's held as FP8, computed by FP8 kernels on CUDA; under tensor "
@@ -94,89 +99,96 @@ class ModelConfig:
         "kernels are not tuned yet: on an H100 the 2B decoded 1.8x slower with FP8 weights "
         "than in bfloat16 (the kernels have changed since, not measured yet), so none "
         "trades weight memory for speed.",
-        choices=("auto", "none", "fp8"))
+        choices=("auto", "none", "fp8"), group="model")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.",
-                                  choices=("auto", "torch", "triton"))
+                                  choices=("auto", "torch", "triton"), group="expert")
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "
         "varlen FlashAttention, one call for all images and windows; CUDA, fp16/bf16), triton "
         "(ours, one launch; CUDA) or auto (flash where it runs, else torch).",
-        choices=("torch", "flash", "triton", "auto"))
-    enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).")
+        choices=("torch", "flash", "triton", "auto"), group="expert")
+    enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).",
+        group="expert")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "
         "through the model), so the first requests run at steady-state speed; default: on "
-        "CUDA.")
+        "CUDA.", group="expert")
     fused_ops: str = _opt(
         "auto", "The decoder's norm/rotary/SiLU pieces: auto (triton on CUDA), eager, triton "
         "(one kernel each), compile (torch.compile, compiles at start-up).",
-        choices=("auto", "eager", "triton", "compile"))
+        choices=("auto", "eager", "triton", "compile"), group="expert")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _opt(16, "Tokens per KV cache block.")
+    block_size: int = _opt(16, "Tokens per KV cache block.", group="cache")
     num_kv_blocks: int | None = _opt(
         None, "KV cache blocks; default: from gpu_memory_utilization on CUDA, else enough for "
-        "max_num_seqs full-length sequences (at most 8192)."
-    )
-    gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.")
+        "max_num_seqs full-length sequences (at most 8192).", group="cache")
+    gpu_memory_utilization: float = _opt(0.85, "Share of GPU memory the engine may use.",
+        group="cache")
     mm_cache_gb: float = _opt(
         4.0, "Byte budget (GiB) for image embeddings: with offload, host memory reserved at "
         "start (pinned on CUDA); else device memory, taken as needed (an image or video "
-        "of more rows than it holds is refused; the default holds any a model allows)."
-    )
+        "of more rows than it holds is refused; the default holds any a model allows).",
+        group="cache")
     enable_mm_cache: bool = _opt(
-        True, "Keep embeddings of finished requests (LRU, by image content hash) for reuse."
-    )
+        True, "Keep embeddings of finished requests (LRU, by image content hash) for reuse.",
+        group="cache")
     mm_embedding_offload: bool | None = _opt(
         None, "Keep image embeddings in pinned host memory and prefetch each chunk's rows; "
-        "default: on with chunked prefill on CUDA."
-    )
+        "default: on with chunked prefill on CUDA.", group="cache")
     enable_prefix_caching: bool = _opt(
         True, "Reuse the KV blocks of a prompt's prefix computed for an earlier request (keyed "
-        "by tokens and image content); images inside a reused prefix are not encoded.")
+        "by tokens and image content); images inside a reused prefix are not encoded.",
+        group="cache")
     kv_cache_dtype: str = _opt(
         "auto", "The KV cache's dtype (vLLM's flag): only auto, the model's dtype.",
-        choices=("auto",))
+        choices=("auto",), group="cache")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int | None = _opt(
         None, "Most requests running at once (default: sized to the device by "
-        f"`vlmserve.config.sized_scheduler_limits`: {_sizes_help('seqs')}).")
+        f"`vlmserve.config.sized_scheduler_limits`: {_sizes_help('seqs')}).", group="scheduler")
     max_num_batched_tokens: int | None = _opt(
         None, "Token budget per engine step, prefill chunks + decodes (default: sized to the "
-        f"device by `vlmserve.config.sized_scheduler_limits`: {_sizes_help('tokens')}).")
-    enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.")
+        f"device by `vlmserve.config.sized_scheduler_limits`: {_sizes_help('tokens')}).",
+        group="scheduler")
+    enable_chunked_prefill: bool = _opt(True, "Split long prompts into chunks across steps.",
+        group="scheduler")
     max_num_encoder_tokens: int | None = _opt(
         None, "Image-embedding rows the vision tower may produce per step (default: the step "
         "budget, at least the model's largest image or video item within its context length: "
-        "a whole Qwen2-VL video is one item; an encoder server's forward: the step budget).")
+        "a whole Qwen2-VL video is one item; an encoder server's forward: the step budget).",
+        group="scheduler")
     max_num_prefill_tokens_while_decoding: int | None = _opt(
         None, "Prompt tokens (prefill chunks) a step may carry while it also carries decodes, "
         "so running streams wait less behind new prompts; also the image rows such a step "
         "encodes beyond its first image (an image is encoded whole); a step without decodes "
-        "still takes the whole step budget (needs chunked prefill; default: the step budget).")
+        "still takes the whole step budget (needs chunked prefill; default: the step budget).",
+        group="scheduler")
     max_num_encoder_tokens_while_decoding: int | None = _opt(
         None, "Image rows a step that also carries decodes may encode beyond its first image "
         "(an image is encoded whole), so running streams wait less behind the vision tower; "
         "prompt tokens are not capped (default: half the step budget when serving, none "
-        "offline).")
+        "offline).", group="scheduler")
     async_scheduling: bool = _opt(
         True, "Schedule and launch each step before reading back the previous one's tokens, "
-        "so the device does not wait for the host between steps (outputs come a step later).")
+        "so the device does not wait for the host between steps (outputs come a step later).",
+        group="expert")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(
         1, "Ranks that split the language model's heads and MLP (one process per rank; "
-        "a GPU each on CUDA, gloo on CPU); -tp is the same flag (vLLM's).", aliases=("-tp",))
+        "a GPU each on CUDA, gloo on CPU); -tp is the same flag (vLLM's).", aliases=("-tp",),
+        group="parallel")
     tp_timeout: float = _opt(
         300.0, "Seconds a tensor-parallel collective may wait for a rank before the engine "
-        "gives up (a rank that died is noticed before each step, at once).")
+        "gives up (a rank that died is noticed before each step, at once).", group="parallel")
     mm_encoder_tp_mode: str = _opt(
         "data", "The vision tower (and projector) under tensor parallelism: data (each rank "
         "encodes a share of a step's images with a whole copy of the tower, split by rows, "
@@ -185,11 +197,11 @@ class ParallelConfig:
         "language model's, all-reduced: each rank holds about 1/N of its weights and runs "
         "every image through its share). data is the default: vLLM measured it 10 to 45 "
         "percent faster than weights on several GPUs; weights saves device memory.",
-        choices=("data", "replicate", "weights"))
+        choices=("data", "replicate", "weights"), group="parallel")
     enable_expert_parallel: bool = _opt(
         False, "Mixture-of-experts layers (Qwen3-VL-MoE) under tensor parallelism: each rank "
         "holds a share of the experts whole, instead of every expert's share of the "
-        "intermediate columns (the number of experts must divide by the ranks).")
+        "intermediate columns (the number of experts must divide by the ranks).", group="parallel")
 
 
 @dataclass(frozen=True)
@@ -200,19 +212,21 @@ class StructuredOutputsConfig:
     max_grammar_bytes: int = _opt(
         256 << 10, "Largest structured output a request may ask for, in bytes: its JSON "
         "schema (as JSON; with tool_choice \"required\" or a named function, the tools' "
-        "schemas together), regular expression, grammar or choices together.")
+        "schemas together), regular expression, grammar or choices together.", group="structured")
     max_grammar_nesting: int = _opt(
-        64, "Deepest nesting of a JSON schema's objects and arrays a request may send.")
-    max_grammar_choices: int = _opt(1024, "Most choices of a request's `choice` output.")
+        64, "Deepest nesting of a JSON schema's objects and arrays a request may send.",
+        group="structured")
+    max_grammar_choices: int = _opt(1024, "Most choices of a request's `choice` output.",
+        group="structured")
     grammar_compile_timeout: float = _opt(
         30.0, "Seconds one grammar may take to compile (in a compile process, which is "
-        "ended after it); its request is refused naming this option.")
+        "ended after it); its request is refused naming this option.", group="structured")
     grammar_compile_workers: int = _opt(
         2, "Processes that compile grammars, each one grammar at a time, smallest first; "
-        "grammars over 16 KiB never take the last free one.")
+        "grammars over 16 KiB never take the last free one.", group="structured")
     grammar_compile_memory_gb: float = _opt(
         2.0, "Memory (GiB) one grammar's compile may add to its process before it is ended "
-        "and its request refused naming this option.")
+        "and its request refused naming this option.", group="structured")
 
     def __post_init__(self) -> None:
         for name in ("max_grammar_bytes", "max_grammar_nesting", "max_grammar_choices",

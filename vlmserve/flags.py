@@ -3,7 +3,8 @@
 server's (`entrypoints/args.py`). Each field becomes `--field-name` with its
 `metadata["help"]`, its type (Optional ints parse as ints) and, for bools, `--x/--no-x`;
 a field's metadata may also give `choices` (a value outside them is refused naming them),
-`type` (a parser of its own), `nargs` and `aliases` (other flags, vLLM's `-tp`).
+`type` (a parser of its own), `nargs` and `aliases` (other flags, vLLM's `-tp`), and names
+its help section (`group`: a key of `GROUPS`, vLLM's grouping; expert options last).
 """
 
 from __future__ import annotations
@@ -59,10 +60,54 @@ def _field_type(f: dataclasses.Field) -> type:
     return t if isinstance(t, type) else str
 
 
+# the help's sections (argparse groups), in the order `--help` lists them, as vLLM groups its
+# flags; a field's `metadata["group"]` names its section; expert options come last
+GROUPS = {
+    "model": "model: what to load and how",
+    "frontend": "serving: the HTTP front end",
+    "scheduler": "scheduler: batching and step budgets",
+    "cache": "cache: KV cache, prefix caching, image embeddings",
+    "multimodal": "multimodal inputs: limits, local and remote media, preprocessing",
+    "parallel": "parallelism: tensor and expert parallel",
+    "encoder": "encoder service: encode / prefill-decode disaggregation (EPD)",
+    "structured": "structured outputs, tools and reasoning",
+    "expert": "kernels and expert options",
+}
+
+
+def option_group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    """``parser``'s group for the options of `GROUPS` ``key`` (every group made at once, the
+    first time, so that `--help` lists them in `GROUPS` order whatever adds options first)."""
+    groups = getattr(parser, "_vlmserve_groups", None)
+    if groups is None:
+        groups = {k: parser.add_argument_group(title) for k, title in GROUPS.items()}
+        parser._vlmserve_groups = groups  # type: ignore[attr-defined]
+    return groups[key]
+
+
+class ExamplesFormatter(argparse.HelpFormatter):
+    """argparse's wrapping, except lines indented by two spaces (an epilog's examples), kept
+    as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        para: list[str] = []
+        for line in [*text.splitlines(), ""]:
+            if line.startswith("  ") or not line.strip():
+                if para:
+                    out.append(super()._fill_text(" ".join(para), width, indent))
+                    para = []
+                out.append(indent + line if line.strip() else "")
+            else:
+                para.append(line)
+        return "\n".join(out).rstrip("\n")
+
+
 def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                       fields: Iterable[dataclasses.Field], skip: Iterable[str] = (),
                       defaults: Mapping[str, tuple[Any, str]] | None = None) -> list[str]:
-    """Add `--name` per field; options not given stay absent from the namespace, so the
+    """Add `--name` per field, into its `GROUPS` section (`metadata["group"]`) when
+    ``parser`` is a parser; options not given stay absent from the namespace, so the
     dataclass defaults apply. `defaults`: fields whose default the caller sets instead, by
     name, as (value, why): the help shows both, and the option is in the namespace at that
     value unless given. Returns the names added."""
@@ -85,12 +130,15 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             help_text = help_text.replace("(default:", "(the engine's default:")
             help_text += f" Default here: {given_default} ({why})."
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        group = parser
+        if isinstance(parser, argparse.ArgumentParser) and "group" in f.metadata:
+            group = option_group(parser, f.metadata["group"])
         if typ is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=given_default, help=help_text)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(*flags, dest=f.name, type=_one_of(choices) if choices else typ,
+            group.add_argument(*flags, dest=f.name, type=_one_of(choices) if choices else typ,
                                 default=given_default, help=help_text,
                                 nargs=f.metadata.get("nargs"),
                                 metavar="{" + ",".join(choices) + "}" if choices
@@ -101,9 +149,9 @@ def add_field_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 def add_engine_options(parser: argparse.ArgumentParser, skip: Iterable[str] = (),
                        defaults: Mapping[str, tuple[Any, str]] | None = None) -> list[str]:
-    """The engine's options as flags (see `add_field_options`), in a group of their own."""
-    group = parser.add_argument_group("engine options (same names as LLM(...))")
-    return add_field_options(group, EngineConfig.option_fields(), skip, defaults)
+    """The engine's options as flags (see `add_field_options`), each in its `GROUPS`
+    section (same names as `LLM(...)`'s keyword arguments)."""
+    return add_field_options(parser, EngineConfig.option_fields(), skip, defaults)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from vlmserve.frontend.llm_engine import LLMEngine
 from vlmserve.inputs.chat import parse_chat_messages
 from vlmserve.inputs.processor import PromptInput
 from vlmserve.models.processing import ChatTemplateOptions
+from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -25,12 +26,28 @@ class LLM:
     (see `vlmserve.config`).
     """
 
-    def __init__(self, model: str = "tiny-qwen2-vl", **kwargs: Any) -> None:
+    def __init__(self, model: str = "tiny-qwen2-vl", *, allow_remote_images: bool = True,
+                 allowed_remote_hosts: str | Sequence[str] | None = None,
+                 remote_image_timeout: float = FetchPolicy.timeout,
+                 max_remote_image_bytes: int = FetchPolicy.max_bytes,
+                 remote_image_fetch_workers: int = 8, **kwargs: Any) -> None:
+        # http(s) image and video URLs of chats: fetched as the server fetches them (its
+        # options by the same names), but on by default as vLLM's offline API
+        self.fetcher = RemoteImageFetcher(FetchPolicy(
+            remote_image_timeout, max_remote_image_bytes,
+            FetchPolicy.parse_hosts(allowed_remote_hosts)),
+            remote_image_fetch_workers) if allow_remote_images else None
         self.engine = LLMEngine.from_kwargs(model=model, **kwargs)
 
-    __init__.__doc__ = "Engine options (keyword arguments; the CLI's flags by these names):\n" + (
-        "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
-                  for f in EngineConfig.option_fields()))
+    __init__.__doc__ = (
+        "Remote media of `chat` (the server's options by the same names): allow_remote_images "
+        "(default True: http(s) image and video URLs fetched, public addresses only), "
+        "allowed_remote_hosts (host names, addresses, CIDR networks that may be private), "
+        "remote_image_timeout (seconds a fetch in all), max_remote_image_bytes, "
+        "remote_image_fetch_workers (fetches at once).\n"
+        "Engine options (keyword arguments; the CLI's flags by these names):\n" + (
+            "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
+                      for f in EngineConfig.option_fields())))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the next prompts are computed from scratch."""
@@ -80,7 +97,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """OpenAI-style messages (text and image_url parts) through the chat template, with
+        """OpenAI-style messages (text, image_url and video_url parts: data URLs, paths, or
+        http(s) URLs fetched under the `LLM`'s remote media options; vLLM's image_pil parts)
+        through the chat template, with
         ``tools`` (OpenAI's function definitions) where the template shows them; vLLM's
         ``chat_template`` (a Jinja template instead of the model's), ``add_generation_prompt``,
         ``continue_final_message`` (the last, assistant message continued),
@@ -91,6 +110,16 @@ class LLM:
         options = ChatTemplateOptions(chat_template, add_generation_prompt,
                                       continue_final_message, chat_template_kwargs or {})
         prompts = [self.chat_prompt(conv, tools, options) for conv in conversations]
+        if self.fetcher is not None:  # every conversation's remote images at once
+            media = [p["multi_modal_data"] for p in prompts]
+            fetched = self.fetcher.fetch_all_sync(
+                [(mm["image"] + mm.get("video", []),
+                  ["image"] * len(mm["image"]) + ["video"] * len(mm.get("video", [])))
+                 for mm in media])
+            for mm, sources in zip(media, fetched):
+                mm["image"], videos = sources[:len(mm["image"])], sources[len(mm["image"]):]
+                if videos:
+                    mm["video"] = videos
         if mm_processor_kwargs:
             prompts = [{**p, "mm_processor_kwargs": mm_processor_kwargs} for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -120,7 +149,7 @@ class LLM:
         """
         engine = self.engine
         sched = engine.scheduler
-        ids: list[str] = []
+        groups: list[list[str]] = []  # per prompt, its requests' ids (`SamplingParams.n`)
         pending: set[str] = set()
         results: dict[str, RequestOutput] = {}
         failed: list[Exception] = []
@@ -129,9 +158,9 @@ class LLM:
             """Preprocess and queue the next prompt, if any and if there is room ahead."""
             if not todo or not sched.has_room_ahead():
                 return False
-            rid = engine.add_processed_request(engine.process_request(*todo.popleft()))
-            ids.append(rid)
-            pending.add(rid)
+            reqs = engine.process_requests(*todo.popleft())
+            groups.append([engine.add_processed_request(r) for r in reqs])
+            pending.update(groups[-1])
             return True
 
         def admit_while_waiting() -> bool:
@@ -142,7 +171,8 @@ class LLM:
                 todo.clear()
                 return False
 
-        bar = tqdm(total=len(todo), desc="Requests", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=sum(p.n for _, p in todo), desc="Requests", disable=not use_tqdm,
+                   unit="req")
         try:
             while todo or pending:
                 while todo and sched.needs_requests():
@@ -160,4 +190,15 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [results[i] for i in ids]
+        return [_merged([results[i] for i in ids]) for ids in groups]
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's output: its first request's, with every completion's output in order
+    (`index` 0, 1, ...)."""
+    first = outputs[0]
+    if len(outputs) > 1:
+        first.outputs = [dataclasses.replace(o.outputs[0], index=i)
+                         for i, o in enumerate(outputs)]
+        first.finished = all(o.finished for o in outputs)
+    return first

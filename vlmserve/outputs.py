@@ -15,6 +15,9 @@ class CompletionOutput:
     # most likely tokens (most likely first) and the sampled one; raw logprobs (log_softmax
     # of the logits before temperature, top-k, top-p). None when not asked for.
     logprobs: list[dict[int, float]] | None = None
+    # with logprobs asked for: the sum of the sampled tokens' logprobs over the whole output
+    # so far (vLLM's), else None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # the most log-probabilities a request may ask for per token, besides the sampled one's (as
 # vLLM's default max_logprobs and OpenAI's top_logprobs limit)
 MAX_LOGPROBS = 20
+# the most completions one prompt may ask for (`n`; OpenAI's limit)
+MAX_N = 128
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # OpenAI's ranges for presence and frequency penalties and logit biases; vLLM's for the
 # repetition penalty
@@ -92,7 +95,10 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    max_tokens None: as many as the context length leaves room for. temperature 0 is
+    n (OpenAI's and vLLM's): completions of the prompt, each its own request (`LLM.generate`
+    returns them as one `RequestOutput` with n `outputs`; with a seed, the i-th samples with
+    seed + i, as the server's `n` and vLLM's). max_tokens None: as many as the context
+    length leaves room for. temperature 0 is
     greedy; one in (0, 0.01) is raised to `MIN_TEMPERATURE` (0.01). top_k -1 (or 0) and top_p
     1 switch those filters off (a top_p however small keeps the most likely token). seed: a
     64-bit integer, signed or unsigned.
@@ -127,6 +133,7 @@ class SamplingParams:
     request (what `LLM.generate` and the server's non-streamed requests ask for).
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -165,6 +172,8 @@ class SamplingParams:
         def is_real(v: object) -> bool:
             return is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -210,6 +219,12 @@ class SamplingParams:
             self.structured_outputs.validate()
         if self.output_kind not in OUTPUT_KINDS:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+
+    def completion(self, i: int) -> SamplingParams:
+        """The parameters of completion ``i`` of ``n`` (0 is the first): one completion, and
+        with a seed, seed + i (the server's `n` and vLLM's)."""
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

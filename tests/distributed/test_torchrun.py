@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests import procs
 from tests.e2e.test_server import greedy, user
 from tests.e2e.test_server_procs import FLAGS, MODEL, _free_port, wait_healthy
 from vlmserve import LLM
@@ -29,13 +30,17 @@ class TwoHosts:
         self.nodes = []
         for node in range(2):
             log = open(log_dir / f"node{node}.log", "wb")  # noqa: SIM115 - closed with the test
-            self.nodes.append(subprocess.Popen(
+            self.nodes.append(procs.start(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                  "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
                  "127.0.0.1", "--master-port", str(master), "-m", "vlmserve", "serve", MODEL,
                  "--port", str(self.port), "--tensor-parallel-size", "2", *FLAGS, *extra],
-                start_new_session=True, stdout=log, stderr=subprocess.STDOUT))
-        wait_healthy(self.url, self.nodes)
+                stdout=log, stderr=subprocess.STDOUT))
+        try:
+            wait_healthy(self.url, self.nodes)
+        except BaseException:
+            self.kill()
+            raise
 
     def worker(self, node: int) -> int:
         """The pid of node `node`'s rank (torchrun's one child there)."""
@@ -55,9 +60,7 @@ class TwoHosts:
 
     def kill(self) -> None:
         for n in self.nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-                n.wait(10)
+            procs.kill_group(n)
 
 
 @pytest.fixture

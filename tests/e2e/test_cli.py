@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,11 +17,13 @@ import httpx
 import openai
 import pytest
 
+from tests import procs
 from tests.engine.helpers import make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import EngineConfig
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
-from vlmserve.entrypoints.cli import main, make_parser
+from vlmserve.entrypoints.cli import SERVE_EXAMPLES, main, make_parser
+from vlmserve.flags import GROUPS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +56,33 @@ def test_serve_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -
         assert _flat(f.metadata["help"]) in text, flag
     bools = [f for f in options if f.type in ("bool", "bool | None")]
     assert bools and all("--no-" + f.name.replace("_", "-") in text for f in bools)
+
+
+def test_serve_help_is_grouped_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --help` lists every option in its section (vLLM's grouping, from each field's
+    metadata), the sections in `GROUPS` order (kernels and expert options last), choices and
+    defaults shown; its examples parse."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    titles = list(GROUPS.values())
+    starts = [text.index("\n" + t + ":\n") for t in titles]
+    assert starts == sorted(starts) and text.index("\nexamples:\n") > starts[-1]
+    sections = dict(zip(GROUPS, [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]))
+    for f in [*EngineConfig.option_fields(), *dataclasses.fields(ServerConfig)]:
+        assert f.metadata.get("group") in GROUPS, f.name
+        flag = "\n  --" + f.name.replace("_", "-")
+        assert [k for k, sec in sections.items() if flag in sec] == [f.metadata["group"]], flag
+    assert "--dtype {auto,float32,bfloat16,float16,float,half}" in sections["model"]
+    assert "--role {llm,encoder}" in sections["encoder"]
+    assert "Port to listen on (0-65535). (default: 8000)" in " ".join(sections["frontend"].split())
+    assert "--fused-ops" in sections["expert"] and "--max-num-seqs" in sections["scheduler"]
+    examples = [line.strip() for line in SERVE_EXAMPLES.splitlines()
+                if line.startswith("  vlmserve ")]
+    assert len(examples) >= 4
+    for line in examples:
+        args = make_parser().parse_args(shlex.split(line)[1:])
+        assert args.command == "serve"
 
 
 def test_engine_options_parse_to_typed_kwargs() -> None:
@@ -99,7 +129,7 @@ def test_serve_subprocess(vlmserve_cache: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
+    proc = procs.start(  # its process group killed with the test, however it ends
         [sys.executable, "-m", "vlmserve", "serve", "--port", str(port), "--dtype", "float32",
          "--device", "cpu", "--served-model-name", "tiny", "other", "--log-level", "warning",
          "--uvicorn-log-level", "info", "--disable-log-requests", "--max-logprobs", "2",

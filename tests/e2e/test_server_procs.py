@@ -20,8 +20,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import procs
 from tests.e2e.test_server import data_url, greedy, user
 from tests.engine.helpers import make_image
+from tests.procs import group_alive as _group_alive
 from tests.wait import wait_until
 from vlmserve import LLM
 from vlmserve.entrypoints.openai.launch import bind_sockets
@@ -53,7 +55,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 180) 
     raise TimeoutError("the server did not come up")
 
 class ServeProc:
-    """`python -m vlmserve serve ...` in a process group of its own."""
+    """`python -m vlmserve serve ...` in a process group of its own, killed with the test
+    that started it (`tests/procs.py`)."""
 
     def __init__(self, *extra: str, env: dict[str, str] | None = None,
                  model: str = MODEL, stderr: Path | None = None) -> None:
@@ -61,11 +64,15 @@ class ServeProc:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
-            self.proc = subprocess.Popen(
+            self.proc = procs.start(
                 [sys.executable, "-m", "vlmserve", "serve", model, "--port", str(self.port),
-                 *FLAGS, *extra], start_new_session=True, stdout=subprocess.DEVNULL,
+                 *FLAGS, *extra], stdout=subprocess.DEVNULL,
                 stderr=err, env=None if env is None else {**os.environ, **env})
-        wait_healthy(self.url, [self.proc])
+        try:
+            wait_healthy(self.url, [self.proc])
+        except BaseException:  # a failed start, or Ctrl-C meanwhile: nothing left running
+            self.kill()
+            raise
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
@@ -80,9 +87,8 @@ class ServeProc:
             return None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        """SIGKILL the server's whole process group (its engine core and front ends too)."""
+        procs.kill_group(self.proc)
 
 
 def _alive(pid: int) -> bool:
@@ -93,16 +99,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (zombies aside)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
 
 
 @pytest.fixture

@@ -144,9 +144,9 @@ def busy_twice(step_result) -> bool:
 
 
 def trace_preprocessing(engine, set_attr=setattr) -> list[tuple[bool, threading.Thread]]:
-    """Wrap the engine's `step` and `process_request` (through `set_attr`, e.g. pytest's
+    """Wrap the engine's `step` and `process_requests` (through `set_attr`, e.g. pytest's
     `monkeypatch.setattr` to undo it); every preprocessing appends (inside a step?, thread)."""
-    step, process = engine.step, engine.process_request
+    step, process = engine.step, engine.process_requests
     in_step, where = [False], []
 
     def traced_step(*args):
@@ -161,7 +161,7 @@ def trace_preprocessing(engine, set_attr=setattr) -> list[tuple[bool, threading.
         return process(*args)
 
     set_attr(engine, "step", traced_step)
-    set_attr(engine, "process_request", traced_process)
+    set_attr(engine, "process_requests", traced_process)
     return where
 
 

@@ -2,7 +2,7 @@
 Qwen2.5-VL) or a temporal patch (Qwen3-VL) is one encoder item, so the encoder budget and the
 encoder cache hold the model's largest video item as they hold its largest image (vLLM's
 sizing); a budget the user set below a video is refused naming the video and the flag. (The
-README's `LLM(..., max_num_batched_tokens=256)` example serving a 32-frame file:
+docs/offline.md's `LLM(..., max_num_batched_tokens=256)` example serving a 32-frame file:
 tests/e2e/test_readme.py; a server's: tests/e2e/test_server.py.)"""
 
 from __future__ import annotations

@@ -18,8 +18,18 @@ from typing import NoReturn
 
 from vlmserve import __version__
 from vlmserve.entrypoints.args import add_engine_options, add_server_options, engine_kwargs
+from vlmserve.flags import ExamplesFormatter
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
+# `serve --help`'s epilog (each line parses: tests/e2e/test_cli.py)
+SERVE_EXAMPLES = """examples:
+  vlmserve serve tiny-qwen2-vl --device cpu
+  vlmserve serve Qwen/Qwen2-VL-2B-Instruct --api-key KEY --max-model-len 8192
+  vlmserve serve Qwen/Qwen2.5-VL-7B-Instruct -tp 2 --limit-mm-per-prompt '{"image": 4}'
+  vlmserve serve Qwen/Qwen2-VL-2B-Instruct --role encoder --port 8001
+  vlmserve serve Qwen/Qwen2-VL-2B-Instruct --encoder-url http://127.0.0.1:8001
+
+the docs: docs/serving.md (these options by group), docs/multimodal.md, docs/epd.md"""
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -112,10 +122,13 @@ def make_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="Run the OpenAI-compatible server.", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions "
-        "with images, /v1/completions, /v1/models, /health, /metrics).")
+        "with images, /v1/completions, /v1/models, /health, /metrics). Options are grouped "
+        "as vLLM groups them; everyday ones first, kernels and expert options last.",
+        usage="%(prog)s [MODEL] [options]", epilog=SERVE_EXAMPLES,
+        formatter_class=ExamplesFormatter)
     _add_model(serve)
+    add_engine_options(serve)  # first: within a group, the engine's (--model) lead
     add_server_options(serve)
-    add_engine_options(serve)
     serve.set_defaults(func=_serve, parser=serve)
 
     gen = sub.add_parser(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -173,9 +172,8 @@ class AsyncLLM:
         todo = [(rid, params, frames)]
         for i in range(1, n):
             child_id = f"{rid}-{i}"
-            seed = None if params.seed is None else params.seed + i
-            child = dataclasses.replace(params, seed=seed)
-            child_frames = relabeled(frames, child_id, seed)
+            child = params.completion(i)
+            child_frames = relabeled(frames, child_id, child.seed)
             if child_frames is None:  # embedding handles: each child is encoded on its own
                 *_, child_frames = await self._preprocess(prompt, child, child_id,
                                                           image_loader, default_max_tokens)

@@ -50,18 +50,28 @@ class LLMEngine:
                         request_id: str | None = None) -> Request:
         """Validate and preprocess (tokenize, decode and process images, hash, positions).
         Reads only configuration, so it may run on other threads, overlapping the steps.
-        Bad input raises an `InvalidRequestError` naming the problem."""
+        Bad input raises an `InvalidRequestError` naming the problem. One request, whatever
+        ``params.n`` (`process_requests`: all of them)."""
+        return self.process_requests(prompt, params, request_id)[0]
+
+    def process_requests(self, prompt: PromptInput, params: SamplingParams | None = None,
+                         request_id: str | None = None) -> list[Request]:
+        """`process_request` for the ``params.n`` completions of one prompt, preprocessed
+        once: ids ``request_id``, then ``request_id``-1, -2, ...; with a seed, the i-th
+        samples with seed + i (`SamplingParams.completion`), as the server's ``n``."""
         params = params or SamplingParams(**self.sampling_defaults)
         self.input_processor.check_sampling(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         processed = self.input_processor.process(prompt)
-        req = Request(request_id, processed, params, self.eos_token_ids)
-        reason = self.scheduler.limits.check(req.num_prompt_tokens,
-                                             [f.length for f in req.mm_features],
+        reqs = [Request(request_id if i == 0 else f"{request_id}-{i}", processed,
+                        params.completion(i) if params.n > 1 else params, self.eos_token_ids)
+                for i in range(params.n)]
+        reason = self.scheduler.limits.check(reqs[0].num_prompt_tokens,
+                                             [f.length for f in reqs[0].mm_features],
                                              [img.name for img in processed.images])
         if reason is not None:
             raise PromptTooLongError(reason)
-        return req
+        return reqs
 
     def add_processed_request(self, req: Request) -> str:
         """Queue a request from `process_request`."""
@@ -71,11 +81,15 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Validate and queue a request. Bad input raises an `InvalidRequestError` naming the
-        problem and leaves the engine untouched."""
+        """Validate and queue a request (with ``params.n`` > 1, its other completions as
+        ``request_id``-1, -2, ...: `process_requests`). Bad input raises an
+        `InvalidRequestError` naming the problem and leaves the engine untouched."""
         if request_id is not None and request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.add_processed_request(self.process_request(prompt, params, request_id))
+        reqs = self.process_requests(prompt, params, request_id)
+        for req in reqs:
+            self.add_processed_request(req)
+        return reqs[0].request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -23,6 +23,8 @@ class _DetokState:
     sent_chars: int = 0  # delta outputs: text and tokens already reported
     sent_tokens: int = 0
     sent_prompt_logprobs: bool = False  # delta outputs: the prompt's logprobs go once
+    logprob_sum: float = 0.0  # the sampled tokens' logprobs summed (`cumulative_logprob`)
+    num_summed: int = 0  # over this many tokens
 
 
 class OutputProcessor:
@@ -181,6 +183,13 @@ class OutputProcessor:
         else:
             token_ids = list(token_ids)
             logprobs = None if logprobs is None else list(logprobs)
+        cumulative = None
+        if req.output_logprobs is not None:  # the whole output's, for delta outputs too
+            lps, ids = req.output_logprobs, req.output_token_ids
+            for i in range(st.num_summed, min(len(lps), len(ids))):
+                st.logprob_sum += lps[i][ids[i]]
+            st.num_summed = max(st.num_summed, min(len(lps), len(ids)))
+            cumulative = st.logprob_sum
         prompt_logprobs = ranks = None
         if req.prompt_logprobs is not None and (sp.output_kind != "delta"
                                                 or not st.sent_prompt_logprobs):
@@ -191,7 +200,7 @@ class OutputProcessor:
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[CompletionOutput(0, text, token_ids, req.status.value if finished else None,
-                                      logprobs)],
+                                      logprobs, cumulative)],
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_ranks=ranks,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from PIL import Image
+
 from vlmserve.errors import InvalidRequestError
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -14,8 +16,9 @@ _TOOL_FIELDS = ("tool_calls", "tool_call_id")
 
 def parse_chat_messages(messages: list[dict[str, Any]]
                         ) -> tuple[list[dict[str, Any]], list, list]:
-    """Returns the messages with `image_url` parts turned into `{"type": "image"}` and the
-    image sources (URLs, data URLs or paths, loaded later at admission) in order, and the
+    """Returns the messages with `image_url` parts (and the Python API's `image` and vLLM's
+    `image_pil`) turned into `{"type": "image"}` and the image sources (URLs, data URLs or
+    paths, loaded later at admission; PIL images) in order, and the
     videos (`video_url` parts' URLs, or the Python API's `{"type": "video", "video": ...}`)
     in order."""
     if not isinstance(messages, list) or not messages:
@@ -47,6 +50,13 @@ def parse_chat_messages(messages: list[dict[str, Any]]
                 parts.append({"type": kind.removesuffix("_url")})
             elif kind == "image":  # a PIL image or source given directly (Python API)
                 images.append(part.get("image"))
+                parts.append({"type": "image"})
+            elif kind == "image_pil":  # vLLM's: a PIL image (Python API)
+                image = part.get("image_pil")
+                if not isinstance(image, Image.Image):
+                    raise InvalidRequestError(f"message {i}: an image_pil part holds a PIL "
+                                              f"image, got {type(image).__name__}")
+                images.append(image)
                 parts.append({"type": "image"})
             elif kind == "video":  # frames given directly (Python API; `as_video`'s forms)
                 videos.append(part.get("video"))

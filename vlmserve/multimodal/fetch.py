@@ -22,8 +22,9 @@ import ipaddress
 import logging
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import certifi
 import httpx
@@ -36,6 +37,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _REDIRECTS = (301, 302, 303, 307, 308)
+T = TypeVar("T")
 
 
 class _Refused(Exception):
@@ -139,6 +141,38 @@ class RemoteImageFetcher:
         what = kind if index is None else f"{kind} {index}"
         raise InvalidImageError(f"could not fetch {what}: {_short(url)}")
 
+    async def fetch_all(self, sources: list, kinds: list[str]) -> list:
+        """`sources` (of ``kinds``: image or video) with each http(s) URL replaced by its
+        fetched bytes, numbered per kind from 1 in errors. The first failure (in request
+        order) raises and cancels the other fetches."""
+        remote = {i: s for i, s in enumerate(sources) if isinstance(s, str)
+                  and s[:8].lower().startswith(("http://", "https://"))}
+        if not remote:
+            return sources
+        tasks = {i: asyncio.create_task(self.fetch(
+            url, kinds[:i + 1].count(kinds[i]), kinds[i])) for i, url in remote.items()}
+        try:
+            done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks.values():  # the first image's failure, in request order
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks.values():
+                if task.done() and not task.cancelled():
+                    task.exception()  # seen: no "exception never retrieved" for the others
+                task.cancel()
+        return [tasks[i].result() if i in tasks else s for i, s in enumerate(sources)]
+
+    def fetch_all_sync(self, requests: list[tuple[list, list[str]]]) -> list[list]:
+        """`fetch_all` of each request's (sources, kinds), all at once, for code without an
+        event loop (the offline API's chats)."""
+        self._slots = None  # the semaphore of this call's own loop
+
+        async def run() -> list[list]:
+            return list(await asyncio.gather(*(self.fetch_all(s, k) for s, k in requests)))
+
+        return run_sync(run())
+
     async def _fetch(self, url: str) -> bytes:
         current = httpx.URL(url)
         for _ in range(self.policy.max_redirects + 1):
@@ -215,11 +249,17 @@ def fetch_sync(url: str, policy: FetchPolicy | None = None, index: int | None = 
     """`RemoteImageFetcher.fetch` for code without an event loop (the offline API)."""
     fetcher = RemoteImageFetcher(policy, 1)
     try:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(fetcher.fetch(url, index))
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop runs in this thread
-            return pool.submit(asyncio.run, fetcher.fetch(url, index)).result()
+        return run_sync(fetcher.fetch(url, index))
     finally:
         fetcher.close()
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end from code without an event loop, or on a thread of its own
+    where a loop already runs in this one (a notebook's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -11,7 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from vlmserve.entrypoints.openai.tool_calls import tool_call_mode, tool_call_schema
 from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.models.processing import ChatTemplateOptions
-from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from vlmserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 _PART_TYPES = ("text", "image_url", "video_url")
 # OpenAI parameters we do not implement, with the values that ask for nothing (those pass): a
@@ -24,8 +29,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
-# the most choices a request may ask for (OpenAI's limit)
-MAX_N = 128
 # the most prompts one /v1/completions request may batch, and choices in all (prompts x n)
 MAX_PROMPTS = 1024
 # the most log-probabilities per token /v1/completions gives (OpenAI's limit)

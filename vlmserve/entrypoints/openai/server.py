@@ -196,25 +196,11 @@ class OpenAIServing:
 
     async def fetch_remote(self, sources: list, kinds: list[str]) -> list:
         """`sources` (of ``kinds``: image or video) with each http(s) URL replaced by its
-        fetched bytes (with --allow-remote-images; otherwise the loader refuses them). The
-        first failure fails the request and cancels its other fetches."""
-        remote = {i: s for i, s in enumerate(sources) if isinstance(s, str)
-                  and s[:8].lower().startswith(("http://", "https://"))}
-        if self.fetcher is None or not remote:
+        fetched bytes (with --allow-remote-images; otherwise the loader refuses them): the
+        fetcher's `fetch_all`."""
+        if self.fetcher is None:
             return sources
-        tasks = {i: asyncio.create_task(self.fetcher.fetch(
-            url, kinds[:i + 1].count(kinds[i]), kinds[i])) for i, url in remote.items()}
-        try:
-            done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
-            for task in tasks.values():  # the first image's failure, in request order
-                if task in done and task.exception() is not None:
-                    raise task.exception()
-        finally:
-            for task in tasks.values():
-                if task.done() and not task.cancelled():
-                    task.exception()  # seen: no "exception never retrieved" for the others
-                task.cancel()
-        return [tasks[i].result() if i in tasks else s for i, s in enumerate(sources)]
+        return await self.fetcher.fetch_all(sources, kinds)
 
     async def last_outputs(self, streams: list[RequestStream], request: Request
                            ) -> list[RequestOutput]:
