@@ -129,3 +129,20 @@ def test_a_sliding_groups_blocks_stop_growing_past_the_window(gemma3):
     full, sliding = zip(*live)
     assert max(full) >= (31 + 39) // BS  # the full group holds every position
     assert max(sliding[-30:]) <= WINDOW // BS + 1  # decodes: the window and one block
+
+
+def test_tensor_parallel_on_two_ranks(gemma3):
+    """TP=2 over gloo: heads, MLP columns and vocabulary split; each rank holds its own
+    share of both cache groups; the tokens are transformers'."""
+    path, ref = gemma3
+    llm = _llm(path, tensor_parallel_size=2, enable_prefix_caching=True)
+    try:
+        attn = llm.engine.core.executor.runner.model.language_model.layers[0].self_attn
+        assert (attn.heads, attn.kv_heads) == (2, 1)  # 4 heads / 2 KV heads over 2 ranks
+        prompts = _prompts(llm)
+        expected = [ref.generate(p, imgs) for p, imgs in prompts]
+        assert _run(llm, prompts) == expected
+        assert _run(llm, prompts) == expected  # again, from the cached prefixes
+        assert llm.engine.core.scheduler.stats().prefix_cache_hit_tokens > 0
+    finally:
+        llm.engine.shutdown()

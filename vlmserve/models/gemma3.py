@@ -236,9 +236,9 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Scaled by sqrt(hidden) in the weights' dtype; an image token id past the
         vocabulary (its row is the image's) embeds as token 0."""
-        emb = self.language_model.embed_tokens
-        ids = torch.where(token_ids < emb.num_embeddings, token_ids, 0)
-        scale = torch.tensor(emb.embedding_dim ** 0.5, dtype=emb.weight.dtype)
+        emb, tcfg = self.language_model.embed_tokens, self.config.text_config
+        ids = torch.where(token_ids < tcfg.vocab_size, token_ids, 0)
+        scale = torch.tensor(tcfg.hidden_size ** 0.5, dtype=emb.weight.dtype)
         return emb(ids) * scale.to(emb.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
