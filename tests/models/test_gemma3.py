@@ -146,3 +146,35 @@ def test_tensor_parallel_on_two_ranks(gemma3):
         assert llm.engine.core.scheduler.stats().prefix_cache_hit_tokens > 0
     finally:
         llm.engine.shutdown()
+
+
+def _four_turn_chat_hit_rate(path: str) -> float:
+    llm = _llm(path, enable_prefix_caching=True)
+    turns: list[tuple[str, str, list]] = []
+    questions = [("What is in this picture?", [make_image(40, 30, 5)]),
+                 ("Describe its colours.", []),
+                 ("And this one?", [make_image(64, 48, 6)]),
+                 ("Which of the two is brighter?", [])]
+    tokenizer = llm.engine.input_processor.model_processor.tokenizer
+    for text, imgs in questions:
+        turns.append(("user", text, imgs))
+        images = [img for _, _, i in turns for img in i]
+        answer = _run(llm, [(_chat(llm, turns), images)])[0]
+        turns.append(("assistant", tokenizer.decode(answer), []))
+    return llm.engine.core.scheduler.stats().prefix_cache_hit_rate
+
+
+def test_a_chats_prefix_hit_rate_matches_a_full_attention_models(gemma3, tmp_path):
+    """The issue's check: a 4-turn chat with images hits the prefix cache as often on the
+    hybrid model (sliding + full) as on the same model with every layer full attention."""
+    import json
+    import shutil
+
+    path, _ = gemma3
+    full = tmp_path / "full"
+    shutil.copytree(path, full)
+    config = json.loads((full / "config.json").read_text())
+    config["text_config"]["layer_types"] = ["full_attention"] * 2
+    (full / "config.json").write_text(json.dumps(config))
+    hybrid, dense = _four_turn_chat_hit_rate(path), _four_turn_chat_hit_rate(str(full))
+    assert dense > 0.5 and abs(hybrid - dense) <= 0.10, (hybrid, dense)
