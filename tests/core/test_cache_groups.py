@@ -201,3 +201,15 @@ def test_snapshot_pool_is_bounded_and_evicts_least_recently_used():
     assert s3 == s2 and pool.lookup(b"k2") is None and pool.num_evicted_snapshots == 1
     pool.free("a")  # its pending snapshot goes back unkeyed
     assert pool.num_snapshots == 1 and pool.reserve("b", 1) == s3
+
+
+def test_groups_are_sized_windows_first_and_full_layers_take_the_rest():
+    from vlmserve.core.kv_cache_groups import size_cache_groups
+
+    kw = dict(block_size=BS, max_num_seqs=2, max_model_len=64, chunk_tokens=8)
+    assert size_cache_groups([FULL] * 3, 100, **kw) == [CacheGroupSpec(FULL, (0, 1, 2), 100)]
+    # a sliding request holds ceil(7 / 4) + 1 blocks; two of them, one step's chunk (2
+    # blocks) and a block each to spare: 10; the full layers share the other 380
+    got = size_cache_groups([SLIDING, FULL, SLIDING, FULL, LINEAR], 100, **kw)
+    assert got == [CacheGroupSpec(FULL, (1, 3), 190), CacheGroupSpec(SLIDING, (0, 2), 10),
+                   CacheGroupSpec(LINEAR, (4,), 0)]
