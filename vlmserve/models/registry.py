@@ -17,6 +17,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3VLMoeForConditionalGeneration": ("vlmserve.models.qwen3_vl",
                                            "Qwen3VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("vlmserve.models.gemma3",
+                                       "Gemma3ForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
                                           "LlavaNextForConditionalGeneration"),
 }

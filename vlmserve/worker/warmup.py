@@ -94,14 +94,18 @@ class _Layout:
 
 class _Recorder:
     """Calls `fn`, keeping the layouts of the tensor arguments of the first call for each
-    `key(args)` (and the first call's other arguments)."""
+    `key(args)` (and the first call's other arguments), and every distinct tail of
+    positional arguments past the first `head` (a layer's window and soft-cap)."""
 
-    def __init__(self, fn, key=lambda *args: None) -> None:
-        self.fn, self.key = fn, key
+    def __init__(self, fn, key=lambda *args: None, head: int | None = None) -> None:
+        self.fn, self.key, self.head = fn, key, head
         self.layouts: dict = {}
         self.args: tuple = ()
+        self.tails: set[tuple] = set()
 
     def __call__(self, *args, **kwargs):
+        if self.head is not None:
+            self.tails.add(tuple(args[self.head:]))
         key = self.key(*args)
         if key not in self.layouts:
             self.layouts[key] = [_Layout.of(a) if isinstance(a, torch.Tensor) else None
@@ -126,7 +130,7 @@ class _RunnerState:
     def __init__(self, runner, kv_blocks: int) -> None:
         self.fields = {k: getattr(runner, k) for k in self._FIELDS}
         tensors = [runner.sampled, *runner._host_tokens]
-        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches]
+        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches if kv.dim() > 1]
         g = runner.graphs
         if g is not None:
             tensors += [g.dev64, g.dev32] + [t for st in g.staging for t in (st.host64,
@@ -170,7 +174,7 @@ def run_warmup(runner, limits: Limits, processor, *, fused_ops=None,
     kv_blocks = min(sum(cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
                         for p in prompts), runner.num_blocks)
     saved = _RunnerState(runner, kv_blocks)
-    paged = _Recorder(runner.attention_fn, key=lambda q, *a: q.shape[0] == 1)
+    paged = _Recorder(runner.attention_fn, key=lambda q, *a: q.shape[0] == 1, head=4)
     vision = _Recorder(vision_attention_fn) if vision_attention_fn is not None else None
     gelu = _Recorder(fused_ops.quick_gelu) if fused_ops is not None else None
     try:
@@ -222,13 +226,15 @@ def _real_steps(runner, prompts: list) -> None:
 
     def new(rid: str, p) -> NewRequestData:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
+        table = [next(blocks) % runner.num_blocks for _ in range(n)]
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
                               [img.feature for img in p.images], p.prompt_positions,
-                              p.position_offset, greedy, (),
-                              [next(blocks) % runner.num_blocks for _ in range(n)], 0)
+                              p.position_offset, greedy, (), table, 0,
+                              [list(table) for _ in runner.kv_groups[1:]])
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):
-        cached = [CachedRequestData(rid, [], n) for rid, n in computed.items()]
+        cached = [CachedRequestData(rid, [], n, [[] for _ in runner.kv_groups[1:]])
+                  for rid, n in computed.items()]
         return runner.execute_model(SchedulerOutput(
             cached_requests=cached, num_scheduled_tokens=scheduled, **kw))
 
@@ -258,7 +264,7 @@ def _replay(runner, limits: Limits, paged: _Recorder, vision: _Recorder | None,
     device = runner.device
 
     if runner.attention_fn is ta.paged_attention_triton and paged.layouts:
-        q_any, kv, _, scale = paged.args
+        q_any, kv, _, scale = paged.args[:4]
         heads, head_dim = q_any.shape[1:]
         plan = plan_paged(limits, heads, kv.shape[-2], head_dim, q_any.dtype == torch.float32,
                           num_sms(device), decode_tile=ta.DECODE_TILE,
@@ -271,7 +277,8 @@ def _replay(runner, limits: Limits, paged: _Recorder, vision: _Recorder | None,
                       for s in seq_lens]
             meta = build_attention_metadata(list(query_lens), list(seq_lens), tables,
                                             runner.block_size, device)
-            paged.fn(q, kv, meta, scale)
+            for tail in sorted(paged.tails, key=repr):  # every window and soft-cap seen
+                paged.fn(q, kv, meta, scale, *tail)
     if vision is not None and vision.fn is ta.varlen_attention_triton and vision.layouts:
         layouts = vision.layouts[None][:3]
         rows = sum(img.length for img in vis.images)
