@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ class AttentionMetadata:
     # spans whose tokens attend to each other both ways (request index, first, end: absolute
     # positions), e.g. an image's tokens in models that read images bidirectionally
     bidirectional: list[tuple[int, int, int]] | None = None
+    # the step's sequences as linear-attention layers read them (their state slots): a
+    # `layers.gated_deltanet.LinearAttentionMetadata`, in models that have such layers
+    linear: Any = None
     _groups: dict[Window | None, list[AttentionGroup]] = field(default_factory=dict)
 
     def reference_groups(self, window: Window | None = None) -> list[AttentionGroup]:
