@@ -109,3 +109,30 @@ def test_conv_rows_index_states_then_tokens():
     assert index.tolist() == [[0, 1, 4], [1, 4, 5], [2, 3, 6]]
     assert state.tolist() == [[4, 5], [3, 6]]
     assert isinstance(index, np.ndarray)
+
+
+@torch.no_grad()
+def test_snapshots_inside_a_chunk_hold_the_states_there(layers):
+    """A 100-token chunk asking for its states after 16 and 64 tokens (slots 4 and 5),
+    beside a decode: the outputs are the chunk's as if asked nothing, each snapshot equals
+    the states of a run of only that many tokens, and a sequence resumed from a snapshot
+    continues as transformers over the whole tokens."""
+    hf, ours = layers
+    gen = torch.Generator().manual_seed(11)
+    x, other = torch.randn(100, HIDDEN, generator=gen), torch.randn(6, HIDDEN, generator=gen)
+    conv, ssm = pools(ours)
+    ours(other[:5], conv, ssm, build_linear_metadata([5], [1], [False], KERNEL, CPU))
+    plain = ours(x, *pools(ours), build_linear_metadata([100], [0], [False], KERNEL, CPU))
+    meta = build_linear_metadata([100, 1], [0, 1], [False, True], KERNEL, CPU,
+                                 snapshots=[(0, 64, 5), (0, 16, 4)])
+    out = ours(torch.cat([x, other[5:]]), conv, ssm, meta)
+    torch.testing.assert_close(out[:100], plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[100:], hf_out(hf, other)[5:], rtol=1e-4, atol=1e-4)
+    for n, slot in ((16, 4), (64, 5)):
+        c, s = pools(ours)
+        ours(x[:n], c, s, build_linear_metadata([n], [2], [False], KERNEL, CPU))
+        torch.testing.assert_close(conv[slot], c[2])
+        torch.testing.assert_close(ssm[slot], s[2], rtol=1e-4, atol=1e-5)
+    conv[3], ssm[3] = conv[4], ssm[4]  # resume at 16 from the snapshot
+    rest = ours(x[16:], conv, ssm, build_linear_metadata([84], [3], [True], KERNEL, CPU))
+    torch.testing.assert_close(rest, hf_out(hf, x)[16:], rtol=1e-4, atol=1e-4)

@@ -41,15 +41,25 @@ CHUNK = 64  # tokens per chunk of the torch chunked form (transformers' and fla'
 
 @dataclass
 class LinearAttentionMetadata:
-    """A step's sequences as the linear-attention layers read them; built once per step."""
+    """A step's sequences as the linear-attention layers read them; built once per step.
+
+    ``snapshots``: (sequence, tokens into its chunk, slot) for states asked for inside a
+    chunk (0 < tokens < its length): the layer leaves there, in that slot, the sequence's
+    states as they stood after those tokens (a state at a chunk's end is a copy of the
+    running slot after the step: the caller's)."""
 
     query_start_loc: torch.Tensor  # [B + 1] int64: each sequence's first token in the step
     state_slots: torch.Tensor  # [B] int64: each sequence's slot of the state pools
     has_initial_state: torch.Tensor  # [B] bool: whether it continues a state (else zeros)
     query_lens_cpu: list[int]
     has_initial_state_cpu: list[bool]
-    conv_index: torch.Tensor  # [T, kernel] rows of the convolution's input (see `conv_rows`)
-    conv_state_index: torch.Tensor  # [B, kernel - 1] rows that become each new conv state
+    state_slots_cpu: list[int]
+    conv_index: torch.Tensor | None = None  # [T, kernel] the convolution's rows (`conv_rows`)
+    # [B + S, kernel - 1] rows that become the conv states written at `conv_write_slots`
+    # (each sequence's at its slot, then the S snapshots')
+    conv_state_index: torch.Tensor | None = None
+    conv_write_slots: torch.Tensor | None = None
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     _decode_only: bool | None = field(default=None, repr=False)
 
     @property
@@ -59,10 +69,12 @@ class LinearAttentionMetadata:
         return self._decode_only
 
 
-def conv_rows(query_lens: list[int], kernel: int) -> tuple[np.ndarray, np.ndarray]:
+def conv_rows(query_lens: list[int], kernel: int,
+              snapshots: list[tuple[int, int]] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Gather indices of the causal convolution over ``rows = [states of the B sequences
     (kernel - 1 rows each) | the step's T tokens]``: ``[T, kernel]`` (each token's window,
-    oldest first) and ``[B, kernel - 1]`` (each sequence's last inputs: its new state)."""
+    oldest first) and ``[B + S, kernel - 1]`` (each sequence's last inputs, its new state;
+    then those before each of the S (sequence, tokens into its chunk) `snapshots`)."""
     w = kernel - 1
     lens = np.asarray(query_lens, dtype=np.int64)
     B, T = len(lens), int(lens.sum())
@@ -77,17 +89,23 @@ def conv_rows(query_lens: list[int], kernel: int) -> tuple[np.ndarray, np.ndarra
         state = seq_of[:, None] * w + w + rel  # a row of the sequence's previous inputs
         return np.where(rel >= 0, own, state)
 
-    return window(seq, local, kernel), window(np.arange(B), lens, w)
+    ends = np.asarray([(i, n) for i, n in enumerate(query_lens)] + list(snapshots),
+                      dtype=np.int64).reshape(-1, 2)
+    return window(seq, local, kernel), window(ends[:, 0], ends[:, 1], w)
 
 
 def build_linear_metadata(query_lens: list[int], state_slots: list[int],
                           has_initial_state: list[bool], kernel: int,
-                          device: torch.device) -> LinearAttentionMetadata:
+                          device: torch.device,
+                          snapshots: list[tuple[int, int, int]] = ()
+                          ) -> LinearAttentionMetadata:
     """``query_lens[i]`` tokens of sequence i, whose states live at slot ``state_slots[i]``
-    and hold its past when ``has_initial_state[i]``."""
+    and hold its past when ``has_initial_state[i]``; ``snapshots``: (sequence, tokens into
+    its chunk, slot) inside chunks (see `LinearAttentionMetadata`)."""
+    assert all(0 < n < query_lens[i] for i, n, _ in snapshots), snapshots
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
-    index, state_index = conv_rows(query_lens, kernel)
+    index, state_index = conv_rows(query_lens, kernel, [(i, n) for i, n, _ in snapshots])
 
     def dev(a, dtype=torch.int64):
         return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
@@ -96,15 +114,17 @@ def build_linear_metadata(query_lens: list[int], state_slots: list[int],
         query_start_loc=dev(starts), state_slots=dev(state_slots),
         has_initial_state=dev(has_initial_state, torch.bool),
         query_lens_cpu=list(query_lens), has_initial_state_cpu=list(has_initial_state),
-        conv_index=dev(index), conv_state_index=dev(state_index))
+        state_slots_cpu=list(state_slots), conv_index=dev(index),
+        conv_state_index=dev(state_index),
+        conv_write_slots=dev(list(state_slots) + [slot for *_, slot in snapshots]),
+        snapshots=list(snapshots))
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 meta: LinearAttentionMetadata) -> torch.Tensor:
     """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``,
     each sequence continuing its ``conv_state`` row (zeros without an initial state), whose
-    new state is written back."""
-    B = meta.state_slots.shape[0]
+    new state is written back (and the snapshots' states to theirs)."""
     prev = conv_state.index_select(0, meta.state_slots)  # [B, kernel - 1, C]
     prev = prev * meta.has_initial_state[:, None, None].to(prev.dtype)
     rows = torch.cat([prev.reshape(-1, x.shape[1]).to(x.dtype), x])  # [B * (K - 1) + T, C]
@@ -112,8 +132,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     for j in range(weight.shape[1]):
         term = rows.index_select(0, meta.conv_index[:, j]).float() * weight[:, j].float()
         out = term if out is None else out + term
-    new_state = rows[meta.conv_state_index.reshape(-1)].view(B, -1, x.shape[1])
-    conv_state.index_copy_(0, meta.state_slots, new_state.to(conv_state.dtype))
+    n = meta.conv_state_index.shape[0]
+    new_state = rows[meta.conv_state_index.reshape(-1)].view(n, -1, x.shape[1])
+    conv_state.index_copy_(0, meta.conv_write_slots, new_state.to(conv_state.dtype))
     return F.silu(out).to(x.dtype)
 
 
@@ -230,6 +251,44 @@ def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
     return o
 
 
+def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor,
+                              meta: LinearAttentionMetadata) -> torch.Tensor:
+    """`rule_fn` over the step, each chunk with snapshots inside it cut there: pass j runs
+    every sequence's j-th piece (from the state the previous pass left at its slot), and
+    after it the states asked for at the pieces' ends are copied to their snapshot slots."""
+    if not meta.snapshots:
+        return rule_fn(q, k, v, g, beta, ssm_state, meta)
+    cuts: dict[int, list[int]] = {}
+    for i, n, _ in meta.snapshots:
+        cuts.setdefault(i, []).append(n)
+    bounds = [[0, *sorted(set(cuts.get(i, ()))), n] for i, n in enumerate(meta.query_lens_cpu)]
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
+    out = v.new_empty(v.shape, dtype=torch.float32)
+    device = v.device
+    for j in range(max(len(b) for b in bounds) - 1):
+        members = [i for i, b in enumerate(bounds) if len(b) - 1 > j]
+        lens = [bounds[i][j + 1] - bounds[i][j] for i in members]
+        rows = torch.tensor([t for i in members for t in range(starts[i] + bounds[i][j],
+                                                                 starts[i] + bounds[i][j + 1])],
+                            device=device)
+        slots = [meta.state_slots_cpu[i] for i in members]
+        init = [meta.has_initial_state_cpu[i] if j == 0 else True for i in members]
+        loc = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=loc[1:])
+        piece = LinearAttentionMetadata(
+            query_start_loc=torch.from_numpy(loc).to(device), state_slots=torch.tensor(
+                slots, device=device), has_initial_state=torch.tensor(init, device=device),
+            query_lens_cpu=lens, has_initial_state_cpu=init, state_slots_cpu=slots)
+        out[rows] = rule_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state,
+                            piece).float()
+        done = [(meta.state_slots_cpu[i], slot) for i, n, slot in meta.snapshots
+                if n == bounds[i][j + 1]]
+        if done:
+            src, dst = (torch.tensor(c, device=device) for c in zip(*done))
+            ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+    return out
+
+
 LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
 
 
@@ -313,9 +372,10 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([key, key, value], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = self.rule_fn(q.reshape(T, self.k_heads, self.k_dim),
-                         k.reshape(T, self.k_heads, self.k_dim),
-                         v.reshape(T, self.v_heads, self.v_dim), g, beta, ssm_state, meta)
+        o = delta_rule_with_snapshots(
+            self.rule_fn, q.reshape(T, self.k_heads, self.k_dim),
+            k.reshape(T, self.k_heads, self.k_dim), v.reshape(T, self.v_heads, self.v_dim),
+            g, beta, ssm_state, meta)
         o = self.norm(o.to(proj.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return o.reshape(T, -1)
 
