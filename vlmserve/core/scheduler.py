@@ -22,9 +22,11 @@ request cannot fail its neighbours twice.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmserve.core.admission import AdmissionLimits
+from vlmserve.core.kv_cache_groups import CacheGroupSpec
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
 from vlmserve.core.prefetch_plan import predict_next_rows
@@ -70,6 +72,8 @@ class Scheduler:
         plan_prefetch: bool = True,
         enable_prefix_caching: bool = False,
         whole_images: bool = False,
+        cache_groups: Sequence[CacheGroupSpec] | None = None,
+        num_snapshot_slots: int = 0,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.plan_prefetch = plan_prefetch  # only the offloading worker reads the plan
@@ -85,14 +89,20 @@ class Scheduler:
         self.max_num_prefill_tokens_while_decoding = max_num_prefill_tokens_while_decoding
         # image rows such a step may encode beyond its first image (None: the encoder budget)
         self.max_num_encoder_tokens_while_decoding = max_num_encoder_tokens_while_decoding
-        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        # `cache_groups`: one per attention kind of the model's layers (None: all full, one
+        # group of `num_kv_blocks`); `num_snapshot_slots`: the linear group's snapshots
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching,
+                                 groups=cache_groups, max_num_seqs=max_num_seqs,
+                                 num_snapshot_slots=num_snapshot_slots,
+                                 chunk_tokens=max_num_batched_tokens)
         self.encoder_cache = EncoderCacheManager(encoder_cache_rows,
                                                  retain=retain_encoder_outputs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._on_worker: set[str] = set()  # requests whose state the worker holds
-        self._sent_blocks: dict[str, int] = {}  # blocks the worker knows of, per request
+        # blocks the worker knows of, per request and KV group
+        self._sent_blocks: dict[str, list[int]] = {}
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
@@ -108,7 +118,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            max_kv_tokens=self.kv.num_blocks * self.kv.block_size,
+            max_kv_tokens=self.kv.max_kv_tokens,
             max_num_encoder_tokens=self.max_num_encoder_tokens,
             encoder_cache_rows=self.encoder_cache.capacity_rows,
             whole_images=self.whole_images)
@@ -186,7 +196,8 @@ class Scheduler:
                 if num_new == 0:
                     i += 1
                     continue
-            while not self.kv.allocate_slots(req.request_id, start + num_new):
+            while not self.kv.allocate_slots(req.request_id, start + num_new, start,
+                                             req.mm_features):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -212,7 +223,8 @@ class Scheduler:
             if self.enable_chunked_prefill or remaining <= budget:
                 num_new, enc_ids, enc_cost = plan(req, budget)
             if num_new == 0 or not self.kv.allocate_slots(
-                    req.request_id, req.num_computed_tokens + num_new):
+                    req.request_id, req.num_computed_tokens + num_new,
+                    req.num_computed_tokens, req.mm_features):
                 if hit:  # not admitted after all: give the prefix back
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
@@ -344,10 +356,12 @@ class Scheduler:
         rid = req.request_id
         out.num_scheduled_tokens[rid] = num_new
         out.chunk_ends[rid] = start + num_new
-        block_ids = self.kv.block_ids(rid)
+        tables = self.kv.group_block_ids(rid)
         if rid in self._on_worker:
+            sent = self._sent_blocks[rid]
             out.cached_requests.append(CachedRequestData(
-                rid, block_ids[self._sent_blocks[rid]:], start))
+                rid, tables[0][sent[0]:], start,
+                [t[n:] for t, n in zip(tables[1:], sent[1:], strict=True)]))
         else:
             assert not req.num_placeholders, "a request is sent whole only with known tokens"
             self._on_worker.add(rid)
@@ -360,10 +374,15 @@ class Scheduler:
                 position_offset=req.position_offset,
                 sampling_params=req.sampling_params,
                 eos_token_ids=req.eos_token_ids,
-                block_ids=list(block_ids),
+                block_ids=list(tables[0]),
                 num_computed_tokens=start,
+                extra_block_ids=[list(t) for t in tables[1:]],
+                state_slot=self.kv.state_slot(rid),
+                restore_slot=self.kv.pop_restore(rid),
             ))
-        self._sent_blocks[rid] = len(block_ids)
+        self._sent_blocks[rid] = [len(t) for t in tables]
+        out.snapshots += [(rid, pos, slot)
+                          for pos, slot in self.kv.reserve_snapshots(req, start, start + num_new)]
         req.num_computed_tokens = start + num_new
         if start + num_new == req.num_tokens:  # reaches the end: the step samples a token
             req.num_placeholders += 1

@@ -26,8 +26,14 @@ class NewRequestData:
     position_offset: int
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]  # what min_tokens holds back (with stop_token_ids)
-    block_ids: list[int]
+    block_ids: list[int]  # its block table in the first KV group
     num_computed_tokens: int
+    # its block tables in the other KV groups (models with several attention kinds)
+    extra_block_ids: list[list[int]] = field(default_factory=list)
+    # models with linear-attention layers: its running state slot, and the snapshot slot
+    # that state starts from (None: zeros); see core/kv_cache_manager.py
+    state_slot: int | None = None
+    restore_slot: int | None = None
 
 
 @dataclass
@@ -37,6 +43,7 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_extra_block_ids: list[list[int]] = field(default_factory=list)  # other KV groups
 
 
 @dataclass
@@ -59,6 +66,9 @@ class SchedulerOutput:
     # image rows (hash, first row, end row) the NEXT step is expected to read from entries
     # that exist after this step's encoder runs: the worker copies them to the GPU ahead
     prefetch: list[tuple[str, int, int]] = field(default_factory=list)
+    # linear-attention snapshots to take (request id, position, snapshot slot): after the
+    # step, the slot holds the request's state after its first `position` tokens
+    snapshots: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
