@@ -113,24 +113,25 @@ def test_conv_rows_index_states_then_tokens():
 
 @torch.no_grad()
 def test_snapshots_inside_a_chunk_hold_the_states_there(layers):
-    """A 100-token chunk asking for its states after 16 and 64 tokens (slots 4 and 5),
-    beside a decode: the outputs are the chunk's as if asked nothing, each snapshot equals
-    the states of a run of only that many tokens, and a sequence resumed from a snapshot
-    continues as transformers over the whole tokens."""
+    """A 100-token chunk asking for its states after 16 and 64 tokens (slots 4 and 5), a
+    40-token one after 20 (slot 7), beside a decode: the outputs are the chunks' as if asked
+    nothing, each snapshot equals the states of a run of only that many tokens, and a
+    sequence resumed from a snapshot continues as transformers over the whole tokens."""
     hf, ours = layers
     gen = torch.Generator().manual_seed(11)
     x, other = torch.randn(100, HIDDEN, generator=gen), torch.randn(6, HIDDEN, generator=gen)
-    conv, ssm = pools(ours)
+    y = torch.randn(40, HIDDEN, generator=gen)
+    conv, ssm = pools(ours, 8)
     ours(other[:5], conv, ssm, build_linear_metadata([5], [1], [False], KERNEL, CPU))
-    plain = ours(x, *pools(ours), build_linear_metadata([100], [0], [False], KERNEL, CPU))
-    meta = build_linear_metadata([100, 1], [0, 1], [False, True], KERNEL, CPU,
-                                 snapshots=[(0, 64, 5), (0, 16, 4)])
-    out = ours(torch.cat([x, other[5:]]), conv, ssm, meta)
-    torch.testing.assert_close(out[:100], plain, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[100:], hf_out(hf, other)[5:], rtol=1e-4, atol=1e-4)
-    for n, slot in ((16, 4), (64, 5)):
+    meta = build_linear_metadata([100, 1, 40], [0, 1, 2], [False, True, False], KERNEL, CPU,
+                                 snapshots=[(0, 64, 5), (2, 20, 7), (0, 16, 4)])
+    out = ours(torch.cat([x, other[5:], y]), conv, ssm, meta)
+    torch.testing.assert_close(out[:100], hf_out(hf, x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[100:101], hf_out(hf, other)[5:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[101:], hf_out(hf, y), rtol=1e-4, atol=1e-4)
+    for seq, n, slot in ((x, 16, 4), (x, 64, 5), (y, 20, 7)):
         c, s = pools(ours)
-        ours(x[:n], c, s, build_linear_metadata([n], [2], [False], KERNEL, CPU))
+        ours(seq[:n], c, s, build_linear_metadata([n], [2], [False], KERNEL, CPU))
         torch.testing.assert_close(conv[slot], c[2])
         torch.testing.assert_close(ssm[slot], s[2], rtol=1e-4, atol=1e-5)
     conv[3], ssm[3] = conv[4], ssm[4]  # resume at 16 from the snapshot

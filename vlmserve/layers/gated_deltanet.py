@@ -202,10 +202,14 @@ def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
     """The step's sequences (flat ``[T, heads, dim]``) through the recurrence from their
     states (read and written at their slots) -> ``[T, Hv, Dv]`` float32. Single-token
     sequences go as one batch, each longer one by the chunked form."""
-    out = v.new_empty(v.shape, dtype=torch.float32)
-    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
     slots = meta.state_slots
     init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
+    if meta.decode_only:  # no host-built index: a decode graph captures this
+        out, final = delta_rule_step(q, k, v, g, beta, init)
+        ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+        return out
+    out = v.new_empty(v.shape, dtype=torch.float32)
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
     singles = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     final = torch.empty_like(init)
     if singles:
@@ -282,7 +286,7 @@ def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor
         out[rows] = rule_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state,
                             piece).float()
         done = [(meta.state_slots_cpu[i], slot) for i, n, slot in meta.snapshots
-                if n == bounds[i][j + 1]]
+                if len(bounds[i]) > j + 1 and n == bounds[i][j + 1]]
         if done:
             src, dst = (torch.tensor(c, device=device) for c in zip(*done))
             ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.core.kv_cache_groups import FULL as FULL_LAYER
+from vlmserve.core.kv_cache_groups import LayerKind
 from vlmserve.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
 from vlmserve.layers.fused import EAGER_OPS, rotary_qk
 from vlmserve.layers.gated_deltanet import GatedDeltaNet
@@ -25,6 +27,7 @@ from vlmserve.layers.moe import is_sparse_layer, sparse_moe_for
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
 from vlmserve.models.qwen2 import Qwen2MLP, Qwen2Model, rope_settings
+from vlmserve.models.qwen2_vl import text_config
 from vlmserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -232,9 +235,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
         embeds.index_copy_(0, dest, rows.to(embeds.dtype))
         return {}
 
-    @property
-    def layer_kinds(self) -> list[str]:
-        return self.language_model.layer_kinds
+    @classmethod
+    def layer_kinds(cls, hf_config) -> list[LayerKind]:
+        """Each decoder layer's cache kind: linear attention (state slots) or full."""
+        return [LayerKind("linear") if kind == LINEAR else FULL_LAYER
+                for kind in text_config(hf_config).layer_types]
 
     def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per state slot: the conv state's and the recurrent state's shapes (the same in

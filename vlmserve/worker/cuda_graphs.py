@@ -15,6 +15,7 @@ import logging
 import torch
 
 from vlmserve.layers.attention import AttentionMetadata
+from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, conv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +26,16 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _Staging:
-    """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows]
-    and int32 [seq_lens | block table rows], with the owner of each table row."""
+    """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows |
+    linear-attention state slots] and int32 [seq_lens | block table rows], with the owner of
+    each table row."""
 
-    def __init__(self, n: int, max_blocks: int, block_size: int, scratch_block: int) -> None:
+    def __init__(self, n: int, max_blocks: int, block_size: int, scratch_block: int,
+                 scratch_state: int = 0) -> None:
         pin = torch.cuda.is_available()
         self.n, self.block_size, self.scratch_block = n, block_size, scratch_block
-        self.host64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
+        self.scratch_state = scratch_state
+        self.host64 = torch.zeros(5, n, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32,
                                  pin_memory=pin)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
@@ -55,6 +59,8 @@ class _Staging:
                 np64[3, i] = st.sample_row
             np64[1, i] = p + st.position_offset
             np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
+            if st.state_slot is not None:
+                np64[4, i] = st.state_slot
             np32[i] = p + 1
             have = blocks[i] if owner[i] is st else 0
             if have < len(st.block_ids):
@@ -64,8 +70,21 @@ class _Staging:
             if owner[i] is not None:
                 table[i, :blocks[i]] = scratch
                 owner[i], blocks[i] = None, 0
-            np64[:, i] = (0, 0, scratch * bsz, -1)
+            np64[:, i] = (0, 0, scratch * bsz, -1, self.scratch_state)
             np32[i] = 1
+
+
+def decode_linear_metadata(slots: torch.Tensor, kernel: int) -> LinearAttentionMetadata:
+    """The linear layers' metadata of a decode graph of ``len(slots)`` rows, whose state
+    slots the graph reads from ``slots`` (a persistent buffer)."""
+    bs, device = slots.shape[0], slots.device
+    index, state_index = conv_rows([1] * bs, kernel)
+    return LinearAttentionMetadata(
+        query_start_loc=torch.arange(bs + 1, device=device), state_slots=slots,
+        has_initial_state=torch.ones(bs, dtype=torch.bool, device=device),
+        query_lens_cpu=[1] * bs, has_initial_state_cpu=[True] * bs, state_slots_cpu=[],
+        conv_index=torch.from_numpy(index).to(device),
+        conv_state_index=torch.from_numpy(state_index).to(device), conv_write_slots=slots)
 
 
 class DecodeGraphs:
@@ -81,9 +100,9 @@ class DecodeGraphs:
     while step N's copy may still be queued (step N-1, which used the other set, is done).
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], sampled: torch.Tensor,
+    def __init__(self, model, kv_caches: list, sampled: torch.Tensor,
                  max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, linear=None) -> None:
         self.model = model
         self.sampled = sampled
         self.block_size = block_size
@@ -91,7 +110,11 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         n = self.n = self.sizes[-1]
-        self.staging = [_Staging(n, max_blocks, block_size, scratch_block) for _ in range(2)]
+        # a model with linear-attention layers: their states by slot (`worker/linear_states`)
+        self.linear = linear
+        scratch_state = linear.scratch_slot if linear is not None else 0
+        self.staging = [_Staging(n, max_blocks, block_size, scratch_block, scratch_state)
+                        for _ in range(2)]
         self.num_runs = 0
         self.dev64 = self.staging[0].host64.to(device)
         self.dev32 = self.staging[0].host32.to(device)
@@ -121,6 +144,8 @@ class DecodeGraphs:
             block_tables=self.dev32[n:n + bs * self.max_blocks].view(bs, self.max_blocks),
             max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
             block_size=self.block_size)
+        if self.linear is not None:  # every row continues its state at its slot
+            meta.linear = decode_linear_metadata(self.dev64[4, :bs], self.linear.kernel)
         positions = self.model.position_scheme.for_tokens(self.dev64[1, :bs])
 
         src = self.dev64[3, :bs]

@@ -126,7 +126,9 @@ class _RunnerState:
     def __init__(self, runner, kv_blocks: int) -> None:
         self.fields = {k: getattr(runner, k) for k in self._FIELDS}
         tensors = [runner.sampled, *runner._host_tokens]
-        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches]
+        # (linear layers' state pools: every slot is free before the first request, and a
+        # request's first step starts from zeros or a restored snapshot)
+        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches if isinstance(kv, torch.Tensor)]
         g = runner.graphs
         if g is not None:
             tensors += [g.dev64, g.dev32] + [t for st in g.staging for t in (st.host64,
@@ -219,13 +221,16 @@ def _real_steps(runner, prompts: list) -> None:
     p0, p1 = len(vis.prompt_token_ids), len(text.prompt_token_ids)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     blocks = iter(range(1 << 30))
+    slots = iter(range(1 << 30))  # linear-attention state slots, where the model has them
 
     def new(rid: str, p) -> NewRequestData:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
                               [img.feature for img in p.images], p.prompt_positions,
                               p.position_offset, greedy, (),
-                              [next(blocks) % runner.num_blocks for _ in range(n)], 0)
+                              [next(blocks) % runner.num_blocks for _ in range(n)], 0,
+                              state_slot=(next(slots) % runner.linear.num_slots
+                                          if runner.linear is not None else None))
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):
         cached = [CachedRequestData(rid, [], n) for rid, n in computed.items()]
