@@ -10,7 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.helpers import HFOracle, chat_prompt, make_image, mixed_prompts
+from tests.engine.helpers import (
+    HFOracle,
+    chat_prompt,
+    check_second_turn,
+    make_image,
+    mixed_prompts,
+)
 from tests.engine.test_parity import DEVICE, MAX_TOKENS, check
 from vlmserve import LLM, SamplingParams
 
@@ -75,22 +81,11 @@ def test_turn_two_of_a_chat_resumes_from_a_snapshot(setup):
     transformers."""
     name, _, oracle = setup
     llm = engine(name, max_num_batched_tokens=23, enable_prefix_caching=True)
-    image = make_image(112, 84, 9)
-    turn1 = [{"role": "user", "content": [{"type": "image", "image": image},
-                                          {"type": "text", "text": "What is this?"}]}]
-    first = llm.generate(llm.chat_prompt(turn1), GREEDY, use_tqdm=False)[0]
-    turn2 = turn1 + [{"role": "assistant", "content": first.outputs[0].text},
-                     {"role": "user", "content": "And what colour is it?"}]
-    before = llm.engine.get_stats()
-    check(llm, oracle, [llm.chat_prompt(turn2)])
-    after = llm.engine.get_stats()
-    hit = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
-    assert hit >= len(first.prompt_token_ids) - 16
-    assert after["num_images_encoded"] == before["num_images_encoded"]
+    turn2 = check_second_turn(llm, check, oracle, make_image(112, 84, 9), GREEDY)
     cold = engine(name, max_num_batched_tokens=23, enable_prefix_caching=False)
-    again = cold.generate(llm.chat_prompt(turn2), GREEDY, use_tqdm=False)[0]
+    again = cold.generate(turn2, GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == llm.generate(
-        llm.chat_prompt(turn2), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        turn2, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_the_state_pool_holds_max_num_seqs_states(setup):
