@@ -221,6 +221,8 @@ class MTPWeights(nn.Module):
 
 class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     language_model_cls = Qwen3_5TextModel
+    # the shard plan knows neither the linear layers nor the gated q_proj yet
+    supports_tensor_parallel = False
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
