@@ -42,3 +42,24 @@ def test_table_rows_follow_owners_and_growth():
     stage.fill([b], bs=2)  # row 1 becomes padding: back to the scratch block
     assert stage.table[1, :3].tolist() == [SCRATCH] * 3
     assert stage.np64[2, 1] == SCRATCH * BS and stage.np32[1] == 1
+
+
+def test_every_kv_group_gets_its_slots_and_table_rows():
+    stage = _Staging(n=4, max_blocks=5, block_size=BS, scratch_block=SCRATCH,
+                     extra_scratch=(50,))
+    a = state(range(9), computed=8, blocks=[1, 2, 3])
+    a.extra_block_ids = [[50, 7, 8]]  # a sliding group: its first place passed (null)
+    stage.fill([a], bs=2)
+    assert stage.np64[2, :2].tolist() == [3 * BS, SCRATCH * BS]
+    assert stage.np64[4, :2].tolist() == [8 * BS, 50 * BS]  # the second group's slots
+    assert stage.tables[1][0, :3].tolist() == [50, 7, 8]
+    a.block_ids.append(4)
+    a.extra_block_ids[0].append(9)
+    a.token_ids += [0] * 4
+    a.num_computed_tokens = 12
+    stage.fill([a], bs=2)  # the new block reaches both tables
+    assert stage.tables[0][0, :4].tolist() == [1, 2, 3, 4]
+    assert stage.tables[1][0, :4].tolist() == [50, 7, 8, 9]
+    assert stage.np64[4, 0] == 9 * BS
+    stage.fill([], bs=2)  # padding again: every group's row back to its scratch block
+    assert stage.tables[1][0, :4].tolist() == [50] * 4 and stage.np64[4, 0] == 50 * BS

@@ -15,6 +15,7 @@ import torch
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
 from vlmserve.layers import triton_attention
 from vlmserve.layers.attention import (
+    Window,
     build_attention_metadata,
     paged_attention_reference,
 )
@@ -79,7 +80,12 @@ def _run_paged(
     block_size: int,
     dtype: torch.dtype,
     num_splits: int | None = None,
+    window: Window | None = None,
+    softcap: float | None = None,
+    spans: list[tuple[int, int, int]] | None = None,
 ) -> None:
+    """`window`: its blocks before the first query's window point at one shared block of
+    huge values (a windowed cache group's freed places); `spans`: read both ways."""
     H, Hkv, D = model
     gen = torch.Generator(DEVICE).manual_seed(rng.randrange(1 << 30))
     counts = [-(-s // block_size) for s in seq_lens]
@@ -90,22 +96,32 @@ def _run_paged(
     for n in counts:
         block_ids.append(perm[used : used + n])
         used += n
+    if window is not None:
+        null = num_blocks - 1
+        for blocks, q_len, s in zip(block_ids, query_lens, seq_lens):
+            first = min(min([window.first_key(p)] + [a for _, a, b in spans or ()
+                                                     if a <= p < b])
+                        for p in range(s - q_len, s))
+            blocks[:first // block_size] = [null] * (first // block_size)
     meta = build_attention_metadata(query_lens, seq_lens, block_ids, block_size, DEVICE)
+    meta.bidirectional = spans
     q = torch.randn(sum(query_lens), H, D, generator=gen, device=DEVICE).to(dtype)
     kv = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen, device=DEVICE)
     # Slots outside every context hold huge values: reading one would wreck the result.
     live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for blocks, s in zip(block_ids, seq_lens):
         pos = torch.arange(s)
+        pos = pos[torch.tensor(blocks)[pos // block_size] != num_blocks - 1] if window else pos
         live[torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size] = True
     kv.view(2, -1, Hkv, D)[:, ~live.to(DEVICE)] = 1e4
     kv = kv.to(dtype)
     scale = D**-0.5
     rdt = _ref_dtype(dtype)
-    ref = paged_attention_reference(q.to(rdt), kv.to(rdt), meta, scale)
+    ref = paged_attention_reference(q.to(rdt), kv.to(rdt), meta, scale, window, softcap)
     out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kv, meta, scale, num_splits=num_splits, out=out)
-    what = f"q={query_lens[:8]} ctx={seq_lens[:8]} model={model} bs={block_size} {dtype}"
+    paged_attention_triton(q, kv, meta, scale, window, softcap, num_splits=num_splits, out=out)
+    what = (f"q={query_lens[:8]} ctx={seq_lens[:8]} model={model} bs={block_size} {dtype} "
+            f"window={window} softcap={softcap} spans={spans}")
     _check(out, ref, dtype, f"{what} splits={num_splits}")
 
 
@@ -167,6 +183,37 @@ def test_paged_tile_policies(monkeypatch, num_sms):
         seq_lens = [q + rng.randint(0, MAX_CTX) for q in query_lens]
         _run_paged(rng, query_lens, seq_lens, model, 16, torch.bfloat16)
         _run_paged(rng, [1] * 3, [MAX_CTX, 40, 1], model, 32, torch.bfloat16)
+
+
+_WINDOWS = [Window("sliding", 24), Window("sliding", 5), Window("chunked", 32)]
+
+
+@pytest.mark.parametrize("window", _WINDOWS, ids=lambda w: f"{w.kind}{w.size}")
+def test_paged_windows(window):
+    """Sliding and chunked windows in decodes (split and not) and prefill chunks, over block
+    tables whose passed places hold a block of huge values."""
+    rng = random.Random(f"window{window}")
+    model = GQA_MODEL
+    for dtype in _ALL_DTYPES:
+        seq_lens = [rng.randint(1, MAX_CTX) for _ in range(4)]
+        for splits in (None, 3):
+            _run_paged(rng, [1] * 4, seq_lens, model, 16, dtype, splits, window)
+        query_lens = [1, MAX_CHUNK, 7, MAX_CHUNK // 2]
+        seq_lens = [q + rng.randint(0, MAX_CTX) for q in query_lens]
+        _run_paged(rng, query_lens, seq_lens, model, 16, dtype, window=window)
+
+
+def test_paged_spans_both_ways_and_softcap():
+    """Image spans read both ways inside prefill chunks (one cut by the chunk's start, one
+    past a sliding window's reach), with and without a window, and soft-capped scores."""
+    rng = random.Random("spans")
+    query_lens, seq_lens = [1, 40, 30], [70, 100, 30]
+    spans = [(1, 55, 65), (1, 75, 95), (2, 0, 25)]
+    for window in (None, Window("sliding", 8)):
+        for softcap in (None, 0.7):
+            _run_paged(rng, query_lens, seq_lens, GQA_MODEL, 16, torch.float32,
+                       window=window, softcap=softcap, spans=spans)
+    _run_paged(rng, [1, 5], [50, 9], GQA_MODEL, 32, torch.bfloat16, softcap=1.3)
 
 
 def _run_varlen(rng: random.Random, lengths: list[int], heads: int, dim: int,

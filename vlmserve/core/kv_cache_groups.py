@@ -76,6 +76,42 @@ class CacheGroupSpec:
     num_blocks: int = 0
 
 
+def group_max_tokens(kind: LayerKind, num_blocks: int, block_size: int,
+                     chunk_tokens: int) -> int:
+    """Tokens one request can reach in a KV group of `num_blocks` alone (a windowed group
+    holding a request's most: any length)."""
+    bound = kind.max_blocks(block_size, chunk_tokens)
+    if bound is not None and bound <= num_blocks:
+        return 1 << 62
+    return num_blocks * block_size
+
+
+def size_cache_groups(kinds: Sequence[LayerKind], blocks_per_layer: int, *, block_size: int,
+                      max_num_seqs: int, max_model_len: int, chunk_tokens: int
+                      ) -> list[CacheGroupSpec]:
+    """Each group's blocks from the memory of `blocks_per_layer` blocks for every KV layer
+    (what a full-attention model of these layers would get): a windowed group takes what
+    `max_num_seqs` requests can hold at once (their windows, one step's chunk, a block each
+    to spare; no more than every request at full length), the full groups share the rest
+    evenly per layer. The linear group is listed with no blocks."""
+    grouped = layer_groups(kinds)
+    kv_layers = sum(len(layers) for kind, layers in grouped if kind.kind != "linear")
+    most = max_num_seqs * -(-max_model_len // block_size)
+    budget = blocks_per_layer * kv_layers  # in layer-blocks
+    sized: dict[LayerKind, int] = {}
+    for kind, layers in grouped:
+        if kind.windowed:
+            need = (max_num_seqs * kind.max_blocks(block_size, 0)
+                    + -(-chunk_tokens // block_size) + max_num_seqs)
+            sized[kind] = max(min(need, blocks_per_layer, most), 1)
+            budget -= sized[kind] * len(layers)
+    full_layers = sum(len(layers) for kind, layers in grouped if kind.kind == "full")
+    for kind, _ in grouped:
+        if kind.kind == "full":
+            sized[kind] = max(budget // full_layers, 1)
+    return [CacheGroupSpec(kind, layers, sized.get(kind, 0)) for kind, layers in grouped]
+
+
 def window_start(kind: LayerKind, pos: int, images: Sequence = ()) -> int:
     """The first key position a query at `pos` or later reads in a layer of `kind`; a `pos`
     inside an image reaches back to the image's start (models that read images both ways
@@ -128,10 +164,7 @@ class BlockGroup:
 
     def max_tokens(self, chunk_tokens: int) -> int:
         """Tokens one request can reach in this group alone."""
-        bound = self.kind.max_blocks(self.block_size, chunk_tokens)
-        if bound is not None and bound <= self.num_blocks:
-            return 1 << 62
-        return self.num_blocks * self.block_size
+        return group_max_tokens(self.kind, self.num_blocks, self.block_size, chunk_tokens)
 
     # ---- allocation ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import torch
 
 from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.core.admission import AdmissionLimits
+from vlmserve.core.kv_cache_groups import group_max_tokens
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.errors import InvalidRequestError, PromptTooLongError
@@ -135,7 +136,9 @@ class EngineCore:
         executor_cls = MultiprocExecutor if config.tensor_parallel else UniprocExecutor
         self.executor = executor_cls(config, self.model_path, self.hf_config,
                                      self.max_model_len)
-        kv_tokens = self.executor.num_kv_blocks * cc.block_size
+        kv_tokens = min(group_max_tokens(g.kind, g.num_blocks, cc.block_size,
+                                         sc.max_num_batched_tokens)
+                        for g in self.executor.cache_groups if g.kind.kind != "linear")
         if kv_tokens < self.max_model_len:
             # a request alone must always fit, or it is preempted and re-admitted forever
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: "

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from vlmserve.config import EngineConfig
+from vlmserve.core.kv_cache_groups import FULL, LayerKind, size_cache_groups
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fused import FusedOps
@@ -18,17 +19,19 @@ from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight
 from vlmserve.models.metadata import model_processor
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import resolve_device, resolve_dtype
-from vlmserve.worker.linear_states import (
-    LINEAR,
-    cache_groups,
-    layer_kind_names,
-    state_bytes_per_slot,
-)
+from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
 from vlmserve.worker.warmup_plan import Limits
 
 logger = logging.getLogger(__name__)
+
+
+def model_layer_kinds(model) -> list[LayerKind]:
+    """Each decoder layer's kind, as the model declares it (`layer_kinds`; all full
+    attention where it declares none)."""
+    return list(getattr(model, "layer_kinds", None) or [FULL] * model.num_layers)
+
 
 class UniprocExecutor:
     """Model, KV cache and runner in this process. With `tp`, this process is one rank of a
@@ -69,8 +72,13 @@ class UniprocExecutor:
             model, config, max_model_len, state_bytes)
         if tp is not None:
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
-        # the cache groups of a model with more than one layer kind (None: all full)
-        self.cache_groups = cache_groups(model, self.num_kv_blocks)
+        # one cache group per attention kind of the model's layers (a full-attention model:
+        # one group of every layer); `num_kv_blocks` is then the first group's
+        self.cache_groups = size_cache_groups(
+            model_layer_kinds(model), self.num_kv_blocks, block_size=cc.block_size,
+            max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len,
+            chunk_tokens=sc.max_num_batched_tokens)
+        self.num_kv_blocks = self.cache_groups[0].num_blocks
         self.mm_offload = cc.mm_embedding_offload
         self.bytes_per_embedding_row = model.row_width * self.dtype.itemsize
         # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
@@ -82,6 +90,7 @@ class UniprocExecutor:
         model.set_vision_attention_backend(self.vision_attention_fn)
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
+            cache_groups=self.cache_groups,
             mm_offload=self.mm_offload, max_num_batched_tokens=sc.max_num_batched_tokens,
             attention_backend=mc.attention_backend,
             cuda_graph_max_batch=(sc.max_num_seqs if config.resolved.cuda_graphs
@@ -110,7 +119,7 @@ class UniprocExecutor:
         block in every attention layer (not the linear ones)."""
         cc, sc = config.cache_config, config.scheduler_config
         shape = model.kv_cache_shape(1, cc.block_size)
-        kv_layers = sum(kind != LINEAR for kind in layer_kind_names(model))
+        kv_layers = sum(kind.kind != "linear" for kind in model_layer_kinds(model))
         block_bytes = kv_layers * self.dtype.itemsize * int(torch.Size(shape).numel())
         budget = self._memory_budget(config)
         if budget is not None:

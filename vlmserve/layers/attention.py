@@ -10,6 +10,7 @@ and passed to every layer; backends share it. The torch reference backend groups
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +48,37 @@ class AttentionMetadata:
     # spans whose tokens attend to each other both ways (request index, first, end: absolute
     # positions), e.g. an image's tokens in models that read images bidirectionally
     bidirectional: list[tuple[int, int, int]] | None = None
+    # the other KV groups' metadata (models with several attention kinds: `for_group`)
+    groups: list[AttentionMetadata] | None = None
     # the step's sequences as linear-attention layers read them (their state slots): a
     # `layers.gated_deltanet.LinearAttentionMetadata`, in models that have such layers
     linear: Any = None
     _groups: dict[Window | None, list[AttentionGroup]] = field(default_factory=dict)
+    _spans: torch.Tensor | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group `group` (this one for group 0): its block tables and
+        slots, the step's tokens and spans alike."""
+        return self if group == 0 else self.groups[group - 1]
+
+    def token_spans(self) -> torch.Tensor | None:
+        """[T, 2] int32 on the step's device: the span [first, end) each token reads both
+        ways (first > end for none), or None where the step has no `bidirectional` spans;
+        built once per step."""
+        if not self.bidirectional:
+            return None
+        if self._spans is None:
+            q, s = self.query_lens_cpu, self.seq_lens_cpu
+            spans = torch.tensor([1 << 30, 0], dtype=torch.int32).repeat(sum(q), 1)
+            starts = np.concatenate([[0], np.cumsum(q)])
+            for r, first, end in self.bidirectional:
+                ctx = s[r] - q[r]
+                lo, hi = max(first, ctx), min(end, s[r])
+                if lo < hi:
+                    rows = spans[starts[r] + lo - ctx:starts[r] + hi - ctx]
+                    rows[:, 0], rows[:, 1] = first, min(end, s[r])
+            self._spans = spans.to(self.slot_mapping.device, non_blocking=True)
+        return self._spans
 
     def reference_groups(self, window: Window | None = None) -> list[AttentionGroup]:
         """The reference backend's padded batches, built once per step and `window` on first
@@ -77,6 +105,12 @@ class Window:
 
     kind: str
     size: int
+
+    def first_key(self, pos: int) -> int:
+        """The first key position a query at `pos` sees."""
+        if self.kind == "sliding":
+            return max(pos - self.size + 1, 0)
+        return pos // self.size * self.size
 
     def allows(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         if self.kind == "sliding":
@@ -108,13 +142,10 @@ def build_attention_metadata(
     table = block_table_tensor(block_ids)
     q = torch.tensor(query_lens, dtype=torch.int64)
     s = torch.tensor(seq_lens, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # [T] request of each token
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q, 0, out=starts[1:])
-    pos = torch.arange(int(starts[-1])) - starts[req] + (s - q)[req]  # absolute positions
-    slots = table[req, pos // block_size] * block_size + pos % block_size
     return AttentionMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
+        slot_mapping=_slots(table, q, s, starts, block_size).to(device, non_blocking=True),
         query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
         seq_lens=s.to(torch.int32).to(device, non_blocking=True),
         block_tables=table.to(device, non_blocking=True),
@@ -124,6 +155,32 @@ def build_attention_metadata(
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
     )
+
+
+def _slots(table, q, s, starts, block_size: int) -> torch.Tensor:
+    """[T] cache slot of each token of the step."""
+    req = torch.repeat_interleave(torch.arange(len(q)), q)  # [T] request of each token
+    pos = torch.arange(int(starts[-1])) - starts[req] + (s - q)[req]  # absolute positions
+    return table[req, pos // block_size] * block_size + pos % block_size
+
+
+def add_group_metadata(meta: AttentionMetadata, group_block_ids: list[list[list[int]]]
+                       ) -> None:
+    """Give `meta` (the first KV group's) the other KV groups' metadata: the same tokens
+    and spans over each group's block tables (`group_block_ids[g][i]`: request i's table in
+    group g + 1)."""
+    q = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+    s = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    starts = torch.zeros(len(q) + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=starts[1:])
+    device = meta.slot_mapping.device
+    meta.groups = []
+    for block_ids in group_block_ids:
+        table = block_table_tensor(block_ids)
+        meta.groups.append(dataclasses.replace(
+            meta, slot_mapping=_slots(table, q, s, starts, meta.block_size).to(
+                device, non_blocking=True),
+            block_tables=table.to(device, non_blocking=True), groups=None, _groups={}))
 
 
 def _build_group(members, query_lens, seq_lens, starts, table, block_size,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from vlmserve.layers import attention_launch as launch
-from vlmserve.layers.attention import AttentionMetadata
+from vlmserve.layers.attention import AttentionMetadata, Window
 from vlmserve.layers.attention_launch import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
@@ -99,15 +99,24 @@ def _dot(a, b, DOT_PREC: tl.constexpr):
 def _attend(
     q, m_i, l_i, acc, k_rows, v_rows, keys, key_ok, pos, offs_d, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASK_KEYS: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, row_lo=None, softcap=None,
+    LOWER: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
-    """One online-softmax step over a key tile. k_rows/v_rows: [BLOCK_N] row pointers."""
+    """One online-softmax step over a key tile. k_rows/v_rows: [BLOCK_N] row pointers. Each
+    row sees keys up to its `pos` (CAUSAL) and from its `row_lo` (LOWER); with SOFTCAP the
+    scores are ``tanh(s / cap) * cap`` (`qk_scale` then scale / cap, `softcap` cap in log2
+    units)."""
     k = _load_tile(k_rows, offs_d, key_ok, MASK_KEYS, HEAD_DIM, D_PAD)
     s = _dot(q, tl.trans(k), DOT_PREC) * qk_scale  # [M, N], log2 units
+    if SOFTCAP:
+        t = tl.exp(-2.0 * tl.abs(s))  # tanh(|s|) = (1 - t) / (1 + t), never overflowing
+        s = tl.where(s < 0, t - 1.0, 1.0 - t) / (1.0 + t) * softcap
     if MASK_KEYS:
         ok = key_ok[None, :]
         if CAUSAL:
             ok = ok & (keys[None, :] <= pos[:, None])
+        if LOWER:
+            ok = ok & (keys[None, :] >= row_lo[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -126,17 +135,23 @@ def _attend(
 # once per program); the other strides are fixed by the model and stay specialised for
 # vectorised loads.
 @triton.jit(do_not_specialize=["num_reqs", "tiles_per_seq", "num_tokens", "num_heads",
-                               "num_splits", "stride_bt"])
+                               "num_splits", "stride_bt", "window"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    block_tables_ptr, qsl_ptr, seq_lens_ptr,
-    qk_scale, num_reqs, tiles_per_seq, num_tokens, num_heads, num_splits,
+    block_tables_ptr, qsl_ptr, seq_lens_ptr, spans_ptr,
+    qk_scale, softcap, num_reqs, tiles_per_seq, num_tokens, num_heads, num_splits, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     SEARCH_ITERS: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SPANS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
 ):
+    """WINDOW: 0 causal, 1 sliding (the last `window` positions), 2 chunked (the query's
+    chunk of `window`); SPANS: per token [first, end) of the span it reads both ways
+    (`spans_ptr` [T, 2] int32; first > end for none), widening its visible keys; WINDOWED:
+    either (every tile then masked, from each row's first key)."""
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req, tile = _find_seq(
@@ -159,18 +174,6 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=qd_mask, other=0.0)
 
-    # Keys [lo, hi) of this program; those below `free` are visible to every row of the tile.
-    kv_end = ctx + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
-    free = ctx + tile * BLOCK_Q + 1
-    if SPLIT_KV:
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_end)
-    else:
-        lo = kv_end * 0
-        hi = kv_end
-    full_end = lo + tl.maximum(tl.minimum(free, hi) - lo, 0) // BLOCK_N * BLOCK_N
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -178,15 +181,51 @@ def _paged_attn_kernel(
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, full_end, BLOCK_N):
-        keys = start + offs_n
-        blk = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
-        slot = keys % BLOCK_SIZE
-        m_i, l_i, acc = _attend(
-            q, m_i, l_i, acc, k_head + blk * stride_kb + slot * stride_kt,
-            v_head + blk * stride_vb + slot * stride_vt, keys, None, pos, offs_d, qk_scale,
-            HEAD_DIM, D_PAD, False, False, DOT_PREC,
-        )
+    if WINDOWED:
+        # each row's keys [row_lo, row_hi); the program's [lo, hi), every tile masked
+        if WINDOW == 1:
+            row_lo = tl.maximum(pos - window + 1, 0)
+        elif WINDOW == 2:
+            row_lo = pos // window * window
+        else:
+            row_lo = pos * 0
+        last = pos
+        if SPANS:
+            first = tl.load(spans_ptr + tok * 2, mask=row_ok, other=1 << 30)
+            end = tl.load(spans_ptr + tok * 2 + 1, mask=row_ok, other=0)
+            row_lo = tl.minimum(row_lo, first)
+            last = tl.maximum(pos, end - 1)
+        lo = tl.min(tl.where(row_ok, row_lo, 1 << 30), 0)
+        hi = tl.max(tl.where(row_ok, last + 1, 0), 0)
+        if SPLIT_KV:
+            chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+            lo = lo + split * chunk
+            hi = tl.minimum(lo + chunk, hi)
+        full_end = lo
+    else:
+        # Keys [lo, hi) of this program; those below `free` are visible to every row.
+        row_lo = pos
+        last = pos
+        kv_end = ctx + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
+        free = ctx + tile * BLOCK_Q + 1
+        if SPLIT_KV:
+            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, kv_end)
+        else:
+            lo = kv_end * 0
+            hi = kv_end
+        full_end = lo + tl.maximum(tl.minimum(free, hi) - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_end, BLOCK_N):
+            keys = start + offs_n
+            blk = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
+            slot = keys % BLOCK_SIZE
+            m_i, l_i, acc = _attend(
+                q, m_i, l_i, acc, k_head + blk * stride_kb + slot * stride_kt,
+                v_head + blk * stride_vb + slot * stride_vt, keys, None, pos, offs_d, qk_scale,
+                HEAD_DIM, D_PAD, False, False, DOT_PREC, None, softcap, False, SOFTCAP,
+            )
+    # the tiles some row of the program may not see: masked (each row's [row_lo, last])
     for start in range(full_end, hi, BLOCK_N):
         keys = start + offs_n
         key_ok = keys < hi
@@ -194,8 +233,8 @@ def _paged_attn_kernel(
         slot = keys % BLOCK_SIZE
         m_i, l_i, acc = _attend(
             q, m_i, l_i, acc, k_head + blk * stride_kb + slot * stride_kt,
-            v_head + blk * stride_vb + slot * stride_vt, keys, key_ok, pos, offs_d, qk_scale,
-            HEAD_DIM, D_PAD, True, True, DOT_PREC,
+            v_head + blk * stride_vb + slot * stride_vt, keys, key_ok, last, offs_d, qk_scale,
+            HEAD_DIM, D_PAD, True, True, DOT_PREC, row_lo, softcap, WINDOWED, SOFTCAP,
         )
 
     if SPLIT_KV:
@@ -307,11 +346,15 @@ def paged_attention_triton(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
     meta: AttentionMetadata,
     scale: float,
+    window: Window | None = None,
+    softcap: float | None = None,
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens to its paged context (one launch).
+    """Causal attention of each request's new tokens to its paged context (one launch),
+    within ``window`` if given, both ways inside the step's `bidirectional` spans, scores
+    soft-capped by ``softcap`` if given (as `paged_attention_reference`).
 
     ``num_splits`` (decode-only steps) overrides the flash-decoding split count; any value is
     correct for any context length, so a CUDA graph may fix it at capture time. ``out``: an
@@ -343,15 +386,23 @@ def paged_attention_triton(
         part_acc = part_ml = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = meta.block_tables
+    spans = meta.token_spans()
+    kind = {None: 0, "sliding": 1, "chunked": 2}[window.kind if window else None]
+    qk_scale, cap = scale * _LOG2E, 0.0
+    if softcap:
+        qk_scale, cap = scale / softcap, softcap * _LOG2E
     _paged_attn_kernel[(cfg.programs, Hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, bt, meta.query_start_loc, meta.seq_lens,
-        scale * _LOG2E, B, cfg.tiles_per_seq, T, H, splits,
+        spans if spans is not None else meta.seq_lens,
+        qk_scale, cap, B, cfg.tiles_per_seq, T, H, splits, window.size if window else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         G=G, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, SEARCH_ITERS=cfg.search_iters,
-        SPLIT_KV=splits > 1, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.warps,
+        SPLIT_KV=splits > 1, DOT_PREC=_dot_precision(q.dtype), WINDOW=kind,
+        SPANS=spans is not None, SOFTCAP=bool(softcap), WINDOWED=kind != 0 or spans is not None,
+        num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
     if splits > 1:

@@ -131,7 +131,7 @@ def rotary_dim(cfg) -> int:
 
 
 class Qwen3_5TextModel(Qwen2Model):
-    """Token embedding, layers of both kinds, final norm. `layer_kinds` says which layer is
+    """Token embedding, layers of both kinds, final norm. `layer_types` says which layer is
     which; a full-attention layer's cache is a paged KV tensor (`kv_cache_shape`), a linear
     layer's the pair of state pools (`linear_state_shapes`, per slot)."""
 
@@ -145,7 +145,7 @@ class Qwen3_5TextModel(Qwen2Model):
         theta, section, _ = rope_settings(cfg)
         # Qwen3.5's sections always interleave (t h w t h w ...)
         self.rotary = MRotaryEmbedding(rotary_dim(cfg), theta, section, interleaved=True)
-        self.layer_kinds = [layer.kind for layer in self.layers]
+        self.layer_types = [layer.kind for layer in self.layers]
 
     def _attention_layer(self) -> GatedAttention:
         return next(layer.self_attn for layer in self.layers if layer.kind == FULL)
@@ -227,6 +227,10 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
         self.mtp = MTPWeights()
+        # each decoder layer's cache kind: linear attention (state slots) or full
+        self.layer_kinds: list[LayerKind] = [
+            LayerKind("linear") if kind == LINEAR else FULL_LAYER
+            for kind in text_config(hf_config).layer_types]
 
     @classmethod
     def image_row_width(cls, hf_config) -> int:
@@ -237,11 +241,6 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
         embeds.index_copy_(0, dest, rows.to(embeds.dtype))
         return {}
 
-    @classmethod
-    def layer_kinds(cls, hf_config) -> list[LayerKind]:
-        """Each decoder layer's cache kind: linear attention (state slots) or full."""
-        return [LayerKind("linear") if kind == LINEAR else FULL_LAYER
-                for kind in text_config(hf_config).layer_types]
 
     def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per state slot: the conv state's and the recurrent state's shapes (the same in

@@ -21,6 +21,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForConditionalGeneration": ("vlmserve.models.qwen3_5",
                                            "Qwen3_5MoeForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("vlmserve.models.gemma3",
+                                       "Gemma3ForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("vlmserve.models.llava_next",
                                           "LlavaNextForConditionalGeneration"),
 }

@@ -26,29 +26,46 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class _Staging:
-    """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows |
-    linear-attention state slots] and int32 [seq_lens | block table rows], with the owner of
-    each table row."""
+    """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows
+    | the other KV groups' slots | linear-attention state slots, with `scratch_state`] and
+    int32 [seq_lens | block table rows | the other KV groups' block table rows], with the
+    owner of each table row. `scratch_block`: the first KV group's scratch block,
+    `extra_scratch` the other groups' (their extra blocks); `scratch_state`: the state
+    pools' scratch slot, where padding rows write (None: no linear-attention layers)."""
 
     def __init__(self, n: int, max_blocks: int, block_size: int, scratch_block: int,
-                 scratch_state: int = 0) -> None:
+                 extra_scratch: tuple[int, ...] = (), scratch_state: int | None = None
+                 ) -> None:
         pin = torch.cuda.is_available()
         self.n, self.block_size, self.scratch_block = n, block_size, scratch_block
+        self.scratch = (scratch_block, *extra_scratch)
+        groups = len(self.scratch)
+        self.state_row = 3 + groups if scratch_state is not None else None
+        self.host64 = torch.zeros(3 + groups + (scratch_state is not None), n,
+                                  dtype=torch.int64, pin_memory=pin)
+        if scratch_state is not None:
+            self.host64[self.state_row] = scratch_state
         self.scratch_state = scratch_state
-        self.host64 = torch.zeros(5, n, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.full((n + n * max_blocks,), scratch_block, dtype=torch.int32,
-                                 pin_memory=pin)
+        self.host32 = torch.empty(n + groups * n * max_blocks, dtype=torch.int32,
+                                  pin_memory=pin)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.table = self.np32[n:].reshape(n, max_blocks)
-        self.np64[2] = scratch_block * block_size  # padding rows write to the scratch block
+        tables = self.np32[n:].reshape(groups, n, max_blocks)
+        self.tables = list(tables)
+        self.table = self.tables[0]
+        self.slot_rows = [2] + list(range(4, 3 + groups))  # np64's slot row of each group
+        for g, scratch in enumerate(self.scratch):
+            tables[g] = scratch
+            # padding rows write to the scratch block
+            self.np64[self.slot_rows[g]] = scratch * block_size
         self.np64[3] = -1
         self.np32[:n] = 1
         self.row_owner: list[object] = [None] * n  # request state whose blocks fill the row
-        self.row_blocks = [0] * n  # how many of its blocks are written
+        self.row_blocks = [0] * n  # how many of its blocks are written (in every group)
 
     def fill(self, states, bs: int) -> None:
         """Rows 0..len(states)-1 for the decode states, padding rows up to `bs`."""
         bsz, scratch = self.block_size, self.scratch_block
+        extra = len(self.scratch) > 1
         np64, np32, table = self.np64, self.np32, self.table
         owner, blocks = self.row_owner, self.row_blocks
         for i, st in enumerate(states):
@@ -59,18 +76,28 @@ class _Staging:
                 np64[3, i] = st.sample_row
             np64[1, i] = p + st.position_offset
             np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
-            if st.state_slot is not None:
-                np64[4, i] = st.state_slot
+            if self.state_row is not None:
+                np64[self.state_row, i] = st.state_slot
             np32[i] = p + 1
             have = blocks[i] if owner[i] is st else 0
             if have < len(st.block_ids):
                 table[i, have:len(st.block_ids)] = st.block_ids[have:]
+            for g, ids in enumerate(st.extra_block_ids if extra else (), 1):
+                np64[self.slot_rows[g], i] = ids[p // bsz] * bsz + p % bsz
+                if have < len(ids):
+                    self.tables[g][i, have:len(ids)] = ids[have:]
+            if have < len(st.block_ids):
                 owner[i], blocks[i] = st, len(st.block_ids)
         for i in range(len(states), bs):  # padding: harmless tokens writing to the scratch block
             if owner[i] is not None:
-                table[i, :blocks[i]] = scratch
+                for g, t in enumerate(self.tables):
+                    t[i, :blocks[i]] = self.scratch[g]
                 owner[i], blocks[i] = None, 0
-            np64[:, i] = (0, 0, scratch * bsz, -1, self.scratch_state)
+            np64[:4, i] = (0, 0, scratch * bsz, -1)
+            for g in range(1, len(self.scratch)):
+                np64[self.slot_rows[g], i] = self.scratch[g] * bsz
+            if self.state_row is not None:
+                np64[self.state_row, i] = self.scratch_state
             np32[i] = 1
 
 
@@ -101,19 +128,22 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv_caches: list, sampled: torch.Tensor,
-                 max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
-                 device: torch.device, linear=None) -> None:
+                 max_batch: int, max_blocks: int, block_size: int,
+                 scratch_blocks: list[int], device: torch.device, linear=None) -> None:
+        """`scratch_blocks`: each KV group's extra block (its number of blocks); `linear`:
+        the linear-attention layers' states (`worker/linear_states.LinearStates`), whose
+        slots are graph inputs too."""
         self.model = model
         self.sampled = sampled
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         n = self.n = self.sizes[-1]
-        # a model with linear-attention layers: their states by slot (`worker/linear_states`)
+        self.num_groups = len(scratch_blocks)
         self.linear = linear
-        scratch_state = linear.scratch_slot if linear is not None else 0
-        self.staging = [_Staging(n, max_blocks, block_size, scratch_block, scratch_state)
+        self.staging = [_Staging(n, max_blocks, block_size, scratch_blocks[0],
+                                 tuple(scratch_blocks[1:]),
+                                 linear.scratch_slot if linear is not None else None)
                         for _ in range(2)]
         self.num_runs = 0
         self.dev64 = self.staging[0].host64.to(device)
@@ -136,16 +166,24 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def _table(self, group: int, bs: int) -> torch.Tensor:
+        first = self.n + group * self.n * self.max_blocks
+        return self.dev32[first:first + bs * self.max_blocks].view(bs, self.max_blocks)
+
     def _forward_fn(self, bs: int, kv_caches):
-        n = self.n
-        meta = AttentionMetadata(
-            slot_mapping=self.dev64[2, :bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.dev32[:bs],
-            block_tables=self.dev32[n:n + bs * self.max_blocks].view(bs, self.max_blocks),
-            max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
-            block_size=self.block_size)
+        slot_rows = self.staging[0].slot_rows
+        metas = [AttentionMetadata(
+            slot_mapping=self.dev64[slot_rows[g], :bs],
+            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.dev32[:bs],
+            block_tables=self._table(g, bs), max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size, block_size=self.block_size)
+            for g in range(self.num_groups)]
+        meta = metas[0]
+        if self.num_groups > 1:
+            meta.groups = metas[1:]
         if self.linear is not None:  # every row continues its state at its slot
-            meta.linear = decode_linear_metadata(self.dev64[4, :bs], self.linear.kernel)
+            meta.linear = decode_linear_metadata(
+                self.dev64[self.staging[0].state_row, :bs], self.linear.kernel)
         positions = self.model.position_scheme.for_tokens(self.dev64[1, :bs])
 
         src = self.dev64[3, :bs]
@@ -172,6 +210,10 @@ class DecodeGraphs:
         self.dev64[:, :bs].copy_(stage.host64[:, :bs], non_blocking=True)
         n32 = self.n + bs * self.max_blocks
         self.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
+        for g in range(1, self.num_groups):  # the other KV groups' table rows
+            first = self.n + g * self.n * self.max_blocks
+            self.dev32[first:first + bs * self.max_blocks].copy_(
+                stage.host32[first:first + bs * self.max_blocks], non_blocking=True)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:B]

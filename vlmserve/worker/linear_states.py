@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.core.kv_cache_groups import CacheGroupSpec, layer_groups
 from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, build_linear_metadata
 
 #: the layer kinds of `VisionLanguageModel.layer_kinds` that hold states instead of KV
@@ -36,25 +35,10 @@ def state_bytes_per_slot(model, dtype: torch.dtype) -> int:
 
 
 def layer_kind_names(model) -> list[str]:
-    """Each decoder layer's cache kind (`core.kv_cache_groups.KINDS`): all full attention
-    for a model that declares none."""
+    """Each decoder layer's cache kind (`core.kv_cache_groups.KINDS`, from the model's
+    `layer_kinds`): all full attention for a model that declares none."""
     kinds = getattr(model, "layer_kinds", None)
-    if kinds is None:
-        return ["full"] * model.num_layers
-    return [k.kind for k in kinds(model.config)]
-
-
-def cache_groups(model, num_kv_blocks: int) -> list[CacheGroupSpec] | None:
-    """The scheduler's cache groups of a model with layers of more than one kind (each KV
-    group of `num_kv_blocks`); None where every layer is full attention."""
-    kinds = getattr(model, "layer_kinds", None)
-    if kinds is None:
-        return None
-    groups = layer_groups(kinds(model.config))
-    if [k.kind for k, _ in groups] == ["full"]:
-        return None
-    return [CacheGroupSpec(kind, layers, 0 if kind.kind == LINEAR else num_kv_blocks)
-            for kind, layers in groups]
+    return [k.kind for k in kinds] if kinds else ["full"] * model.num_layers
 
 
 @dataclass

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from vlmserve.config import StructuredOutputsConfig
+from vlmserve.core.kv_cache_groups import FULL, CacheGroupSpec
 from vlmserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.layers.attention import build_attention_metadata, get_paged_attention_backend
+from vlmserve.layers.attention import (
+    add_group_metadata,
+    build_attention_metadata,
+    get_paged_attention_backend,
+)
 from vlmserve.layers.gated_deltanet import get_linear_attention_backend
 from vlmserve.layers.grammar import (
     RequestGrammar,
@@ -170,6 +176,7 @@ class ModelRunner:
                  attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
                  max_model_len: int = 0, encoder_cache_rows: int = 0,
                  tp: TensorParallel | None = None, encoder_tp: bool = False,
+                 cache_groups: Sequence[CacheGroupSpec] | None = None,
                  num_state_slots: int = 0, linear_attention_backend: str = "torch") -> None:
         self.model = model
         # tensor parallelism: every rank uses rank 0's sampled tokens, so no rank's state
@@ -178,19 +185,28 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        # one extra block, owned by nobody: padded rows of CUDA-graph batches write there
-        shape = model.kv_cache_shape(num_blocks + 1, block_size)
-        # a linear-attention layer's cache: its state pools (`num_state_slots` slots)
+        # a linear-attention layer's cache: its state pools (`num_state_slots` slots:
+        # worker/linear_states.py)
         self.linear: LinearStates | None = None
-        kinds = layer_kind_names(model)
-        if LINEAR in kinds:
+        if LINEAR in layer_kind_names(model):
             self.linear = LinearStates(model, num_state_slots, device, dtype)
             model.set_linear_attention_backend(
                 get_linear_attention_backend(linear_attention_backend, device))
-        self.kv_caches = [self.linear.pools[i] if kind == LINEAR
-                          else torch.zeros(shape, dtype=dtype, device=device)
-                          for i, kind in enumerate(kinds)]
+        # the KV groups (`core/kv_cache_groups.py`; default: one full group of every layer);
+        # each layer's KV tensor has its group's blocks and one extra, owned by nobody:
+        # padded rows of CUDA-graph batches write there and a window's passed places point
+        # there. A linear-attention layer has no KV tensor here (an empty one)
+        groups = [g for g in cache_groups or () if g.kind.kind != "linear"] or [
+            CacheGroupSpec(FULL, tuple(range(model.num_layers)), num_blocks)]
+        self.kv_groups = groups
+        self.num_blocks = min(g.num_blocks for g in groups)  # a block id valid in every group
+        blocks_of = {layer: g.num_blocks for g in groups for layer in g.layers}
+        self.kv_caches = [
+            torch.zeros(model.kv_cache_shape(blocks_of[i] + 1, block_size), dtype=dtype,
+                        device=device) if i in blocks_of
+            else self.linear.pools[i] if self.linear is not None and i in self.linear.pools
+            else torch.empty(0, device=device)
+            for i in range(model.num_layers)]
         self.attention_fn = get_paged_attention_backend(attention_backend, device)
         model.set_attention_backend(self.attention_fn)
         share = (HostShare(tp.is_host_leader, tp.broadcast_in_host)
@@ -224,7 +240,8 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(model, self.kv_caches, self.sampled,
                                            cuda_graph_max_batch,
                                            -(-max_model_len // block_size), block_size,
-                                           num_blocks, device, self.linear)
+                                           [g.num_blocks for g in groups], device,
+                                           self.linear)
 
     def warmup(self, limits, processor, *, fused_ops=None, vision_attention_fn=None,
                image_sizes=None) -> float:
@@ -269,7 +286,9 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device).manual_seed(sp.seed)
             state = self.requests[new.request_id] = CachedRequestState(
                 **{**vars(new), "token_ids": list(new.token_ids),
-                   "block_ids": list(new.block_ids)}, generator=gen)
+                   "block_ids": list(new.block_ids),
+                   "extra_block_ids": [list(t) for t in new.extra_block_ids]},
+                generator=gen)
             if sp.structured_outputs is not None and self.grammars is not None:
                 compiled = self._paused_grammars.pop(new.request_id, None)
                 if compiled is None:
@@ -282,6 +301,9 @@ class ModelRunner:
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.extra_block_ids, cached.new_extra_block_ids,
+                                      strict=True):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- one step --------------------------------------------------------------------------
@@ -493,6 +515,9 @@ class ModelRunner:
             meta.bidirectional = [
                 (i, 0, st.num_prompt_tokens) for i, st in enumerate(states)
                 if st.num_computed_tokens < st.num_prompt_tokens]
+        if len(self.kv_groups) > 1:
+            add_group_metadata(meta, [[st.extra_block_ids[g] for st in states]
+                                      for g in range(len(self.kv_groups) - 1)])
         step_states = None
         if self.linear is not None:
             step_states = self.linear.prepare(states, query_lens, list(snapshots))

@@ -126,9 +126,10 @@ class _RunnerState:
     def __init__(self, runner, kv_blocks: int) -> None:
         self.fields = {k: getattr(runner, k) for k in self._FIELDS}
         tensors = [runner.sampled, *runner._host_tokens]
-        # (linear layers' state pools: every slot is free before the first request, and a
-        # request's first step starts from zeros or a restored snapshot)
-        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches if isinstance(kv, torch.Tensor)]
+        # (not a linear layer's state pools: every slot is free before the first request,
+        # and a request's first step starts from zeros or a restored snapshot)
+        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches
+                    if isinstance(kv, torch.Tensor) and kv.dim() > 1]
         g = runner.graphs
         if g is not None:
             tensors += [g.dev64, g.dev32] + [t for st in g.staging for t in (st.host64,
@@ -225,15 +226,17 @@ def _real_steps(runner, prompts: list) -> None:
 
     def new(rid: str, p) -> NewRequestData:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
+        table = [next(blocks) % runner.num_blocks for _ in range(n)]
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
                               [img.feature for img in p.images], p.prompt_positions,
-                              p.position_offset, greedy, (),
-                              [next(blocks) % runner.num_blocks for _ in range(n)], 0,
+                              p.position_offset, greedy, (), table, 0,
+                              [list(table) for _ in runner.kv_groups[1:]],
                               state_slot=(next(slots) % runner.linear.num_slots
                                           if runner.linear is not None else None))
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):
-        cached = [CachedRequestData(rid, [], n) for rid, n in computed.items()]
+        cached = [CachedRequestData(rid, [], n, [[] for _ in runner.kv_groups[1:]])
+                  for rid, n in computed.items()]
         return runner.execute_model(SchedulerOutput(
             cached_requests=cached, num_scheduled_tokens=scheduled, **kw))
 

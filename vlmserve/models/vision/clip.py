@@ -142,20 +142,30 @@ class CLIPVisionTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Names relative to the tower (a leading ``vision_model.`` is dropped); blocks past
         the deepest feature layer and ``post_layernorm`` are skipped."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("vision_model.")
-            if name.startswith("post_layernorm."):
-                continue
-            if name.startswith("encoder.layers.") and int(name.split(".")[2]) >= len(
-                    self.encoder.layers):
-                continue
-            if name not in params:
-                raise KeyError(f"unexpected vision weight {name!r}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected "
-                                 f"{tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-            loaded.add(name)
-        return loaded
+        def skip(name: str) -> bool:
+            return name.startswith("post_layernorm.") or (
+                name.startswith("encoder.layers.")
+                and int(name.split(".")[2]) >= len(self.encoder.layers))
+
+        return load_tower_weights(self, weights, skip)
+
+
+@torch.no_grad()
+def load_tower_weights(tower: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       skip) -> set[str]:
+    """Checkpoint tensors into a ViT tower's parameters of the same names (a leading
+    ``vision_model.`` dropped), but those `skip(name)` says the tower did not build."""
+    params = dict(tower.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("vision_model.")
+        if skip(name):
+            continue
+        if name not in params:
+            raise KeyError(f"unexpected vision weight {name!r}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected "
+                             f"{tuple(params[name].shape)}")
+        params[name].copy_(tensor)
+        loaded.add(name)
+    return loaded
