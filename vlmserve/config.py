@@ -7,6 +7,7 @@ A field's `metadata["help"]` is its documentation (the CLI's `--help` reads it).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,10 @@ class ModelConfig:
         choices=("auto", "none", "fp8"), group="model")
     attention_backend: str = _opt("auto", "Paged attention: auto (triton on CUDA), torch, triton.",
                                   choices=("auto", "torch", "triton"), group="expert")
+    linear_attention_backend: str = _opt(
+        "auto", "Linear attention (Gated DeltaNet layers): auto (fla on CUDA where "
+        "flash-linear-attention is installed, else torch), torch, fla.",
+        choices=("auto", "torch", "fla"), group="expert")
     vision_attention_backend: str = _opt(
         "torch", "Vision tower attention: torch (SDPA per equal-length group), flash (torch's "
         "varlen FlashAttention, one call for all images and windows; CUDA, fp16/bf16), triton "
@@ -357,8 +362,12 @@ def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str,
     """What `auto` means for each kernel option on a device (`triton`: Triton kernels run
     there, i.e. CUDA with triton importable; `dtype`: the weights' dtype by name): triton paged
     attention and fused ops where Triton runs (else torch's reference and eager ops), torch's
-    varlen FlashAttention for the vision tower on CUDA in float16 or bfloat16 (else SDPA)."""
+    varlen FlashAttention for the vision tower on CUDA in float16 or bfloat16 (else SDPA),
+    flash-linear-attention's kernels for linear attention where Triton runs and it is
+    installed (else torch's)."""
+    fla = triton and importlib.util.find_spec("fla") is not None
     return {"attention_backend": "triton" if triton else "torch",
+            "linear_attention_backend": "fla" if fla else "torch",
             "fused_ops": "triton" if triton else "eager",
             "vision_attention_backend": ("flash" if device_type == "cuda"
                                          and dtype in ("float16", "bfloat16") else "torch")}
@@ -397,7 +406,8 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
       and an encoder: as given, None is no cap);
     - mm_embedding_offload (engine): unset, on with chunked prefill on CUDA;
     - kernel_warmup (engine): unset, on CUDA;
-    - attention_backend, fused_ops, vision_attention_backend: `auto` by `auto_kernels`.
+    - attention_backend, fused_ops, vision_attention_backend, linear_attention_backend:
+      `auto` by `auto_kernels`.
     And `config.resolved` (`Resolved`): whether the batch limits were sized, the encoder
     cache's rows (mm_cache_gb's: a byte budget the user may set below the largest item, which
     admission then refuses naming it), whether decode steps replay CUDA graphs. Whether

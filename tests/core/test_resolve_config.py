@@ -136,10 +136,15 @@ def test_tensor_parallel_is_on_with_more_than_one_rank() -> None:
 
 
 def test_auto_kernels_is_what_the_layers_take_for_auto() -> None:
+    import importlib.util
+
+    fla = "fla" if importlib.util.find_spec("fla") is not None else "torch"
     assert auto_kernels("cuda", True, "float16") == {
-        "attention_backend": "triton", "fused_ops": "triton", "vision_attention_backend": "flash"}
+        "attention_backend": "triton", "fused_ops": "triton", "vision_attention_backend": "flash",
+        "linear_attention_backend": fla}
     assert auto_kernels("cuda", False, None) == {
-        "attention_backend": "torch", "fused_ops": "eager", "vision_attention_backend": "torch"}
+        "attention_backend": "torch", "fused_ops": "eager", "vision_attention_backend": "torch",
+        "linear_attention_backend": "torch"}
 
 
 def test_a_config_is_resolved_once_for_a_known_role_with_the_model_it_needs() -> None:

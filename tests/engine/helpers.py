@@ -41,6 +41,24 @@ def chat_prompt(llm, text: str, images: list[Image.Image]) -> dict:
     return llm.chat_prompt([{"role": "user", "content": parts}])
 
 
+def check_second_turn(llm, check, oracle, image: Image.Image, params):
+    """A chat's turn 1 about ``image``, then its turn 2 through ``check`` (against
+    ``oracle``): turn 2 takes turn 1's prompt from the prefix cache (all but its last
+    block) and encodes no image. Returns turn 2's prompt."""
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": image},
+                                          {"type": "text", "text": "What is this?"}]}]
+    first = llm.generate(llm.chat_prompt(turn1), params, use_tqdm=False)[0]
+    turn2 = llm.chat_prompt(turn1 + [{"role": "assistant", "content": first.outputs[0].text},
+                                     {"role": "user", "content": "And what colour is it?"}])
+    before = llm.engine.get_stats()
+    check(llm, oracle, [turn2])
+    after = llm.engine.get_stats()
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= len(
+        first.prompt_token_ids) - 16
+    assert after["num_images_encoded"] == before["num_images_encoded"]
+    return turn2
+
+
 def mixed_prompts(llm) -> list[dict]:
     """8 requests: different prompt lengths, 0-3 images of different sizes."""
     specs = [

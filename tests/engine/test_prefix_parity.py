@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import assert_prompts_hit, chat_prompt, make_image, mixed_prompts
+from tests.engine.helpers import (
+    assert_prompts_hit,
+    chat_prompt,
+    check_second_turn,
+    make_image,
+    mixed_prompts,
+)
 from tests.engine.test_parity import DEVICE, MAX_TOKENS, check, setup  # noqa: F401
 from vlmserve import LLM, SamplingParams
 
@@ -31,19 +37,8 @@ def test_the_same_prompts_again_hit_and_match(setup, budget):  # noqa: F811
 
 def test_two_turn_chat_about_one_image(setup):  # noqa: F811
     _, llm, oracle = setup
-    llm = fresh(llm, max_num_batched_tokens=23)
-    image = make_image(140, 112, 7)
-    turn1 = [{"role": "user", "content": [{"type": "image", "image": image},
-                                          {"type": "text", "text": "What is this?"}]}]
-    first = llm.generate(llm.chat_prompt(turn1), GREEDY, use_tqdm=False)[0]
-    turn2 = turn1 + [{"role": "assistant", "content": first.outputs[0].text},
-                     {"role": "user", "content": "And what colour is it?"}]
-    before = llm.engine.get_stats()
-    check(llm, oracle, [llm.chat_prompt(turn2)])
-    after = llm.engine.get_stats()
-    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= len(
-        first.prompt_token_ids) - 16
-    assert after["num_images_encoded"] == before["num_images_encoded"]
+    check_second_turn(fresh(llm, max_num_batched_tokens=23), check, oracle,
+                      make_image(140, 112, 7), GREEDY)
 
 
 def test_a_cached_prefix_ending_inside_an_image(setup):  # noqa: F811

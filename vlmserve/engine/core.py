@@ -161,6 +161,7 @@ class EngineCore:
             enable_prefix_caching=cc.enable_prefix_caching,
             whole_images=images_whole(self.hf_config),
             cache_groups=self.executor.cache_groups,
+            num_snapshot_slots=self.executor.num_snapshot_slots,
         )
         if mc.kernel_warmup:
             self.executor.warmup(self.model_processor)

@@ -19,6 +19,7 @@ from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight
 from vlmserve.models.metadata import model_processor
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import resolve_device, resolve_dtype
+from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
 from vlmserve.worker.warmup_plan import Limits
@@ -53,8 +54,22 @@ class UniprocExecutor:
                                quantization=mc.quantization,
                                expert_parallel=config.parallel_config.enable_expert_parallel)
         self.load_stats = LoadStats(weight_bytes(model), rss[0])
+        # linear-attention layers: a state slot per running request, and with prefix
+        # caching as many snapshot slots (fewer where they would take over half the budget)
+        slot_bytes = state_bytes_per_slot(model, self.dtype)
+        self.num_snapshot_slots = 0
+        if slot_bytes and cc.enable_prefix_caching:
+            self.num_snapshot_slots = sc.max_num_seqs
+            budget = self._memory_budget(config)
+            if budget is not None:
+                fit = int(budget // 2 // slot_bytes) - sc.max_num_seqs
+                self.num_snapshot_slots = max(min(self.num_snapshot_slots, fit), 0)
+            if tp is not None:
+                self.num_snapshot_slots = tp.min_int(self.num_snapshot_slots)
+        self.num_state_slots = sc.max_num_seqs + self.num_snapshot_slots if slot_bytes else 0
+        state_bytes = (self.num_state_slots + 1) * slot_bytes
         self.num_kv_blocks = cc.num_kv_blocks or self._default_num_blocks(
-            model, config, max_model_len)
+            model, config, max_model_len, state_bytes)
         if tp is not None:
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         # one cache group per attention kind of the model's layers (a full-attention model:
@@ -82,23 +97,35 @@ class UniprocExecutor:
                                   and getattr(model, "cuda_graphs_safe", True) else 0),
             max_model_len=max_model_len, encoder_cache_rows=self.encoder_cache_rows,
             tp=tp,
-            encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data")
+            encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data",
+            num_state_slots=self.num_state_slots,
+            linear_attention_backend=mc.linear_attention_backend)
         self.load_stats = dataclasses.replace(
             self.load_stats, host_cache_bytes=self.runner.store.host_pool_bytes)
         logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                     self.num_kv_blocks, cc.block_size)
 
-    def _default_num_blocks(self, model, config: EngineConfig, max_model_len: int) -> int:
+    def _memory_budget(self, config: EngineConfig) -> float | None:
+        """Device bytes the caches may take (CUDA: free memory within
+        gpu_memory_utilization); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free - total * (1.0 - config.cache_config.gpu_memory_utilization)
+
+    def _default_num_blocks(self, model, config: EngineConfig, max_model_len: int,
+                            state_bytes: int = 0) -> int:
+        """KV blocks within the budget left after the linear layers' `state_bytes`, each
+        block in every attention layer (not the linear ones)."""
         cc, sc = config.cache_config, config.scheduler_config
         shape = model.kv_cache_shape(1, cc.block_size)
         kv_layers = sum(kind.kind != "linear" for kind in model_layer_kinds(model))
         block_bytes = kv_layers * self.dtype.itemsize * int(torch.Size(shape).numel())
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - cc.gpu_memory_utilization)
+        budget = self._memory_budget(config)
+        if budget is not None:
             # no more than every sequence at full length could use
             most = sc.max_num_seqs * -(-max_model_len // cc.block_size)
-            return max(min(int(budget // block_bytes), most), 1)
+            return max(min(int((budget - state_bytes) // block_bytes), most), 1)
         return min(sc.max_num_seqs * -(-max_model_len // cc.block_size), 8192)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,9 @@ class AttentionMetadata:
     bidirectional: list[tuple[int, int, int]] | None = None
     # the other KV groups' metadata (models with several attention kinds: `for_group`)
     groups: list[AttentionMetadata] | None = None
+    # the step's sequences as linear-attention layers read them (their state slots): a
+    # `layers.gated_deltanet.LinearAttentionMetadata`, in models that have such layers
+    linear: Any = None
     _groups: dict[Window | None, list[AttentionGroup]] = field(default_factory=dict)
     _spans: torch.Tensor | None = None
 

@@ -143,6 +143,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return self.experts_sum(h), residual
+
+    def experts_sum(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum of the normed ``h [T, hidden]``."""
         weights, ids = route(F.linear(h, self.gate.weight), self.top_k, self.renormalize)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         here = gate_up.shape[0]
@@ -155,7 +159,7 @@ class SparseMoE(nn.Module):
             y = fused_moe(h, gate_up, down, weights, ids, self.ops.silu_mul, elsewhere)
         else:
             y = moe_reference(h, gate_up, down, weights, ids)
-        return (y if self.tp is None else self.tp.all_reduce(y)), residual
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 def is_sparse_layer(cfg, index: int) -> bool:

@@ -99,6 +99,22 @@ def _tiny_qwen3(architecture: str, text: dict) -> BuiltinModel:
                         image_std=(0.5, 0.5, 0.5))
 
 
+def _tiny_qwen3_5(architecture: str, **moe) -> BuiltinModel:
+    """Linear-attention layers around a full-attention one; head_dim 32 with a quarter of it
+    rotated (8 channels: interleaved mRoPE over 4 frequencies, t h w t)."""
+    text = {**_text(64, 128, 3, 4, 2, None, [2, 1, 1]), "head_dim": 32,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, **moe}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True,
+                               "partial_rotary_factor": 0.25}
+    vision = {k: v for k, v in _QWEN3_VIS.items() if k != "deepstack_visual_indexes"}
+    return BuiltinModel(architecture=architecture, text=text, vision=vision,
+                        tie_word_embeddings=False, tiny=True, min_pixels=64 * 64,
+                        max_pixels=512 * 512, image_mean=(0.5, 0.5, 0.5),
+                        image_std=(0.5, 0.5, 0.5))
+
+
 def _qwen3_moe_preset(layers: int) -> BuiltinModel:
     text = {**_text(2048, 6144, layers, 32, 4, 151936, [24, 20, 20]), "head_dim": 128,
             "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
@@ -147,6 +163,11 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         {**_text(64, 128, 3, 4, 2, None, [2, 3, 3]), "head_dim": 16,
          "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
          "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "tiny-qwen3.5": _tiny_qwen3_5("Qwen3_5ForConditionalGeneration"),
+    # every MLP sparse: 8 experts, 2 a token, and a gated shared expert
+    "tiny-qwen3.5-moe": _tiny_qwen3_5(
+        "Qwen3_5MoeForConditionalGeneration", moe_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=64),
     "qwen2-vl-2b-random": BuiltinModel(
         architecture="Qwen2VLForConditionalGeneration",
         text=_text(1536, 8960, 28, 12, 2, 151936, [16, 24, 24]),

@@ -262,6 +262,9 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
             raise ValueError("the transformers backend runs on one device, unquantized "
                              "(tensor parallelism and fp8 need a native model)")
         return cls.from_checkpoint(path, hf_config, dtype, device)
+    if tp is not None and not getattr(cls, "supports_tensor_parallel", True):
+        raise ValueError(f"{cls.__name__} does not run under tensor parallelism yet "
+                         "(tensor_parallel_size 1)")
     quant = checkpoint_quantization(hf_config)
     online = quantization == "fp8" and quant is None
     if online:

@@ -211,8 +211,10 @@ class DecoderVLM(nn.Module):
     (`Qwen2Model`, any of Qwen2 / Llama / Mistral by config), the (optionally tied) lm_head,
     and the runner's hooks onto them. Subclasses add the vision half and `load_weights`."""
 
+    language_model_cls: type[nn.Module] = Qwen2Model
+
     def _init_language_model(self, tcfg) -> None:
-        self.language_model = Qwen2Model(tcfg)
+        self.language_model = self.language_model_cls(tcfg)
         self.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings", False)
                                         or getattr(tcfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)

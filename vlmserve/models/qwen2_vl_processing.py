@@ -136,7 +136,8 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self._hash_extras: dict[tuple[int, int] | None, str] = {}
         # Qwen3-VL's temporal patches each follow their time as text ("<1.5 seconds>") in a
         # vision block of their own
-        self.timestamped = hf_config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+        self.timestamped = hf_config.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                                    "qwen3_5_moe")
         # the video processor's own settings (transformers' Qwen2VLVideoProcessor, or
         # Qwen3VLVideoProcessor: its class defaults where the checkpoint gives none)
         video = _video_processor_config(self.model_path)

@@ -16,6 +16,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Qwen3-VL-MoE: the same class (the decoder takes its sparse layers from the config)
     "Qwen3VLMoeForConditionalGeneration": ("vlmserve.models.qwen3_vl",
                                            "Qwen3VLForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("vlmserve.models.qwen3_5",
+                                        "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("vlmserve.models.qwen3_5",
+                                           "Qwen3_5MoeForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("vlmserve.models.llava", "LlavaForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("vlmserve.models.gemma3",
                                        "Gemma3ForConditionalGeneration"),

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from vlmserve.layers.attention import AttentionMetadata
+from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, conv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -26,17 +27,25 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class _Staging:
     """Pinned host inputs of one decode step: int64 [ids | positions | slots | sampled rows
-    | the other KV groups' slots] and int32 [seq_lens | block table rows | the other KV
-    groups' block table rows], with the owner of each table row. `scratch_block`: the first
-    KV group's scratch block, `extra_scratch` the other groups' (their extra blocks)."""
+    | the other KV groups' slots | linear-attention state slots, with `scratch_state`] and
+    int32 [seq_lens | block table rows | the other KV groups' block table rows], with the
+    owner of each table row. `scratch_block`: the first KV group's scratch block,
+    `extra_scratch` the other groups' (their extra blocks); `scratch_state`: the state
+    pools' scratch slot, where padding rows write (None: no linear-attention layers)."""
 
     def __init__(self, n: int, max_blocks: int, block_size: int, scratch_block: int,
-                 extra_scratch: tuple[int, ...] = ()) -> None:
+                 extra_scratch: tuple[int, ...] = (), scratch_state: int | None = None
+                 ) -> None:
         pin = torch.cuda.is_available()
         self.n, self.block_size, self.scratch_block = n, block_size, scratch_block
         self.scratch = (scratch_block, *extra_scratch)
         groups = len(self.scratch)
-        self.host64 = torch.zeros(3 + groups, n, dtype=torch.int64, pin_memory=pin)
+        self.state_row = 3 + groups if scratch_state is not None else None
+        self.host64 = torch.zeros(3 + groups + (scratch_state is not None), n,
+                                  dtype=torch.int64, pin_memory=pin)
+        if scratch_state is not None:
+            self.host64[self.state_row] = scratch_state
+        self.scratch_state = scratch_state
         self.host32 = torch.empty(n + groups * n * max_blocks, dtype=torch.int32,
                                   pin_memory=pin)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
@@ -67,6 +76,8 @@ class _Staging:
                 np64[3, i] = st.sample_row
             np64[1, i] = p + st.position_offset
             np64[2, i] = st.block_ids[p // bsz] * bsz + p % bsz
+            if self.state_row is not None:
+                np64[self.state_row, i] = st.state_slot
             np32[i] = p + 1
             have = blocks[i] if owner[i] is st else 0
             if have < len(st.block_ids):
@@ -85,7 +96,22 @@ class _Staging:
             np64[:4, i] = (0, 0, scratch * bsz, -1)
             for g in range(1, len(self.scratch)):
                 np64[self.slot_rows[g], i] = self.scratch[g] * bsz
+            if self.state_row is not None:
+                np64[self.state_row, i] = self.scratch_state
             np32[i] = 1
+
+
+def decode_linear_metadata(slots: torch.Tensor, kernel: int) -> LinearAttentionMetadata:
+    """The linear layers' metadata of a decode graph of ``len(slots)`` rows, whose state
+    slots the graph reads from ``slots`` (a persistent buffer)."""
+    bs, device = slots.shape[0], slots.device
+    index, state_index = conv_rows([1] * bs, kernel)
+    return LinearAttentionMetadata(
+        query_start_loc=torch.arange(bs + 1, device=device), state_slots=slots,
+        has_initial_state=torch.ones(bs, dtype=torch.bool, device=device),
+        query_lens_cpu=[1] * bs, has_initial_state_cpu=[True] * bs, state_slots_cpu=[],
+        conv_index=torch.from_numpy(index).to(device),
+        conv_state_index=torch.from_numpy(state_index).to(device), conv_write_slots=slots)
 
 
 class DecodeGraphs:
@@ -101,10 +127,12 @@ class DecodeGraphs:
     while step N's copy may still be queued (step N-1, which used the other set, is done).
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], sampled: torch.Tensor,
+    def __init__(self, model, kv_caches: list, sampled: torch.Tensor,
                  max_batch: int, max_blocks: int, block_size: int,
-                 scratch_blocks: list[int], device: torch.device) -> None:
-        """`scratch_blocks`: each KV group's extra block (its number of blocks)."""
+                 scratch_blocks: list[int], device: torch.device, linear=None) -> None:
+        """`scratch_blocks`: each KV group's extra block (its number of blocks); `linear`:
+        the linear-attention layers' states (`worker/linear_states.LinearStates`), whose
+        slots are graph inputs too."""
         self.model = model
         self.sampled = sampled
         self.block_size = block_size
@@ -112,8 +140,11 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         n = self.n = self.sizes[-1]
         self.num_groups = len(scratch_blocks)
+        self.linear = linear
         self.staging = [_Staging(n, max_blocks, block_size, scratch_blocks[0],
-                                 tuple(scratch_blocks[1:])) for _ in range(2)]
+                                 tuple(scratch_blocks[1:]),
+                                 linear.scratch_slot if linear is not None else None)
+                        for _ in range(2)]
         self.num_runs = 0
         self.dev64 = self.staging[0].host64.to(device)
         self.dev32 = self.staging[0].host32.to(device)
@@ -150,6 +181,9 @@ class DecodeGraphs:
         meta = metas[0]
         if self.num_groups > 1:
             meta.groups = metas[1:]
+        if self.linear is not None:  # every row continues its state at its slot
+            meta.linear = decode_linear_metadata(
+                self.dev64[self.staging[0].state_row, :bs], self.linear.kernel)
         positions = self.model.position_scheme.for_tokens(self.dev64[1, :bs])
 
         src = self.dev64[3, :bs]

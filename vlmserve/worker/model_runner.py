@@ -31,6 +31,7 @@ from vlmserve.layers.attention import (
     build_attention_metadata,
     get_paged_attention_backend,
 )
+from vlmserve.layers.gated_deltanet import get_linear_attention_backend
 from vlmserve.layers.grammar import (
     RequestGrammar,
     allocate_bitmask,
@@ -48,6 +49,7 @@ from vlmserve.layers.sampler import (
 )
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
+from vlmserve.worker.linear_states import LINEAR, LinearStates, layer_kind_names
 from vlmserve.worker.mm_embedding_store import HostShare, MMEmbeddingStore
 
 
@@ -174,7 +176,8 @@ class ModelRunner:
                  attention_backend: str = "torch", cuda_graph_max_batch: int = 0,
                  max_model_len: int = 0, encoder_cache_rows: int = 0,
                  tp: TensorParallel | None = None, encoder_tp: bool = False,
-                 cache_groups: Sequence[CacheGroupSpec] | None = None) -> None:
+                 cache_groups: Sequence[CacheGroupSpec] | None = None,
+                 num_state_slots: int = 0, linear_attention_backend: str = "torch") -> None:
         self.model = model
         # tensor parallelism: every rank uses rank 0's sampled tokens, so no rank's state
         # depends on its logits being bitwise equal to rank 0's
@@ -182,6 +185,13 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        # a linear-attention layer's cache: its state pools (`num_state_slots` slots:
+        # worker/linear_states.py)
+        self.linear: LinearStates | None = None
+        if LINEAR in layer_kind_names(model):
+            self.linear = LinearStates(model, num_state_slots, device, dtype)
+            model.set_linear_attention_backend(
+                get_linear_attention_backend(linear_attention_backend, device))
         # the KV groups (`core/kv_cache_groups.py`; default: one full group of every layer);
         # each layer's KV tensor has its group's blocks and one extra, owned by nobody:
         # padded rows of CUDA-graph batches write there and a window's passed places point
@@ -193,7 +203,9 @@ class ModelRunner:
         blocks_of = {layer: g.num_blocks for g in groups for layer in g.layers}
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(blocks_of[i] + 1, block_size), dtype=dtype,
-                        device=device) if i in blocks_of else torch.empty(0, device=device)
+                        device=device) if i in blocks_of
+            else self.linear.pools[i] if self.linear is not None and i in self.linear.pools
+            else torch.empty(0, device=device)
             for i in range(model.num_layers)]
         self.attention_fn = get_paged_attention_backend(attention_backend, device)
         model.set_attention_backend(self.attention_fn)
@@ -228,7 +240,8 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(model, self.kv_caches, self.sampled,
                                            cuda_graph_max_batch,
                                            -(-max_model_len // block_size), block_size,
-                                           [g.num_blocks for g in groups], device)
+                                           [g.num_blocks for g in groups], device,
+                                           self.linear)
 
     def warmup(self, limits, processor, *, fused_ops=None, vision_attention_fn=None,
                image_sizes=None) -> float:
@@ -282,6 +295,9 @@ class ModelRunner:
                     compiled = self.grammars.take(new.request_id, sp.structured_outputs)
                 state.grammar = RequestGrammar(new.request_id, compiled)
                 self._num_grammars += 1
+        if self.linear is not None:  # resumed from a prefix-cache snapshot: its states
+            self.linear.copy([(new.restore_slot, new.state_slot) for new in so.new_requests
+                              if new.restore_slot is not None])
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -327,8 +343,12 @@ class ModelRunner:
             self.num_graph_steps += 1
             logits = self.graphs.run(states)  # [B, vocab]
             to_sample = states
+            if self.linear is not None and so.snapshots:  # decodes completing a block: the
+                # states at their end
+                self.linear.copy([(self.requests[rid].state_slot, slot)
+                                  for rid, _, slot in so.snapshots])
         else:
-            hidden, to_sample, prompt = self._forward_eager(states, query_lens)
+            hidden, to_sample, prompt = self._forward_eager(states, query_lens, so.snapshots)
             host_prompt = self._prompt_logprobs(*prompt) if prompt is not None else None
             if not to_sample:  # prefill chunks only: nothing to sample
                 return StepResult(self, host_prompt=host_prompt)
@@ -417,7 +437,7 @@ class ModelRunner:
                 banned[i] = [*sp.stop_token_ids, *(() if sp.ignore_eos else st.eos_token_ids)]
         return history, banned
 
-    def _forward_eager(self, states, query_lens):
+    def _forward_eager(self, states, query_lens, snapshots=()):
         """Any mix of prefill chunks and decodes. Returns the hidden states of the tokens to
         sample from, their requests, and for the prompt tokens whose log-probabilities were
         asked for (`prompt_logprobs`, before the request's first token) the hidden states
@@ -498,7 +518,13 @@ class ModelRunner:
         if len(self.kv_groups) > 1:
             add_group_metadata(meta, [[st.extra_block_ids[g] for st in states]
                                       for g in range(len(self.kv_groups) - 1)])
+        step_states = None
+        if self.linear is not None:
+            step_states = self.linear.prepare(states, query_lens, list(snapshots))
+            meta.linear = step_states.meta
         hidden = self.model(embeds, pos, self.kv_caches, meta, **extra)  # [T, hidden]
+        if step_states is not None:
+            self.linear.copy(step_states.after)
         prompt = None
         if scored:
             rows, tokens = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)

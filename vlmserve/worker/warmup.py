@@ -130,7 +130,10 @@ class _RunnerState:
     def __init__(self, runner, kv_blocks: int) -> None:
         self.fields = {k: getattr(runner, k) for k in self._FIELDS}
         tensors = [runner.sampled, *runner._host_tokens]
-        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches if kv.dim() > 1]
+        # (not a linear layer's state pools: every slot is free before the first request,
+        # and a request's first step starts from zeros or a restored snapshot)
+        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches
+                    if isinstance(kv, torch.Tensor) and kv.dim() > 1]
         g = runner.graphs
         if g is not None:
             tensors += [g.dev64, g.dev32] + [t for st in g.staging for t in (st.host64,
@@ -223,6 +226,7 @@ def _real_steps(runner, prompts: list) -> None:
     p0, p1 = len(vis.prompt_token_ids), len(text.prompt_token_ids)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     blocks = iter(range(1 << 30))
+    slots = iter(range(1 << 30))  # linear-attention state slots, where the model has them
 
     def new(rid: str, p) -> NewRequestData:
         n = cdiv(len(p.prompt_token_ids) + 4, runner.block_size)
@@ -230,7 +234,9 @@ def _real_steps(runner, prompts: list) -> None:
         return NewRequestData(rid, list(p.prompt_token_ids), len(p.prompt_token_ids),
                               [img.feature for img in p.images], p.prompt_positions,
                               p.position_offset, greedy, (), table, 0,
-                              [list(table) for _ in runner.kv_groups[1:]])
+                              [list(table) for _ in runner.kv_groups[1:]],
+                              state_slot=(next(slots) % runner.linear.num_slots
+                                          if runner.linear is not None else None))
 
     def step(scheduled: dict[str, int], computed: dict[str, int], **kw):
         cached = [CachedRequestData(rid, [], n, [[] for _ in runner.kv_groups[1:]])

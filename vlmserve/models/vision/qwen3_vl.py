@@ -88,7 +88,8 @@ class Qwen3VisionTransformer(VisionTowerBase):
         cfg = vision_config
         dim = cfg.hidden_size
         self.spatial_merge_size: int = cfg.spatial_merge_size
-        self.deepstack_indexes: list[int] = list(cfg.deepstack_visual_indexes)
+        # Qwen3.5's tower has none
+        self.deepstack_indexes: list[int] = list(getattr(cfg, "deepstack_visual_indexes", ()))
         self.out_hidden_size: int = cfg.out_hidden_size * (1 + len(self.deepstack_indexes))
         head_dim = dim // cfg.num_heads
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels,

@@ -1,0 +1,415 @@
+"""Gated DeltaNet linear attention (Qwen3.5's `linear_attention` layers) over a pool of
+per-sequence states.
+
+A layer: one input projection (q | k | v | z | b | a), a short causal depthwise convolution
+over q | k | v with SiLU (its state: the last ``kernel - 1`` inputs of each sequence), the
+gated delta rule (its state: a ``[v_heads, k_dim, v_dim]`` matrix per sequence), a gated
+RMSNorm (``norm(o) * weight * silu(z)`` per value head) and the output projection.
+
+The recurrence, with q and k L2-normalised, q scaled by ``1/sqrt(k_dim)``, decay
+``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, per value head:
+``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t``.
+
+A step's tokens are flat (``[T, hidden]``) with per-sequence starts (`LinearAttentionMetadata`,
+like the paged attention's metadata); each sequence reads and writes its states at its slot
+of the pools (``conv_state [slots, kernel - 1, conv_dim]``, ``ssm_state [slots, v_heads,
+k_dim, v_dim]`` float32). A sequence without an initial state (the first chunk of a prompt)
+starts from zeros. Any mix of prefill chunks and single-token decodes runs in one call.
+
+Backends (`get_linear_attention_backend`): ``torch`` (any device; the chunked form for
+prefill chunks, 64 tokens a chunk, the step-by-step recurrence for decodes) and ``fla``
+(CUDA: flash-linear-attention's `chunk_gated_delta_rule` for steps with prefill chunks,
+`fused_recurrent_gated_delta_rule` for decode-only steps, imported only there). The
+convolution is the same gather of ``kernel`` rows on both (device index ops of fixed shape
+per batch: capturable in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.layers.fused import EAGER_OPS
+from vlmserve.layers.linear import Linear, MergedLinear
+
+CHUNK = 64  # tokens per chunk of the torch chunked form (transformers' and fla's)
+
+
+@dataclass
+class LinearAttentionMetadata:
+    """A step's sequences as the linear-attention layers read them; built once per step.
+
+    ``snapshots``: (sequence, tokens into its chunk, slot) for states asked for inside a
+    chunk (0 < tokens < its length): the layer leaves there, in that slot, the sequence's
+    states as they stood after those tokens (a state at a chunk's end is a copy of the
+    running slot after the step: the caller's)."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int64: each sequence's first token in the step
+    state_slots: torch.Tensor  # [B] int64: each sequence's slot of the state pools
+    has_initial_state: torch.Tensor  # [B] bool: whether it continues a state (else zeros)
+    query_lens_cpu: list[int]
+    has_initial_state_cpu: list[bool]
+    state_slots_cpu: list[int]
+    conv_index: torch.Tensor | None = None  # [T, kernel] the convolution's rows (`conv_rows`)
+    # [B + S, kernel - 1] rows that become the conv states written at `conv_write_slots`
+    # (each sequence's at its slot, then the S snapshots')
+    conv_state_index: torch.Tensor | None = None
+    conv_write_slots: torch.Tensor | None = None
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    _decode_only: bool | None = field(default=None, repr=False)
+
+    @property
+    def decode_only(self) -> bool:
+        if self._decode_only is None:
+            self._decode_only = all(n == 1 for n in self.query_lens_cpu)
+        return self._decode_only
+
+
+def conv_rows(query_lens: list[int], kernel: int,
+              snapshots: list[tuple[int, int]] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Gather indices of the causal convolution over ``rows = [states of the B sequences
+    (kernel - 1 rows each) | the step's T tokens]``: ``[T, kernel]`` (each token's window,
+    oldest first) and ``[B + S, kernel - 1]`` (each sequence's last inputs, its new state;
+    then those before each of the S (sequence, tokens into its chunk) `snapshots`)."""
+    w = kernel - 1
+    lens = np.asarray(query_lens, dtype=np.int64)
+    B, T = len(lens), int(lens.sum())
+    starts = np.zeros(B, dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    seq = np.repeat(np.arange(B), lens)  # [T]
+    local = np.arange(T) - starts[seq]  # [T] position in its sequence
+
+    def window(seq_of, pos_of, width):
+        rel = pos_of[:, None] - w + np.arange(width)[None, :]  # position of each input
+        own = B * w + starts[seq_of][:, None] + rel  # a token of this step
+        state = seq_of[:, None] * w + w + rel  # a row of the sequence's previous inputs
+        return np.where(rel >= 0, own, state)
+
+    ends = np.asarray([(i, n) for i, n in enumerate(query_lens)] + list(snapshots),
+                      dtype=np.int64).reshape(-1, 2)
+    return window(seq, local, kernel), window(ends[:, 0], ends[:, 1], w)
+
+
+def build_linear_metadata(query_lens: list[int], state_slots: list[int],
+                          has_initial_state: list[bool], kernel: int,
+                          device: torch.device,
+                          snapshots: list[tuple[int, int, int]] = ()
+                          ) -> LinearAttentionMetadata:
+    """``query_lens[i]`` tokens of sequence i, whose states live at slot ``state_slots[i]``
+    and hold its past when ``has_initial_state[i]``; ``snapshots``: (sequence, tokens into
+    its chunk, slot) inside chunks (see `LinearAttentionMetadata`)."""
+    assert all(0 < n < query_lens[i] for i, n, _ in snapshots), snapshots
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    index, state_index = conv_rows(query_lens, kernel, [(i, n) for i, n, _ in snapshots])
+
+    def dev(a, dtype=torch.int64):
+        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
+
+    return LinearAttentionMetadata(
+        query_start_loc=dev(starts), state_slots=dev(state_slots),
+        has_initial_state=dev(has_initial_state, torch.bool),
+        query_lens_cpu=list(query_lens), has_initial_state_cpu=list(has_initial_state),
+        state_slots_cpu=list(state_slots), conv_index=dev(index),
+        conv_state_index=dev(state_index),
+        conv_write_slots=dev(list(state_slots) + [slot for *_, slot in snapshots]),
+        snapshots=list(snapshots))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                meta: LinearAttentionMetadata) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``,
+    each sequence continuing its ``conv_state`` row (zeros without an initial state), whose
+    new state is written back (and the snapshots' states to theirs)."""
+    prev = conv_state.index_select(0, meta.state_slots)  # [B, kernel - 1, C]
+    prev = prev * meta.has_initial_state[:, None, None].to(prev.dtype)
+    rows = torch.cat([prev.reshape(-1, x.shape[1]).to(x.dtype), x])  # [B * (K - 1) + T, C]
+    out = None
+    for j in range(weight.shape[1]):
+        term = rows.index_select(0, meta.conv_index[:, j]).float() * weight[:, j].float()
+        out = term if out is None else out + term
+    n = meta.conv_state_index.shape[0]
+    new_state = rows[meta.conv_state_index.reshape(-1)].view(n, -1, x.shape[1])
+    conv_state.index_copy_(0, meta.conv_write_slots, new_state.to(conv_state.dtype))
+    return F.silu(out).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """float32 [H, L, D] / [H, L] per head, q and k normalised (q scaled), q and k repeated
+    to the value heads."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = (l2_normalize(t.float()).repeat_interleave(rep, dim=1) for t in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    return (q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1),
+            g.float().t(), beta.float().t())
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q, k ``[L, Hk, Dk]``, v ``[L, Hv, Dv]``, g, beta ``[L, Hv]``, ``state
+    [Hv, Dk, Dv]`` float32 -> (``[L, Hv, Dv]`` float32, the state after the L tokens).
+
+    Per chunk of C tokens with cumulative log decay G: the corrected values
+    ``U = (I + A)^-1 (beta V - beta e^G K S)``, ``A_ij = beta_i e^(G_i - G_j) k_i.k_j`` (j < i);
+    outputs ``e^G Q S + (Q K^T * e^(G_i - G_j), j <= i) U``; state ``e^G_C S + K^T (e^(G_C -
+    G) U)``."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    H, L, _ = v.shape
+    out = v.new_empty(H, L, v.shape[-1])
+    for s in range(0, L, CHUNK):
+        e = min(s + CHUNK, L)
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
+        G = g[:, s:e].cumsum(-1)  # [H, C]
+        n = e - s
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        A = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(
+            lower.logical_not() | torch.eye(n, dtype=torch.bool, device=q.device), 0)
+        eG = G.exp()[:, :, None]
+        rhs = bc[:, :, None] * (vc - eG * (kc @ state))
+        eye = torch.eye(n, dtype=A.dtype, device=A.device)
+        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        out[:, s:e] = eG * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        tail = (G[:, -1:] - G).exp()[:, :, None]  # [H, C, 1]
+        state = G[:, -1].exp()[:, None, None] * state + kc.transpose(-1, -2) @ (tail * u)
+    return out.transpose(0, 1), state
+
+
+def delta_rule_step(q, k, v, g, beta, state: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k ``[B, Hk, Dk]``, v ``[B, Hv, Dv]``, g, beta
+    ``[B, Hv]``, ``state [B, Hv, Dk, Dv]`` float32 -> (``[B, Hv, Dv]``, new states)."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = (l2_normalize(t.float()).repeat_interleave(rep, dim=1) for t in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    state = state * g.float().exp()[:, :, None, None]
+    seen = (state * k[..., None]).sum(-2)  # [B, H, Dv]: the decayed state's read of k
+    delta = (v.float() - seen) * beta.float()[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
+                           meta: LinearAttentionMetadata) -> torch.Tensor:
+    """The step's sequences (flat ``[T, heads, dim]``) through the recurrence from their
+    states (read and written at their slots) -> ``[T, Hv, Dv]`` float32. Single-token
+    sequences go as one batch, each longer one by the chunked form."""
+    slots = meta.state_slots
+    init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
+    if meta.decode_only:  # no host-built index: a decode graph captures this
+        out, final = delta_rule_step(q, k, v, g, beta, init)
+        ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+        return out
+    out = v.new_empty(v.shape, dtype=torch.float32)
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
+    singles = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    final = torch.empty_like(init)
+    if singles:
+        rows = torch.tensor([starts[i] for i in singles], device=v.device)
+        seqs = torch.tensor(singles, device=v.device)
+        o, s = delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], init[seqs])
+        out[rows] = o
+        final[seqs] = s
+    for i, n in enumerate(meta.query_lens_cpu):
+        if n > 1:
+            a, b = starts[i], starts[i + 1]
+            out[a:b], final[i] = delta_rule_chunked(q[a:b], k[a:b], v[a:b], g[a:b],
+                                                    beta[a:b], init[i])
+    ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+    return out
+
+
+def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
+                         meta: LinearAttentionMetadata) -> torch.Tensor:
+    """The same through flash-linear-attention's kernels (CUDA): decode-only steps by the
+    fused recurrence (one token per sequence, graph-capturable), others by the chunked
+    kernel over the step's sequences (`cu_seqlens`)."""
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule,
+    )
+
+    slots = meta.state_slots
+    init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
+    if meta.decode_only:
+        o, final = fused_recurrent_gated_delta_rule(
+            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(),
+            beta=beta[:, None], initial_state=init, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        o = o[:, 0]
+    else:
+        o, final = chunk_gated_delta_rule(
+            q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
+            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=meta.query_start_loc)
+        o = o[0]
+    ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+    return o
+
+
+def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor,
+                              meta: LinearAttentionMetadata) -> torch.Tensor:
+    """`rule_fn` over the step, each chunk with snapshots inside it cut there: pass j runs
+    every sequence's j-th piece (from the state the previous pass left at its slot), and
+    after it the states asked for at the pieces' ends are copied to their snapshot slots."""
+    if not meta.snapshots:
+        return rule_fn(q, k, v, g, beta, ssm_state, meta)
+    cuts: dict[int, list[int]] = {}
+    for i, n, _ in meta.snapshots:
+        cuts.setdefault(i, []).append(n)
+    bounds = [[0, *sorted(set(cuts.get(i, ()))), n] for i, n in enumerate(meta.query_lens_cpu)]
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
+    out = v.new_empty(v.shape, dtype=torch.float32)
+    device = v.device
+    for j in range(max(len(b) for b in bounds) - 1):
+        members = [i for i, b in enumerate(bounds) if len(b) - 1 > j]
+        lens = [bounds[i][j + 1] - bounds[i][j] for i in members]
+        rows = torch.tensor([t for i in members for t in range(starts[i] + bounds[i][j],
+                                                                 starts[i] + bounds[i][j + 1])],
+                            device=device)
+        slots = [meta.state_slots_cpu[i] for i in members]
+        init = [meta.has_initial_state_cpu[i] if j == 0 else True for i in members]
+        loc = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=loc[1:])
+        piece = LinearAttentionMetadata(
+            query_start_loc=torch.from_numpy(loc).to(device), state_slots=torch.tensor(
+                slots, device=device), has_initial_state=torch.tensor(init, device=device),
+            query_lens_cpu=lens, has_initial_state_cpu=init, state_slots_cpu=slots)
+        out[rows] = rule_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state,
+                            piece).float()
+        done = [(meta.state_slots_cpu[i], slot) for i, n, slot in meta.snapshots
+                if len(bounds[i]) > j + 1 and n == bounds[i][j + 1]]
+        if done:
+            src, dst = (torch.tensor(c, device=device) for c in zip(*done))
+            ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+    return out
+
+
+LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
+
+
+def fla_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_linear_attention_backend(name: str, device: torch.device):
+    """``torch`` (any device), ``fla`` (CUDA, flash-linear-attention installed) or ``auto``
+    (fla where it runs, else torch)."""
+    if name == "auto":
+        name = "fla" if fla_available(device) else "torch"
+    if name == "torch":
+        return gated_delta_rule_torch
+    if name == "fla":
+        if not fla_available(device):
+            raise ValueError("the fla linear-attention backend needs a CUDA device and "
+                             "flash-linear-attention (pip install fla-core)")
+        return gated_delta_rule_fla
+    raise ValueError(f"unknown linear-attention backend {name!r}; choose "
+                     f"{', '.join(LINEAR_ATTENTION_BACKENDS)}")
+
+
+class GatedRMSNorm(nn.Module):
+    """``rms_norm(x) * weight * silu(z)`` over each value head (float32 inside)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(z.dtype)
+        return (y * F.silu(z.float())).to(z.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention token mixer; the checkpoint's ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a`` are the four parts of `in_proj` (`load_weights`).
+    ``k_heads`` / ``v_heads``: this rank's heads (all of them without tensor parallelism)."""
+
+    def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
+                 kernel: int, eps: float) -> None:
+        super().__init__()
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
+        self.kernel = kernel
+        key, value = k_heads * k_dim, v_heads * v_dim
+        self.conv_dim = 2 * key + value
+        self.in_proj = MergedLinear(hidden, [key, key, value, value, v_heads, v_heads],
+                                    bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, kernel))
+        self.dt_bias = nn.Parameter(torch.ones(v_heads))
+        self.A_log = nn.Parameter(torch.zeros(v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps)
+        self.out_proj = Linear(value, hidden, bias=False)
+        self.rule_fn = gated_delta_rule_torch
+        self.ops = EAGER_OPS
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per slot: (conv state, recurrent state)."""
+        return ((self.kernel - 1, self.conv_dim),
+                (self.v_heads, self.k_dim, self.v_dim))
+
+    def mix(self, proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+            meta: LinearAttentionMetadata) -> torch.Tensor:
+        """``proj [T, in_proj width]`` (the input projection of the step's tokens) -> the
+        gated-norm output ``[T, v_heads * v_dim]`` (before `out_proj`)."""
+        T = proj.shape[0]
+        key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        qkv, z, b, a = proj.split([self.conv_dim, value, self.v_heads, self.v_heads], dim=-1)
+        qkv = causal_conv(qkv, self.conv1d.weight[:, 0], conv_state, meta)
+        q, k, v = qkv.split([key, key, value], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = delta_rule_with_snapshots(
+            self.rule_fn, q.reshape(T, self.k_heads, self.k_dim),
+            k.reshape(T, self.k_heads, self.k_dim), v.reshape(T, self.v_heads, self.v_dim),
+            g, beta, ssm_state, meta)
+        o = self.norm(o.to(proj.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return o.reshape(T, -1)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                meta: LinearAttentionMetadata) -> torch.Tensor:
+        """``x [T, hidden]`` (normed) -> ``[T, hidden]``; the states at the step's slots are
+        read and updated."""
+        return self.out_proj(self.mix(self.in_proj(x), conv_state, ssm_state, meta))
+
+    _PARTS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": (3,), "in_proj_b": (4,),
+              "in_proj_a": (5,)}
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> set[str]:
+        """Checkpoint names relative to the layer (``in_proj_qkv.weight``, ``conv1d.weight``,
+        ``A_log``, ``dt_bias``, ``norm.weight``, ``out_proj.weight``)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            part = name.split(".")[0]
+            if part in self._PARTS:
+                shards = self._PARTS[part]
+                sizes = [self.in_proj.out_sizes[i] for i in shards]
+                for shard, piece in zip(shards, tensor.split(sizes, dim=0)):
+                    self.in_proj.load_shard(shard, piece)
+                loaded.add("in_proj.weight")
+                continue
+            if name not in params:
+                raise KeyError(f"unexpected linear-attention weight {name!r}")
+            assert params[name].shape == tensor.shape, (name, params[name].shape, tensor.shape)
+            params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
