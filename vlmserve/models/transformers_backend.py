@@ -215,7 +215,8 @@ class TransformersVLM(nn.Module):
         inner = getattr(hf_model, "model", hf_model)
         text = getattr(inner, "language_model", None) or hf_model.get_decoder()
         if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)
-            text = text.get_decoder()
+            decoder = text.get_decoder()
+            text = decoder if decoder is not text else text.model  # Llama 4's says itself
         self.text_model = text
         layers = 0
         for module in self.text_model.modules():
@@ -358,6 +359,8 @@ class TransformersVLM(nn.Module):
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             key = tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in t.items())
+            if "batch_num_images" in t:  # alone in its prompt, or among several
+                key += (int(t["batch_num_images"][0]) > 1,)
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             rows = self._features_of([tensors[i] for i in members],
@@ -378,6 +381,9 @@ class TransformersVLM(nn.Module):
                 continue
             value = torch.cat([t[key] for t in tensors])
             kwargs[key] = value.to(dtype) if value.is_floating_point() else value
+        if "batch_num_images" in kwargs:  # images all alone in their prompts, or all not
+            n, several = len(tensors), bool(kwargs["batch_num_images"][0] > 1)
+            kwargs["batch_num_images"] = torch.tensor([max(n, 2)] if several else [1] * n)
         out = self._features(**kwargs)
         deep = getattr(out, "deepstack_features", None)
         if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
