@@ -1,14 +1,23 @@
 """Shared fixtures: the built-in tiny checkpoints, created once per session in a temp cache;
-Triton's interpreter switched on where there is no GPU."""
+Triton's interpreter switched on where there is no GPU; torchvision made importable where its
+build's C++ ops cannot load (tests/site/sitecustomize.py)."""
 
 from __future__ import annotations
 
 import os
+import runpy
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import torch
+# torchvision's missing C++ ops declared where its build cannot load them (tests/site): in this
+# process, and in every process the tests start (PYTHONPATH)
+_SITE = Path(__file__).parent / "site"
+runpy.run_path(str(_SITE / "sitecustomize.py"))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(_SITE), os.environ.get("PYTHONPATH")) if p)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run (tests/gpu) through Triton's interpreter: `triton.jit`
 # reads this when a kernel is defined, so it is set before any vlmserve module is imported.

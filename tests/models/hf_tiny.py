@@ -414,6 +414,14 @@ def _build_got_ocr2(path: Path) -> Path:
     return _finish(path, config, tf.GotOcr2ForConditionalGeneration, proc)
 
 
+def _intern_vision(tok) -> dict:
+    """An InternVL-style tower on 56 px tiles, pixel shuffle 0.5: 4 <IMG_CONTEXT> a tile."""
+    return dict(vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, image_size=56, patch_size=14),
+                image_token_id=ids(tok, "<IMG_CONTEXT>")[0], image_seq_length=4,
+                downsample_ratio=0.5, **special_ids(tok))
+
+
 def _build_qianfan_ocr(path: Path) -> Path:
     import transformers as tf
 
@@ -428,10 +436,7 @@ def _build_qianfan_ocr(path: Path) -> Path:
                                   chat_template=_chatml("<image>\n"))
     config = tf.QianfanOCRConfig(
         text_config=text_cfg("qwen3", len(tok), **special_ids(tok)),
-        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, image_size=56, patch_size=14),
-        image_token_id=ids(tok, "<IMG_CONTEXT>")[0], image_seq_length=4,
-        downsample_ratio=0.5, **special_ids(tok))
+        **_intern_vision(tok))
     return _finish(path, config, tf.QianfanOCRForConditionalGeneration, proc)
 
 
@@ -766,26 +771,203 @@ def _build_emu3(path: Path) -> Path:
     return _finish(path, config, tf.Emu3ForConditionalGeneration, proc)
 
 
-# tried and left out, with the reason (transformers 5.25, no torchvision)
+# ------------------------------------------------- builders whose processors need torchvision
+def _build_internvl(path: Path) -> Path:
+    import transformers as tf
+
+    marks = [*CHATML, "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    tok = make_tokenizer(marks, extra={"start_image_token": "<img>",
+                                       "end_image_token": "</img>",
+                                       "context_image_token": "<IMG_CONTEXT>",
+                                       "video_token": "<video>"},
+                         add_bos=False, bos="<|im_start|>", eos="<|im_end|>")
+    ip = tf.GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True,
+                                  min_patches=1, max_patches=4)
+    proc = tf.InternVLProcessor(image_processor=ip, tokenizer=tok,
+                                video_processor=tf.InternVLVideoProcessor(),
+                                image_seq_length=4, chat_template=_chatml("<IMG_CONTEXT>\n"))
+    config = tf.InternVLConfig(
+        text_config=text_cfg("qwen2", len(tok), **special_ids(tok)),
+        **_intern_vision(tok))
+    return _finish(path, config, tf.InternVLForConditionalGeneration, proc)
+
+
+def _build_mistral3(path: Path) -> Path:
+    import transformers as tf
+
+    marks = ["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    tok = make_tokenizer(marks, extra={"image_token": "[IMG]"})
+    ip = tf.PixtralImageProcessor(size={"longest_edge": 84}, patch_size=14)
+    proc = tf.PixtralProcessor(image_processor=ip, tokenizer=tok, patch_size=14,
+                               spatial_merge_size=2, image_token="[IMG]",
+                               image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+                               chat_template=chat_template("[IMG]", user="[INST]",
+                                                           assistant="[/INST]", end=""))
+    config = tf.Mistral3Config(
+        text_config=text_cfg("mistral", len(tok), sliding_window=None, **special_ids(tok)),
+        vision_config=pixtral_vision(84, 14), spatial_merge_size=2,
+        image_token_index=ids(tok, "[IMG]")[0], **special_ids(tok))
+    return _finish(path, config, tf.Mistral3ForConditionalGeneration, proc)
+
+
+def _build_smolvlm(path: Path) -> Path:
+    import transformers as tf
+
+    tok = make_tokenizer([*_idefics_tokens(), "<video>"], extra={
+        "image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+        "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>",
+        "video_token": "<video>"})
+    ip = tf.SmolVLMImageProcessor(size={"longest_edge": 64},
+                                  max_image_size={"longest_edge": 32})
+    proc = tf.SmolVLMProcessor(image_processor=ip, tokenizer=tok,
+                               video_processor=tf.SmolVLMVideoProcessor(), image_seq_len=4,
+                               chat_template=_idefics_template())
+    config = tf.SmolVLMConfig(
+        text_config=text_cfg("llama", len(tok), **special_ids(tok)),
+        vision_config=_idefics_vision("smolvlm_vision", 32, 8), scale_factor=2,
+        image_token_id=ids(tok, "<image>")[0], **special_ids(tok))
+    return _finish(path, config, tf.SmolVLMForConditionalGeneration, proc)
+
+
+def _build_llava_onevision(path: Path) -> Path:
+    import transformers as tf
+
+    pinpoints = [[56, 56], [56, 112], [112, 56], [112, 112]]
+    tok = make_tokenizer([*CHATML, "<image>", "<video>"],
+                         extra={"image_token": "<image>", "video_token": "<video>"},
+                         add_bos=False, bos="<|im_start|>", eos="<|im_end|>")
+    ip = tf.LlavaOnevisionImageProcessor(size={"height": 56, "width": 56},
+                                         image_grid_pinpoints=pinpoints)
+    proc = tf.LlavaOnevisionProcessor(
+        image_processor=ip, tokenizer=tok, video_processor=tf.LlavaOnevisionVideoProcessor(),
+        num_image_tokens=16, vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9", chat_template=_chatml("<image>\n"))
+    config = tf.LlavaOnevisionConfig(
+        text_config=text_cfg("qwen2", len(tok), **special_ids(tok)),
+        vision_config=siglip_vision(56, 14), image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+        image_token_index=ids(tok, "<image>")[0], video_token_index=ids(tok, "<video>")[0],
+        **special_ids(tok))
+    return _finish(path, config, tf.LlavaOnevisionForConditionalGeneration, proc)
+
+
+def _build_glm4v(path: Path) -> Path:
+    import transformers as tf
+
+    marks = ["<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>",
+             "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"]
+    tok = make_tokenizer(marks, extra={"image_token": "<|image|>", "video_token": "<|video|>"},
+                         add_bos=False)
+    ip = tf.Glm4vImageProcessor(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
+                                patch_size=14, temporal_patch_size=2, merge_size=2)
+    proc = tf.Glm4vProcessor(
+        image_processor=ip, tokenizer=tok, video_processor=tf.Glm4vVideoProcessor(),
+        chat_template=chat_template("<|begin_of_image|><|image|><|end_of_image|>",
+                                    user="<|user|>\n", assistant="<|assistant|>\n", end="\n"))
+    img, vid, bi, ei, bv, ev = ids(tok, "<|image|>", "<|video|>", "<|begin_of_image|>",
+                                   "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
+    config = tf.Glm4vConfig(
+        text_config=text_cfg("glm4v_text", len(tok),
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                  mrope_section=[2, 3, 3],
+                                                  partial_rotary_factor=1.0),
+                             **special_ids(tok)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                           image_size=56, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, out_hidden_size=64),
+        image_token_id=img, video_token_id=vid, image_start_token_id=bi,
+        image_end_token_id=ei, video_start_token_id=bv, video_end_token_id=ev,
+        **special_ids(tok))
+    return _finish(path, config, tf.Glm4vForConditionalGeneration, proc)
+
+
+def _build_llama4(path: Path) -> Path:
+    import transformers as tf
+
+    marks = ["<|header_start|>", "<|header_end|>", "<|eot|>", "<|image_start|>",
+             "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+             "<|tile_y_separator|>"]
+    tok = make_tokenizer(marks, extra={"image_token": "<|image|>"})
+    ip = tf.Llama4ImageProcessor(size={"height": 56, "width": 56}, max_patches=4)
+    proc = tf.Llama4Processor(
+        image_processor=ip, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5,
+        chat_template=chat_template("<|image|>", user="<|header_start|>user<|header_end|>\n",
+                                    assistant="<|header_start|>assistant<|header_end|>\n",
+                                    end="<|eot|>"))
+    boi, eoi, patch = ids(tok, "<|image_start|>", "<|image_end|>", "<|patch|>")
+    config = tf.Llama4Config(
+        # 4 layers: chunked attention (16 tokens) with RoPE on layers 0-2, full attention
+        # without RoPE on layer 3; MoE (4 experts, top-1, a shared expert) on layers 1 and 3
+        text_config=text_cfg("llama4_text", len(tok), num_hidden_layers=4,
+                             intermediate_size_mlp=128, num_local_experts=4,
+                             num_experts_per_tok=1, interleave_moe_layer_step=2,
+                             attention_chunk_size=16, no_rope_layer_interval=4,
+                             **special_ids(tok)),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, vision_output_dim=64, image_size=56,
+                           patch_size=14, pixel_shuffle_ratio=0.5, projector_input_dim=64,
+                           projector_output_dim=64),
+        boi_token_index=boi, eoi_token_index=eoi, image_token_index=patch,
+        **special_ids(tok))
+    return _finish(path, config, tf.Llama4ForConditionalGeneration, proc)
+
+
+def _build_cohere2_vision(path: Path) -> Path:
+    import transformers as tf
+
+    marks = ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+    tok = make_tokenizer(marks, extra={"image_token": "<|IMG_PATCH|>",
+                                       "boi_token": "<|START_OF_IMG|>",
+                                       "eoi_token": "<|END_OF_IMG|>",
+                                       "img_line_break_token": "<|IMG_LINE_BREAK|>"})
+    ip = tf.Cohere2VisionImageProcessor(size={"height": 56, "width": 56},
+                                        crop_to_patches=True, min_patches=1, max_patches=4,
+                                        patch_size=2)  # tokens a tile's side
+    proc = tf.Cohere2VisionProcessor(image_processor=ip, tokenizer=tok,
+                                     chat_template=chat_template("<|IMG_PATCH|>"))
+    config = tf.Cohere2VisionConfig(
+        text_config=text_cfg("cohere2", len(tok), layer_types=SLIDING, sliding_window=16,
+                             logit_scale=1.0, **special_ids(tok)),
+        vision_config=siglip_vision(56, 14), downsample_factor=2,
+        alignment_intermediate_size=64, image_token_id=ids(tok, "<|IMG_PATCH|>")[0],
+        **special_ids(tok))
+    return _finish(path, config, tf.Cohere2VisionForConditionalGeneration, proc)
+
+
+def _build_lfm2_vl(path: Path) -> Path:
+    import transformers as tf
+
+    marks = [*CHATML, "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"]
+    tok = make_tokenizer(marks, extra={"image_token": "<image>"}, add_bos=False,
+                         bos="<|im_start|>", eos="<|im_end|>")
+    ip = tf.Lfm2VlImageProcessor(do_image_splitting=False, min_image_tokens=4,
+                                 max_image_tokens=16, encoder_patch_size=14, tile_size=56)
+    proc = tf.Lfm2VlProcessor(image_processor=ip, tokenizer=tok,
+                              chat_template=_chatml("<image>"))
+    config = tf.Lfm2VlConfig(
+        text_config=text_cfg("lfm2", len(tok), layer_types=["conv", "full_attention"],
+                             **special_ids(tok)),
+        vision_config=dict(model_type="siglip2_vision_model", hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           patch_size=14, num_patches=16),
+        projector_hidden_size=64, image_token_id=ids(tok, "<image>")[0], **special_ids(tok))
+    return _finish(path, config, tf.Lfm2VlForConditionalGeneration, proc)
+
+
+# tried and left out, with the reason (transformers 5.25)
 UNSUPPORTED: dict[str, str] = {
-    "smolvlm": "SmolVLMProcessor needs a video processor, and every video processor needs "
-               "torchvision (num2words itself installs and imports)",
-    "mistral3": "PixtralProcessor is marked @requires(torchvision) even with "
-                "PixtralImageProcessorPil",
     "fuyu": "FuyuProcessor passes torch tensors to FuyuImageProcessorPil.patchify_image, "
             "which calls numpy-style transpose (TypeError)",
     "pp_chart2table": "not tried: PPChart2TableProcessor defines no replace_image_token",
-    "llava_onevision": "its processor needs a video processor (torchvision)",
-    "internvl": "its processor needs a video processor (torchvision)",
-    "qwen2_vl": "Qwen2VLProcessor needs a video processor (torchvision)",
-    "glm4v": "its processor needs a video processor (torchvision)",
-    "lfm2_vl": "its image processor exists only for torchvision",
-    "llama4": "its image processor exists only for torchvision",
-    "cohere2_vision": "its image processor exists only for torchvision",
-    "perception_lm": "its image processor exists only for torchvision",
+    "qwen2_vl": "the built-in tiny-qwen2-vl (and the other Qwen built-ins) run instead",
+    "perception_lm": "its vision tower is a timm model (timm is not a test dependency)",
     "idefics": "cross-attention (gated xattn) layers; skipped by design",
     "mllama": "cross-attention layers; skipped by design",
 }
+# architectures whose processors need torchvision (their rows skip where it does not import)
+NEEDS_TORCHVISION: frozenset[str] = frozenset({
+    "internvl", "mistral3", "smolvlm", "llava_onevision", "glm4v", "llama4", "cohere2_vision",
+    "lfm2_vl"})
 
 _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "llava": (_build_llava, "CLIP tower (CLS dropped, feature layer -2), 16 tokens an image"),
@@ -849,6 +1031,27 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
              "to <|visual token N|> BPE ids; H*W header text, an <|extra_200|> per row"),
     "lighton_ocr": (_build_lighton_ocr, "Pixtral tower + 2x2 merger, qwen3 text; "
                     "placeholder <|image_pad|> only (no break tokens)"),
+    # processors that need torchvision
+    "internvl": (_build_internvl, "tiles (56 px, up to 4 + thumbnail), pixel shuffle 0.5, "
+                 "<img><IMG_CONTEXT>x4 a tile</img>; qwen2 text"),
+    "mistral3": (_build_mistral3, "PixtralProcessor: [IMG] rows with [IMG_BREAK] between, "
+                 "[IMG_END]; Pixtral tower (2-D RoPE, any size up to 84 px) + 2x2 patch "
+                 "merger; Mistral text"),
+    "smolvlm": (_build_smolvlm, "idefics3-style tiles (32 px, up to 2x2) + global image, "
+                "<row_i_col_j> / <global-img> markers, pixel shuffle x2 (4 tokens a tile)"),
+    "llava_onevision": (_build_llava_onevision, "anyres tiles (pinpoints up to 112x112) + "
+                        "base image, SigLIP (full features), newline rows, anyres_max_9 "
+                        "unpadding; qwen2 text"),
+    "glm4v": (_build_glm4v, "image_grid_thw, 2x2 merge, 3-axis mRoPE (its own get_rope_index), "
+              "<|begin_of_image|>..<|end_of_image|> around the expanded <|image|> tokens"),
+    "llama4": (_build_llama4, "tiles (56 px, up to 4 + global), pixel shuffle 0.5 (4 <|patch|> "
+               "a tile), tile separators; chunked attention (16) on RoPE layers, full "
+               "attention without RoPE on layer 3; MoE (4 experts, top-1, shared expert) on "
+               "layers 1 and 3"),
+    "lfm2_vl": (_build_lfm2_vl, "short-convolution layers beside attention (refused until "
+                "the engine keeps their state)"),
+    "cohere2_vision": (_build_cohere2_vision, "tiles (56 px, up to 4 + global), pixel shuffle "
+                       "x2, a line break per tile; cohere2 text sliding(16)+full"),
 }
 
 TINY_ARCHS: dict[str, str] = {k: note for k, (_, note) in _BUILDERS.items()}

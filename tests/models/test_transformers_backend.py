@@ -1,7 +1,9 @@
 """The transformers backend (`model_impl="transformers"`): greedy output token for token equal
 to transformers' own `generate` on its own processor's inputs, for every architecture of the
 table: tiny checkpoints built here from transformers' config classes (`tests/models/hf_tiny.py`)
-and the built-in families run through the backend instead of their native classes.
+and the built-in families run through the backend instead of their native classes. The six
+native families (the Qwen built-ins, llava, llava_next) run the same table through their native
+classes too (`model_impl="native"`).
 
 Each architecture runs one engine through: a batch of text-only, one-image and two-image
 prompts together, then the same prompts with a step budget small enough that prefill chunks
@@ -20,6 +22,7 @@ from PIL import Image
 from tests.engine.helpers import make_image
 from tests.models.hf_tiny import (
     FLAT_IMAGES,
+    NEEDS_TORCHVISION,
     NO_CHAT_TEMPLATE,
     SINGLE_IMAGE,
     TINY_ARCHS,
@@ -35,6 +38,11 @@ HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 # models we know); the Qwen processors of transformers 5 need torchvision
 BUILTIN = {"tiny-llava-1.5": False, "tiny-llava-next": False, "tiny-qwen2-vl": True,
            "tiny-qwen2.5-vl": True, "tiny-qwen3-vl": True, "tiny-qwen3-vl-moe": True}
+# the native families' rows: each also runs through its native class
+NATIVE = frozenset({"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe",
+                    "llava", "llava_next"})
+_NO_TORCHVISION = pytest.mark.skipif(not HAS_TORCHVISION, reason="its processor needs "
+                                     "torchvision")
 
 
 # models whose processor refuses a prompt without an image (a classifier, an OCR model)
@@ -46,21 +54,19 @@ PADS_IMAGES = frozenset({"emu3"})
 # architectures the backend refuses at load, and the reason its one line gives
 REFUSED = {"granite4_vision": "inside the decoder's layers",
            "ovis2": "visual vocabulary", "granite_docling": "inside the decoder's layers",
-           "instructblip": "depend on the prompt's text"}
+           "instructblip": "depend on the prompt's text", "lfm2_vl": "layers of kind"}
 # served, but not yet token for token: what differs (a strict xfail: CI says when it passes)
 OPEN = {"shieldgemma2": "an image prompt's first token differs (its processor builds a "
                         "policy prompt around each image)"}
 
 
 def _params() -> list:
-    out = [pytest.param(("builtin", name), id=name,
-                        marks=[pytest.mark.skipif(needs and not HAS_TORCHVISION,
-                                                  reason="its processor needs torchvision")])
+    out = [pytest.param(("builtin", name), id=name, marks=[_NO_TORCHVISION] if needs else [])
            for name, needs in BUILTIN.items()]
-    return out + [pytest.param(("tiny", arch), id=arch,
-                               marks=[pytest.mark.xfail(strict=True, reason=OPEN[arch])]
-                               if arch in OPEN else [])
-                  for arch in TINY_ARCHS if arch not in REFUSED]
+    return out + [pytest.param(("tiny", arch), id=arch, marks=(
+        [pytest.mark.xfail(strict=True, reason=OPEN[arch])] if arch in OPEN else []) + (
+        [_NO_TORCHVISION] if arch in NEEDS_TORCHVISION else []))
+        for arch in TINY_ARCHS if arch not in REFUSED]
 
 
 class Reference:
@@ -125,13 +131,27 @@ def _run(llm: LLM, prompts) -> list[list[int]]:
 
 def test_greedy_parity_batched_and_chunked(arch):
     name, path, ref = arch
-    llm = LLM(path, model_impl="transformers", dtype="float32", device=DEVICE,
+    seen: dict[tuple, list[int]] = {}  # the reference's output by prompt and images
+    for impl in ("transformers", "native") if name in NATIVE else ("transformers",):
+        _check(name, path, ref, impl, seen)
+
+
+def _check(name: str, path: str, ref: Reference, impl: str, seen: dict) -> None:
+    """One engine of ``impl`` through the table's prompts: batched, cached and chunked."""
+    llm = LLM(path, model_impl=impl, dtype="float32", device=DEVICE,
               enable_prefix_caching=True)
-    assert type(llm.engine.core.executor.runner.model).__name__ == "TransformersVLM"
+    backend = type(llm.engine.core.executor.runner.model).__name__ == "TransformersVLM"
+    assert backend == (impl == "transformers"), (name, impl)
+    name_impl = f"{name} ({impl})"
     prompts = _prompts(llm, name)
-    expected = [ref.generate(p, imgs) for p, imgs in prompts]
-    assert _run(llm, prompts) == expected, name
-    assert _run(llm, prompts[1:]) == expected[1:], f"{name}: cached prefixes and images"
+    expected = []
+    for p, imgs in prompts:
+        key = (p, *(im.tobytes() for im in imgs))
+        if key not in seen:
+            seen[key] = ref.generate(p, imgs)
+        expected.append(seen[key])
+    assert _run(llm, prompts) == expected, name_impl
+    assert _run(llm, prompts[1:]) == expected[1:], f"{name_impl}: cached prefixes and images"
     # chunks of a quarter of the longest image (at least 8 tokens) cut through every image,
     # unless the model reads images both ways: then the step holds the longest image whole
     # (and a model that reads its whole prompt both ways computes each prompt in one step)
@@ -146,12 +166,13 @@ def test_greedy_parity_batched_and_chunked(arch):
         budget = longest
     else:
         budget = max(longest // 4, 8)
-    chunked = LLM(path, model_impl="transformers", dtype="float32", device=DEVICE,
+    chunked = LLM(path, model_impl=impl, dtype="float32", device=DEVICE,
                   max_num_batched_tokens=budget, max_num_seqs=2)
-    assert _run(chunked, prompts) == expected, f"{name}: chunked at {budget}"
+    assert _run(chunked, prompts) == expected, f"{name_impl}: chunked at {budget}"
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[_NO_TORCHVISION] if n in NEEDS_TORCHVISION
+                                                else []) for n in sorted(REFUSED)])
 def test_refused_in_one_line(name, tmp_path):
     """An architecture the backend cannot serve exactly fails at load with one line naming
     the reason."""

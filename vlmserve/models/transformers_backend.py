@@ -10,7 +10,9 @@ and decodes together), so continuous batching, chunked prefill, prefix caching a
 preemption work as for a native model. Its vision part runs through the model's own
 ``get_image_features``, with the tensors its processor made for each image
 (`models/transformers_processing.py`); positions come from the model's own rules: token
-indices, or its ``get_rope_index`` for multi-axis rotary positions.
+indices, or its ``get_rope_index`` for multi-axis rotary positions. A model whose text model
+adds DeepStack features of its images to the hidden states of its first layers (Qwen3-VL)
+gets them as its native class does: each image row carries them beside its embedding.
 
 What the backend cannot serve is refused at load in one line (`check_supported`): a model
 whose text layers are not all attention, attention it cannot run exactly (sliding windows,
@@ -106,6 +108,9 @@ _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
                      "chunked_attention": "chunked"}
 # models whose images' tokens attend to each other both ways (in prefill; on every layer)
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
+# models whose text model adds DeepStack features of the images after its first layers
+# (`deepstack_visual_embeds` at `visual_pos_masks`)
+_DEEPSTACK = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 # models whose forward sets the logits of their image codes to the minimum (Emu3's does not)
 _SUPPRESS_IMAGE_CODES = frozenset({"chameleon"})
 # models the backend cannot serve exactly, and why (each a one-line refusal at load)
@@ -154,6 +159,21 @@ def layer_windows(hf_config) -> list[Window | None]:
     return out
 
 
+def _deepstack_layers(hf_config) -> int:
+    """How many DeepStack features of its images the model's text model adds (Qwen3-VL's
+    `deepstack_visual_indexes`); 0 for a model that has none."""
+    if hf_config.model_type not in _DEEPSTACK:
+        return 0
+    return len(hf_config.vision_config.deepstack_visual_indexes)
+
+
+def _rows(out: torch.Tensor | Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Feature rows [N, width] of a tensor or of a tensor per image."""
+    if isinstance(out, (list, tuple)):
+        return torch.cat([o.reshape(-1, width) for o in out])
+    return out.reshape(-1, width)
+
+
 def check_supported(hf_config) -> None:
     """Refuse, in one line, a model the backend cannot serve exactly (`ValueError`)."""
     kind = hf_config.model_type
@@ -195,7 +215,8 @@ class TransformersVLM(nn.Module):
         inner = getattr(hf_model, "model", hf_model)
         text = getattr(inner, "language_model", None) or hf_model.get_decoder()
         if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)
-            text = text.get_decoder()
+            decoder = text.get_decoder()
+            text = decoder if decoder is not text else text.model  # Llama 4's says itself
         self.text_model = text
         layers = 0
         for module in self.text_model.modules():
@@ -244,7 +265,8 @@ class TransformersVLM(nn.Module):
 
     @classmethod
     def image_row_width(cls, hf_config) -> int:
-        return _text_config(hf_config).hidden_size
+        """An image row: its embedding, then one row of each of its DeepStack features."""
+        return _text_config(hf_config).hidden_size * (1 + _deepstack_layers(hf_config))
 
     # ---- the engine's model interface ----------------------------------------------------
 
@@ -254,7 +276,7 @@ class TransformersVLM(nn.Module):
 
     @property
     def row_width(self) -> int:
-        return self.text_config.hidden_size
+        return self.image_row_width(self.config)
 
     @property
     def num_layers(self) -> int:
@@ -280,17 +302,32 @@ class TransformersVLM(nn.Module):
 
     def merge_image_rows(self, embeds: torch.Tensor, dest: torch.Tensor,
                          rows: torch.Tensor) -> dict:
-        embeds.index_copy_(0, dest, rows.to(embeds.dtype))
-        return {}
+        hidden = self.hidden_size
+        embeds.index_copy_(0, dest, rows[:, :hidden].to(embeds.dtype))
+        if rows.shape[1] == hidden:
+            return {}
+        deep = rows[:, hidden:].to(embeds.dtype).reshape(rows.shape[0], -1, hidden)
+        return {"deepstack": (dest, deep)}
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """[T, hidden] -> the text model's final hidden states [T, hidden], its attention
-        over the paged KV cache."""
+        over the paged KV cache. ``deepstack``: the image rows' token indices [R] and their
+        DeepStack rows [R, layers, hidden], added after each of the first layers."""
         self.step.kv_caches, self.step.meta = kv_caches, meta
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None]
+        extra = {}
+        if deepstack is not None:
+            dest, deep = deepstack
+            mask = torch.zeros(inputs_embeds.shape[0], dtype=torch.bool,
+                               device=inputs_embeds.device)
+            mask[dest] = True
+            # the text model adds them in token order
+            extra = {"visual_pos_masks": mask[None],
+                     "deepstack_visual_embeds": list(deep[torch.argsort(dest)].unbind(1))}
         out = self.text_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
-                              use_cache=False, return_dict=True)
+                              use_cache=False, return_dict=True, **extra)
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -322,6 +359,8 @@ class TransformersVLM(nn.Module):
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             key = tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in t.items())
+            if "batch_num_images" in t:  # alone in its prompt, or among several
+                key += (int(t["batch_num_images"][0]) > 1,)
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             rows = self._features_of([tensors[i] for i in members],
@@ -342,14 +381,17 @@ class TransformersVLM(nn.Module):
                 continue
             value = torch.cat([t[key] for t in tensors])
             kwargs[key] = value.to(dtype) if value.is_floating_point() else value
+        if "batch_num_images" in kwargs:  # images all alone in their prompts, or all not
+            n, several = len(tensors), bool(kwargs["batch_num_images"][0] > 1)
+            kwargs["batch_num_images"] = torch.tensor([max(n, 2)] if several else [1] * n)
         out = self._features(**kwargs)
+        deep = getattr(out, "deepstack_features", None)
         if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
             out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
         width = self.hidden_size
-        if isinstance(out, (list, tuple)):
-            flat = torch.cat([o.reshape(-1, width) for o in out])
-        else:
-            flat = out.reshape(-1, width)
+        flat = _rows(out, width)
+        if deep and self.row_width > width:  # beside each row, its DeepStack rows
+            flat = torch.cat([flat, *(_rows(d, width) for d in deep)], dim=1)
         if flat.shape[0] != sum(counts):
             raise RuntimeError(f"{self.config.model_type}: get_image_features gave "
                                f"{flat.shape[0]} rows for images of {counts} image tokens")
@@ -364,9 +406,10 @@ class TransformersVLM(nn.Module):
         device = features.device
         pos, ids = (torch.tensor(v, dtype=torch.int64, device=device)
                     for v in zip(*layout.text_tokens, strict=True))
-        rows = features.new_empty(length, features.shape[1], dtype=self.embedding.weight.dtype)
+        # (a text token's DeepStack columns, if any, are zeros: nothing is added there)
+        rows = features.new_zeros(length, features.shape[1], dtype=self.embedding.weight.dtype)
         is_image = torch.ones(length, dtype=torch.bool, device=device)
         is_image[pos] = False
         rows[is_image] = features.to(rows.dtype)
-        rows[pos] = self.embed_tokens(ids)
+        rows[pos, :self.hidden_size] = self.embed_tokens(ids)
         return rows

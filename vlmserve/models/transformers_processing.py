@@ -21,6 +21,7 @@ models' pixels), their layout and the span's text tokens in ``encoder_meta`` (`p
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",
                "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
                "image_num_patches", "pixel_mask", "num_crops", "grids",
-               "high_res_pixel_values", "num_local_patches", "pixel_values_local")
+               "high_res_pixel_values", "num_local_patches", "pixel_values_local",
+               "aspect_ratios", "batch_num_images")
 # models whose processor takes a prompt's images as a flat list (nested: pages)
 _FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
@@ -258,22 +260,32 @@ class TransformersInputProcessor(HFInputProcessor):
                     for img in images]
         pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
         # each image's tensors as the processor makes them for that image alone: from the
-        # call that expanded it where it was the call's only image, else from its own
-        alone: list[dict[str, torch.Tensor] | None]
+        # call that expanded it where it was the call's only image, else from its own (and
+        # its count of image tokens); a processor that says how many images share the prompt
+        # (their features depend on it: LLaVA-OneVision tiles an image only when alone) gives
+        # each image's share of the prompt's call
+        counts = None
         if prompt is None:
             ids, alone = self._expanded(list(prompt_token_ids), pil)
         else:
             out = self._call(text=[prompt], images=self._batch(pil))
             ids = out["input_ids"][0].tolist()
-            alone = [_image_tensors_of(out)] if len(pil) == 1 else [None] * len(pil)
-        spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared])
+            if len(pil) == 1:
+                alone = [_image_tensors_of(out)]
+            elif "batch_num_images" in out:
+                alone = _each_image(_image_tensors_of(out), len(pil))
+            else:
+                alone, counts = zip(*(self._image_alone(image) for image in pil), strict=True)
+        spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared], counts)
         image_inputs, grids = [], []
-        for p, image, own, (start, end) in zip(prepared, pil, alone, spans, strict=True):
-            tensors = own if own is not None else self._image_tensors(image)
+        for p, tensors, (start, end) in zip(prepared, alone, spans, strict=True):
             if "image_grid_thw" in tensors:
                 grids.append(tensors["image_grid_thw"])
             data, meta = pack_image(tensors, ids[start:end], self.image_token_id)
-            image_inputs.append(ImageInput(mm_hash=p.mm_hash, offset=start, length=end - start,
+            mm_hash = p.mm_hash
+            if "batch_num_images" in tensors and int(tensors["batch_num_images"][0]) > 1:
+                mm_hash = hashlib.sha256(f"{mm_hash} among several".encode()).hexdigest()
+            image_inputs.append(ImageInput(mm_hash=mm_hash, offset=start, length=end - start,
                                            pixels=data, encoder_meta=meta,
                                            transform=self.pixel_transform))
         positions, offset = None, self.first_position
@@ -334,6 +346,22 @@ class TransformersInputProcessor(HFInputProcessor):
         positions, deltas = self.rope_index(ids, attention_mask=torch.ones_like(ids), **kwargs)
         return positions[:, 0, :].contiguous(), int(deltas.reshape(-1)[0])
 
+    def _image_alone(self, image: Image.Image) -> tuple[dict[str, torch.Tensor], int | None]:
+        """The processor's tensors for ``image`` alone and its count of image tokens: the
+        processor on its placeholder text and the image (it may give the image processor
+        options of its own: Pixtral's patch size is its merged patch), else the image
+        processor's tensors and no count."""
+        token = getattr(self.processor, "image_token", None)
+        if isinstance(token, str):
+            try:
+                out = self._call(text=[token], images=self._batch([image]),
+                                 add_special_tokens=False)
+                count = int((out["input_ids"][0] == self.image_token_id).sum())
+                return _image_tensors_of(out), count
+            except InvalidRequestError:
+                pass
+        return self._image_tensors(image), None
+
     def _image_tensors(self, image: Image.Image) -> dict[str, torch.Tensor]:
         """The image processor's tensors for ``image`` alone, with the options the processor
         gives it (its own defaults and the engine's)."""
@@ -345,14 +373,19 @@ class TransformersInputProcessor(HFInputProcessor):
         return _image_tensors_of(self.image_processor(images=[image], return_tensors="pt",
                                                       **kwargs))
 
-    def _spans(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Each image's [start, end) in ``ids``: its image tokens, in order, by the count
-        the processor says each image takes (or, from a processor that cannot say, one
-        unbroken run of image tokens per image)."""
+    def _spans(self, ids: list[int], sizes: list[tuple[int, int]],
+               counts: Sequence[int | None] | None = None) -> list[tuple[int, int]]:
+        """Each image's [start, end) in ``ids``: its image tokens, in order (one image: all
+        of them), by each image's count (``counts``, or the count the processor says each
+        image takes; from a processor that cannot say, one unbroken run of image tokens per
+        image)."""
         where = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        counts = None
+        if len(sizes) == 1 and where:
+            return [(where[0], where[-1] + 1)]
+        if counts is not None and (None in counts or sum(counts) != len(where)):
+            counts = None
         count_of = getattr(self.processor, "_get_num_multimodal_tokens", None)
-        if count_of is not None:
+        if counts is None and count_of is not None:
             try:
                 counts = list(count_of(image_sizes=[list(s) for s in sizes],
                                        **self.engine_kwargs)["num_image_tokens"])
@@ -394,6 +427,13 @@ def rope_index_of(hf_config) -> Any:
 def _image_tensors_of(out: Any) -> dict[str, torch.Tensor]:
     """The image tensors of a processor's (or image processor's) output."""
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
+
+
+def _each_image(tensors: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """The tensors of a call on one prompt's ``n`` images, stacked by image (a processor
+    that gives `batch_num_images`), as each image's: its slice, and the prompt's count."""
+    return [{k: v[i:i + 1] if k != "batch_num_images" else v for k, v in tensors.items()}
+            for i in range(n)]
 
 
 def _runs(where: list[int]) -> list[tuple[int, int]]:

@@ -3,6 +3,11 @@ sampler raises for any batch holding a request with that seed (a fault inside a 
 the containment tests). Every process of the server runs this at start-up."""
 
 import os
+import runpy
+from pathlib import Path
+
+# this file shadows the test environment's own start-up hook: run it first
+runpy.run_path(str(Path(__file__).parents[2] / "site" / "sitecustomize.py"))
 
 if os.environ.get("VLMSERVE_POISON_SEED"):
     import vlmserve.worker.model_runner as _runner
