@@ -150,6 +150,7 @@ class DecodeGraphs:
         self.dev32 = self.staging[0].host32.to(device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.forwards: dict[int, object] = {}
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             fn = self._forward_fn(bs, kv_caches)
@@ -163,6 +164,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = fn()
             self.graphs[bs] = (graph, out)
+            # the graph reads tensors the forward's closure made (the linear layers' gather
+            # indices): keep them alive, or their memory is reused under the graph
+            self.forwards[bs] = fn
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
