@@ -68,7 +68,7 @@ GROUPS = {
     "scheduler": "scheduler: batching and step budgets",
     "cache": "cache: KV cache, prefix caching, image embeddings",
     "multimodal": "multimodal inputs: limits, local and remote media, preprocessing",
-    "parallel": "parallelism: tensor and expert parallel",
+    "parallel": "parallelism: tensor, expert and data parallel",
     "encoder": "encoder service: encode / prefill-decode disaggregation (EPD)",
     "structured": "structured outputs, tools and reasoning",
     "expert": "kernels and expert options",

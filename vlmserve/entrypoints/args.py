@@ -176,6 +176,18 @@ class ServerConfig:
     api_server_count: int = _opt(
         1, "HTTP front-end processes on the one port (preprocessing, detokenization, SSE), "
         "all served by one engine-core process.", group="frontend")
+    data_parallel_size: int = _opt(
+        1, "Engine cores serving the model side by side (vLLM's flag; -dp the same): each on "
+        "its own GPU, or group of --tensor-parallel-size GPUs (CUDA_VISIBLE_DEVICES; fewer "
+        "GPUs than that: cores share them, each within --gpu-memory-utilization), all on the "
+        "CPU otherwise; every front end routes each request to one (--dp-routing). A core "
+        "that dies fails only its own requests.", aliases=("-dp",), group="parallel")
+    dp_routing: str = _opt(
+        "affinity", "How requests are spread over --data-parallel-size engine cores: "
+        "affinity (to the core that recently served the longest prefix of the request's "
+        "tokens and images, as a chat's next turn; the least loaded one when nothing matches "
+        "or that core is much busier) or random (the baseline).",
+        choices=("affinity", "random"), group="parallel")
     preprocess_workers: int = _opt(
         2, "Processes per front end that fetch, decode, resize and hash images and tokenize "
         "prompts (0: threads of the front end, which then share its interpreter lock with "

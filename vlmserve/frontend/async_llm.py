@@ -4,18 +4,21 @@ interpreter lock.
 
 `AsyncLLM(config)` starts an engine-core process and talks to it; `AsyncLLM(config,
 core=CoreHandle(...))` joins one that another process started (`--api-server-count N`: N
-front ends, one core). On the caller's event loop (any number of them) a request is
-preprocessed (frontend/preprocess.py: tokens, images decoded, resized and hashed, the
-model's position data; in a pool of processes, or a worker thread), checked against the
-core's limits and handed over; its stream (frontend/streams.py) is returned. The core's
-tokens come back through one I/O thread (frontend/core_client.py), which detokenizes them and
-ends every stream within a fraction of a second if the core dies.
+front ends, one core). With `data_parallel_size=N` it starts (or joins) N cores and routes
+each request to one by cache affinity (frontend/dp_client.py). On the caller's event loop
+(any number of them) a request is preprocessed (frontend/preprocess.py: tokens, images
+decoded, resized and hashed, the model's position data; in a pool of processes, or a worker
+thread), checked against the core's limits and handed over; its stream (frontend/streams.py)
+is returned. The core's tokens come back through one I/O thread (frontend/core_client.py),
+which detokenizes them and ends every stream within a fraction of a second if the core dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing as mp
@@ -26,10 +29,12 @@ from typing import Any
 
 from vlmserve.config import EngineConfig
 from vlmserve.core.admission import AdmissionLimits
+from vlmserve.core.dp_routing import AffinityRouter, RouteKey
 from vlmserve.encoder.client import EncoderClient, consumer_id
-from vlmserve.engine.launch import CoreHandle, start_engine_core
+from vlmserve.engine.launch import CoreHandle, start_engine_cores
 from vlmserve.engine.messages import Encoder, relabeled
 from vlmserve.frontend.core_client import CoreClient
+from vlmserve.frontend.dp_client import DataParallelClient
 from vlmserve.frontend.output import OutputProcessor
 from vlmserve.frontend.preprocess import (
     encoder_client,
@@ -50,7 +55,7 @@ from vlmserve.models.metadata import (
 )
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.multimodal.image import load_image
-from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.multimodal.inputs import MultiModalFeature, ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
@@ -68,46 +73,69 @@ class AsyncLLM:
     one instead.
     """
 
-    def __init__(self, config: EngineConfig, core: CoreHandle | None = None,
+    def __init__(self, config: EngineConfig,
+                 core: CoreHandle | Sequence[CoreHandle] | None = None,
                  log_level: str = "info", preprocess_workers: int = 0,
                  encoder_urls: Sequence[str] = (), encoder_transport: str = "auto",
-                 image_cache_bytes: int = 0, preprocess_threads: int = 1) -> None:
+                 image_cache_bytes: int = 0, preprocess_threads: int = 1,
+                 data_parallel_size: int = 1, dp_routing: str = "affinity") -> None:
         """`preprocess_threads`: torch intra-op threads of each preprocessing process (its
-        share of the host's cores: the pool's processes are its parallelism)."""
+        share of the host's cores: the pool's processes are its parallelism).
+        `data_parallel_size`: engine cores (started here, or `core` a handle of each), each
+        request routed to one by `dp_routing` (`core/dp_routing.py`)."""
         self._preprocess_threads = preprocess_threads
         # processed images kept by source in each preprocessing process (or this one)
         self.image_cache_bytes = image_cache_bytes
         # images encoded by encoder servers (`vlmserve serve --role encoder`), if any
         self.encoder_urls, self.encoder_transport = tuple(encoder_urls), encoder_transport
         self._encoder_client: EncoderClient | None = None
+        self._encoder_clients: list[EncoderClient | None] = []
         self._encode_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool: ProcessPool | None = None
-        self._proc: mp.process.BaseProcess | None = None
+        self._procs: list[mp.process.BaseProcess] = []
         self.model_name: str = config.model_config.model  # as the user named it
         # a model given by name becomes its folder here, once: the core and the
         # preprocessing processes get the folder (a server's parent did this already)
         config = self.config = local_engine_config(config)
         if core is None:
-            self._proc, core = start_engine_core(config, log_level)
-        self.core = core
+            started = start_engine_cores(config, data_parallel_size, log_level)
+            self._procs = [proc for proc, _ in started]
+            cores = [handle for _, handle in started]
+        else:
+            cores = [core] if isinstance(core, CoreHandle) else list(core)
+        assert len(cores) == data_parallel_size, (len(cores), data_parallel_size)
+        self.core = cores[0]
         try:
             path, hf_config, model_processor = load_model_processor(config.model_config)
             self.sampling_defaults = sampling_defaults(config, path)
             self.input_processor = InputProcessor.for_model(path, hf_config, model_processor,
                                                             image_cache_bytes=image_cache_bytes)
-            self.output_processor = OutputProcessor(model_processor.tokenizer)
             self._encoder = Encoder()
             self._ids = itertools.count()
-            self.client = CoreClient(core, self._core_alive, self.output_processor)
-            info = self.client.info
+            # one I/O thread (and detokenizer) per core
+            clients = [CoreClient(h, functools.partial(self._core_alive, i, h),
+                                  OutputProcessor(model_processor.tokenizer))
+                       for i, h in enumerate(cores)]
+            info = clients[0].info
+            self.output_processor = clients[0].output_processor
             self.max_model_len: int = info.max_model_len
             self.eos_token_ids = tuple(info.eos_token_ids)
             self.limits = AdmissionLimits(**info.limits)
             self.core_pid = info.pid
-            # every front end of this core is one consumer to the encoder servers
-            self.encoder_consumer = consumer_id(core.address)
-            self._encoder_client = encoder_client(self.encoder_urls, encoder_transport,
-                                                  self.encoder_consumer, self.limits)
+            self.block_size = config.cache_config.block_size
+            self.client: CoreClient | DataParallelClient = clients[0]
+            if len(clients) > 1:
+                self.client = DataParallelClient(clients, AffinityRouter(
+                    len(clients), self.block_size, dp_routing,
+                    max_blocks=self.limits.max_kv_tokens // self.block_size,
+                    max_image_rows=self.limits.encoder_cache_rows,
+                    seed=config.model_config.seed))
+            # every front end of a core is one consumer to the encoder servers
+            self.encoder_consumer = consumer_id(self.core.address)
+            self._encoder_clients = [encoder_client(self.encoder_urls, encoder_transport,
+                                                    consumer_id(h.address), self.limits)
+                                     for h in cores]
+            self._encoder_client = self._encoder_clients[0]
             # the requests waiting for encoder servers, each on a thread of its own here
             # (blocked in I/O): as many in flight as come, whatever the preprocessing pool
             self._encode_threads = (concurrent.futures.ThreadPoolExecutor(
@@ -118,6 +146,16 @@ class AsyncLLM:
         except BaseException:
             self._kill_core()
             raise
+
+    @property
+    def _proc(self) -> mp.process.BaseProcess | None:
+        """The engine core this front end started (the first, with several)."""
+        return self._procs[0] if self._procs else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        c = self.client
+        return len(c.clients) if isinstance(c, DataParallelClient) else 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> AsyncLLM:
@@ -167,8 +205,11 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        text, token_ids, frames = await self._preprocess(prompt, params, rid, image_loader,
-                                                         default_max_tokens)
+        text, token_ids, frames, features = await self._preprocess(
+            prompt, params, rid, image_loader, default_max_tokens)
+        core = 0
+        if isinstance(self.client, DataParallelClient):  # every choice of `n` goes there too
+            core = self.client.route(RouteKey.of(token_ids, features, self.block_size)).replica
         todo = [(rid, params, frames)]
         for i in range(1, n):
             child_id = f"{rid}-{i}"
@@ -178,9 +219,10 @@ class AsyncLLM:
                 *_, child_frames = await self._preprocess(prompt, child, child_id,
                                                           image_loader, default_max_tokens)
             todo.append((child_id, child, child_frames))
-        if self._encoder_client is not None:  # on threads here, not in the pool's processes
+        encoders = self._encoder_clients[core] if self._encoder_clients else None
+        if encoders is not None:  # on threads here, not in the pool's processes
             sent = await asyncio.gather(*(asyncio.wrap_future(self._encode_threads.submit(
-                send_to_encoders, self._encoder_client, f, self.input_processor.hidden_size))
+                send_to_encoders, encoders, f, self.input_processor.hidden_size))
                 for _, _, f in todo))
             todo = [(cid, child, f) for (cid, child, _), f in zip(todo, sent, strict=True)]
         self._check_alive()
@@ -190,7 +232,10 @@ class AsyncLLM:
             stream = RequestStream(self, child_id, loop, RequestTiming(arrival),
                                    delta=child.output_kind == "delta")
             stream.timing.num_prompt_tokens = req.num_prompt_tokens
-            self.client.add(stream, req, child_frames)
+            if isinstance(self.client, DataParallelClient):
+                self.client.add(stream, req, child_frames, core)
+            else:
+                self.client.add(stream, req, child_frames)
             streams.append(stream)
         return streams
 
@@ -205,9 +250,9 @@ class AsyncLLM:
 
     async def _preprocess(self, prompt: PromptInput, params: SamplingParams, rid: str,
                           image_loader: ImageLoader, default_max_tokens: int | None
-                          ) -> tuple[str | None, list[int], list]:
-        """(prompt text, prompt token ids, `AddRequest` frames) from a preprocessing process,
-        or a worker thread without them."""
+                          ) -> tuple[str | None, list[int], list, list[MultiModalFeature]]:
+        """(prompt text, prompt token ids, `AddRequest` frames, where its images sit) from a
+        preprocessing process, or a worker thread without them."""
         limits = self.config.structured_outputs_config
         if params.structured_outputs is not None and limits is not None:
             # here too, before the pool's pickling: a JSON schema nested 500 deep (as a dict)
@@ -261,20 +306,24 @@ class AsyncLLM:
                      engine_core_pid=self.core_pid)
         if self._encoder_client is not None:  # this front end's side of --encoder-url
             stats["encoder_client"] = self._encoder_client.stats()
+            if len(self._encoder_clients) > 1:
+                for core, enc in zip(stats["cores"], self._encoder_clients, strict=True):
+                    core["encoder_client"] = enc.stats()
         return stats
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core (if this front end started it) and the I/O thread;
         unfinished requests end with `EngineDeadError`."""
-        self.client.stop(self._proc is not None, timeout)
+        self.client.stop(bool(self._procs), timeout)
         if self._encode_threads is not None:
             self._encode_threads.shutdown(wait=False, cancel_futures=True)
-            self._encoder_client.close()
+            for enc in self._encoder_clients:
+                enc.close()
         if self._pool is not None:  # the workers hold nothing: stopped
             self._pool.shutdown()
-        if self._proc is not None:
-            self._proc.join(timeout)
-            self._kill_core()
+        for proc in self._procs:
+            proc.join(timeout)
+        self._kill_core()
 
     def _new_pool(self, wait: bool = True) -> ProcessPool:
         return start_pool(self._preprocess_workers, self.config.model_config, self.limits,
@@ -282,16 +331,17 @@ class AsyncLLM:
                           self._preprocess_threads, self.config.structured_outputs_config)
 
     def _kill_core(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
     def _check_alive(self) -> None:
         if not self.is_running:
             raise EngineDeadError(
                 f"the engine is not running ({self.client.error or 'shut down'})")
 
-    def _core_alive(self) -> bool:
-        if self._proc is not None:
-            return self._proc.is_alive()
-        return pid_alive(self.core.pid)
+    def _core_alive(self, index: int, core: CoreHandle) -> bool:
+        if self._procs:
+            return self._procs[index].is_alive()
+        return pid_alive(core.pid)

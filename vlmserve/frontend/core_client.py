@@ -81,6 +81,11 @@ class CoreClient:
         self.error: BaseException | None = None  # why the thread stopped
         self._stopping = False
         self.num_running = self.num_waiting = 0  # the core's, as of its last step
+        # requests handed to `add` (callers) and taken by the I/O thread: their difference is
+        # what the thread has yet to send; the other front ends' requests on the core, as of
+        # its last step with this front end's tokens (and when that was)
+        self._num_posted = self._num_taken = 0
+        self._others, self._others_time = 0, 0.0
         self._wake_r, self._wake_w = os.pipe()
         ready: concurrent.futures.Future[Ready] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._io_loop, args=(ready,),
@@ -99,6 +104,14 @@ class CoreClient:
     def num_streams(self) -> int:
         """Requests handed to the core and not finished."""
         return len(self._live)
+
+    @property
+    def load(self) -> int:
+        """Requests on the core now, as this front end knows: its own in flight (sent or about
+        to be) plus the other front ends' as of the core's last step with this one's tokens
+        (forgotten after `WATCH_S` * 5 without such a step)."""
+        others = self._others if time.monotonic() - self._others_time < 5 * WATCH_S else 0
+        return len(self._live) + self._num_posted - self._num_taken + others
 
     def add_finish_callback(self, fn: Callable[[RequestTiming], None]) -> None:
         """`fn(timing)` runs on the I/O thread when a request finishes or is aborted."""
@@ -121,6 +134,7 @@ class CoreClient:
     def add(self, stream: RequestStream, req: Request, frames: list) -> None:
         """Hand a request (its encoded `AddRequest` frames) to the core; its outputs go to
         `stream`."""
+        self._num_posted += 1
         self._post(("add", _Live(stream, req), frames))
 
     def abort(self, request_id: str) -> None:
@@ -230,6 +244,7 @@ class CoreClient:
         """Act on one message from a caller; True to stop the I/O thread."""
         kind = item[0]
         if kind == "add":
+            self._num_taken += 1
             live, frames = item[1], item[2]
             rid = live.stream.request_id
             if rid in self._live:
@@ -281,6 +296,8 @@ class CoreClient:
         """A step's tokens to text and to their streams: one hand-over per event loop, not
         one per request (each wakes the loop and costs both threads the interpreter lock)."""
         self.num_running, self.num_waiting = msg.num_running, msg.num_waiting
+        self._others = max(0, msg.num_running + msg.num_waiting - len(self._live))
+        self._others_time = now
         for fn in self._step_callbacks:
             fn(msg.step_time)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -19,6 +19,7 @@ from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import load_model_processor
+from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
 
@@ -28,8 +29,9 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
                 params: SamplingParams, request_id: str, image_loader: ImageLoader,
                 default_max_tokens: int | None = None,
                 grammar_limits: StructuredOutputsConfig | None = None
-                ) -> tuple[str | None, list[int], list]:
-    """(prompt text, prompt token ids, the `AddRequest` frames) of one request; bad input
+                ) -> tuple[str | None, list[int], list, list[MultiModalFeature]]:
+    """(prompt text, prompt token ids, the `AddRequest` frames, where its images sit: what
+    routing among data-parallel engines reads) of one request; bad input
     raises an `InvalidRequestError`. A max_tokens given must fit the context after the
     prompt (a 400, as vLLM's); None becomes `default_max_tokens` (the server's) where it fits,
     or as many as the context leaves room for. A structured output is checked against
@@ -56,7 +58,8 @@ def preprocess(input_processor: InputProcessor, limits: AdmissionLimits,
     msg = AddRequest(
         request_id, processed.prompt_token_ids, images,
         processed.prompt_positions, processed.position_offset, params, eos_token_ids)
-    return processed.prompt, processed.prompt_token_ids, encoder.encode(msg)
+    return (processed.prompt, processed.prompt_token_ids, encoder.encode(msg),
+            [img.feature for img in processed.images])
 
 
 def send_to_encoders(client: EncoderClient, frames: list, hidden_size: int | None) -> list:
@@ -110,11 +113,12 @@ def _init_worker(mc: ModelConfig, limits: AdmissionLimits, eos_token_ids: tuple[
 
 def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id: str,
                           image_loader: ImageLoader, default_max_tokens: int | None = None
-                          ) -> tuple[str | None, list[int], list]:
+                          ) -> tuple[str | None, list[int], list, list[MultiModalFeature]]:
     assert _worker is not None
-    text, token_ids, frames = preprocess(*_worker, prompt, params, request_id, image_loader,
-                                         default_max_tokens, _grammar_limits)
-    return text, token_ids, [bytes(f) for f in frames]  # pickled back as one copy each
+    text, token_ids, frames, features = preprocess(*_worker, prompt, params, request_id,
+                                                   image_loader, default_max_tokens,
+                                                   _grammar_limits)
+    return text, token_ids, [bytes(f) for f in frames], features  # one copy each, pickled
 
 
 def tokenize_in_worker(prompt: PromptInput, image_loader: ImageLoader) -> list[int]:

@@ -5,6 +5,10 @@
       '- child: engine core                 |- child: engine core
                                             '- N children: HTTP front ends, a socket each
 
+With --data-parallel-size M there are M engine cores where one is drawn (each on its own GPUs);
+every front end routes each request to one of them (frontend/dp_client.py). A core that dies
+fails its own requests; the server exits 1 only when every core is gone.
+
 Under torchrun (`torchrun ... -m vlmserve serve ... --tensor-parallel-size N`), global rank 0
 is this server, whose engine core (a child: it inherits torchrun's variables) is tensor-parallel
 rank 0; every other rank runs the executor's worker loop instead, until rank 0 shuts down.
@@ -39,12 +43,18 @@ from prometheus_client.multiprocess import mark_process_dead
 from vlmserve.config import EngineConfig
 from vlmserve.distributed.parallel_state import torchrun_env
 from vlmserve.encoder.ledger import TRANSPORTS
+from vlmserve.engine.launch import core_environment
 from vlmserve.entrypoints.args import ServerConfig, engine_kwargs
 from vlmserve.entrypoints.openai.connections import raise_file_limit, server_config
 from vlmserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from vlmserve.entrypoints.openai.server import build_app
 from vlmserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from vlmserve.frontend.async_llm import AsyncLLM, CoreHandle, EngineDeadError, start_engine_core
+from vlmserve.frontend.async_llm import (
+    AsyncLLM,
+    CoreHandle,
+    EngineDeadError,
+    start_engine_cores,
+)
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.metadata import local_engine_config, local_model_config, max_model_len
 from vlmserve.utils import (
@@ -145,10 +155,11 @@ class _FrontEndServer(_Server):
 
 
 def serve_frontend(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
-                   core: CoreHandle | None = None) -> int:
-    """Run one HTTP front end on `sock` until it stops; its exit code. Without `core`, it
-    starts the engine core itself."""
-    engine = AsyncLLM(config, core=core, log_level=cfg.log_level,
+                   cores: list[CoreHandle] | None = None) -> int:
+    """Run one HTTP front end on `sock` until it stops; its exit code. Without `cores`, it
+    starts the engine cores itself (--data-parallel-size of them)."""
+    engine = AsyncLLM(config, core=cores, log_level=cfg.log_level,
+                      data_parallel_size=cfg.data_parallel_size, dp_routing=cfg.dp_routing,
                       preprocess_workers=cfg.preprocess_workers,
                       preprocess_threads=preprocess_threads(cfg),
                       encoder_urls=[u for u in (cfg.encoder_url or "").split(",") if u],
@@ -189,7 +200,7 @@ def serve_encoder(cfg: ServerConfig, kwargs: dict[str, Any]) -> int:
         fronts = [ctx.Process(target=_encoder_frontend_main, name=f"vlmserve-encoder-api-{i}",
                               args=(cfg, kwargs, sock, address, proc.pid))
                   for i, sock in enumerate(socks)]
-        return _run_processes(proc, fronts, socks, cfg)
+        return _run_processes([proc], fronts, socks, cfg)
     try:
         return serve_encoder_frontend(cfg, kwargs, socks[0], address, proc.pid, owns_core=True)
     finally:
@@ -241,12 +252,12 @@ def preprocess_threads(cfg: ServerConfig) -> int:
 
 
 def _frontend_main(config: EngineConfig, cfg: ServerConfig, sock: socket.socket,
-                   core: CoreHandle) -> None:
+                   cores: list[CoreHandle]) -> None:
     die_with_parent()
     if cfg.preprocess_workers > 0:  # its heavy host work runs in its pool
         limit_host_threads()
     _setup_logging(cfg)
-    sys.exit(serve_frontend(config, cfg, sock, core))
+    sys.exit(serve_frontend(config, cfg, sock, cores))
 
 
 def _supervise(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket]) -> int:
@@ -270,25 +281,28 @@ def _supervise(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socke
 def _run_llm(config: EngineConfig, cfg: ServerConfig, socks: list[socket.socket],
              metrics_dir: str) -> int:
     ctx = mp.get_context("spawn")
-    core_proc, core = start_engine_core(config, cfg.log_level)
+    started = start_engine_cores(config, cfg.data_parallel_size, cfg.log_level)
+    cores = [handle for _, handle in started]
     fronts = [ctx.Process(target=_frontend_main, name=f"vlmserve-api-{i}",
-                          args=(config, cfg, sock, core))
+                          args=(config, cfg, sock, cores))
               for i, sock in enumerate(socks)]
-    return _run_processes(core_proc, fronts, socks, cfg, metrics_dir)
+    return _run_processes([proc for proc, _ in started], fronts, socks, cfg, metrics_dir)
 
 
-def _run_processes(core_proc: mp.process.BaseProcess, fronts: list[mp.process.BaseProcess],
-                   socks: list[socket.socket], cfg: ServerConfig,
-                   metrics_dir: str | None = None) -> int:
-    """Start the front ends (not yet started) over the running core and wait: SIGTERM or
-    SIGINT drains them all; the core's death or a front end's failure stops the rest; the
-    core is stopped last. The exit code: 1 after a failure, else 0."""
+def _run_processes(core_procs: list[mp.process.BaseProcess],
+                   fronts: list[mp.process.BaseProcess], socks: list[socket.socket],
+                   cfg: ServerConfig, metrics_dir: str | None = None) -> int:
+    """Start the front ends (not yet started) over the running cores and wait: SIGTERM or
+    SIGINT drains them all; the death of every core or a front end's failure stops the rest
+    (a core that dies while others live fails only its requests); the cores are stopped last.
+    The exit code: 1 after a failure, else 0."""
     for p in fronts:
         p.start()
     for sock in socks:
         sock.close()
     stopping = False
     dead: set[int] = set()
+    cores_gone: set[int] = set()
 
     def mark_dead() -> None:  # its "live" gauges (its stream count) leave the sums
         if metrics_dir is None:
@@ -311,14 +325,16 @@ def _run_processes(core_proc: mp.process.BaseProcess, fronts: list[mp.process.Ba
     try:
         while any(p.is_alive() for p in fronts):
             watch = [p.sentinel for p in fronts if p.is_alive()]
-            if core_proc.is_alive():
-                watch.append(core_proc.sentinel)
+            watch += [p.sentinel for p in core_procs if p.is_alive()]
             mp.connection.wait(watch, timeout=1.0)
             mark_dead()
             if failed or stopping:
                 continue
-            if not core_proc.is_alive():  # each front end tells its clients and exits 1
-                logger.error("%s died (exit code %s)", core_proc.name, core_proc.exitcode)
+            for i, p in enumerate(core_procs):
+                if not p.is_alive() and i not in cores_gone:
+                    cores_gone.add(i)
+                    logger.error("%s %d died (exit code %s)", p.name, i, p.exitcode)
+            if len(cores_gone) == len(core_procs):  # each front end tells its clients, exits 1
                 failed = True
             elif gone := [p for p in fronts if p.exitcode not in (None, 0)]:
                 logger.error("%s exited with %s; the server stops", gone[0].name,
@@ -332,11 +348,13 @@ def _run_processes(core_proc: mp.process.BaseProcess, fronts: list[mp.process.Ba
                 p.kill()
                 p.join(5)
         mark_dead()
-        if core_proc.is_alive():
-            core_proc.terminate()
-            core_proc.join(30)
-        if core_proc.is_alive():
-            core_proc.kill()
+        for p in core_procs:
+            if p.is_alive():
+                p.terminate()
+        for p in core_procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
     # a front end SIGTERMed before its server started exits by the signal: that is clean too
     return 1 if failed or any(p.exitcode not in (0, -signal.SIGTERM) for p in fronts) else 0
 
@@ -354,8 +372,12 @@ def run_server(args: Any) -> None:
     # the engine's options as well (values, a device that is not here): no process starts
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     resolve_device(config.model_config.device)
+    if cfg.data_parallel_size > 1 and cfg.role == "llm":
+        core_environment(config, cfg.data_parallel_size)  # the cores fit the GPUs
     if cfg.api_server_count < 1:
         raise SystemExit("--api-server-count must be >= 1")
+    if cfg.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be >= 1")
     if cfg.role not in ("llm", "encoder"):
         raise SystemExit(f"--role must be llm or encoder, not {cfg.role!r}")
     if cfg.encoder_transport not in TRANSPORTS:
@@ -387,6 +409,9 @@ def run_server(args: Any) -> None:
     cfg = dataclasses.replace(cfg, served_model_name=cfg.served_model_names()
                               or (config.model_config.model,))
     env = torchrun_env()
+    if env is not None and cfg.data_parallel_size > 1:
+        raise SystemExit("--data-parallel-size does not run under torchrun (its tensor "
+                         "parallelism spans hosts); run a server per host, or use Ray")
     if env is not None and env.rank != 0:  # torchrun: rank 0 serves, the others do this
         from vlmserve.executor.multiproc import run_torchrun_worker
 

@@ -81,6 +81,24 @@ class ServerMetrics:
         # each front end's own count, summed over the live ones
         self.streams = Gauge("vlmserve_num_streams", "Requests the front ends are serving.",
                              registry=r, multiprocess_mode="livesum")
+        # with --data-parallel-size N: each engine core's values, and this front end's routing
+        per_core = dict(registry=r, labelnames=["core"], multiprocess_mode="mostrecent")
+        self.core_gauges = {key: Gauge(name, text, **per_core) for key, name, text in (
+            ("alive", "vlmserve_core_alive", "1 while the engine core serves, 0 once it died."),
+            ("num_running", "vlmserve_core_num_requests_running",
+             "Requests being computed by the core."),
+            ("num_waiting", "vlmserve_core_num_requests_waiting",
+             "Requests waiting to run on the core."),
+            ("kv_cache_usage", "vlmserve_core_kv_cache_usage_ratio",
+             "Share of the core's KV cache blocks in use (0-1)."),
+            ("prefix_cache_queried_tokens", "vlmserve_core_prefix_cache_queried_tokens",
+             "Prompt tokens the core looked up in its prefix cache."),
+            ("prefix_cache_hit_tokens", "vlmserve_core_prefix_cache_hit_tokens",
+             "Prompt tokens the core found in its prefix cache."))}
+        self.routed = Gauge("vlmserve_dp_routed_requests",
+                            "Requests routed to each engine core, by reason (affinity, busy, "
+                            "balance, random), summed over front ends.",
+                            ["core", "reason"], registry=r, multiprocess_mode="livesum")
         self.e2e = Histogram("vlmserve_e2e_request_latency_seconds",
                              "Arrival to finish.", buckets=_E2E_BUCKETS, registry=r)
         engine.client.add_finish_callback(self.observe_finished)
@@ -121,6 +139,12 @@ class ServerMetrics:
         self.prefix_hit_rate.set(s.get("prefix_cache_hit_rate", 0.0))
         for k, gauge in self.handles.items():
             gauge.set(s.get(f"encoder_handles_{k}", 0))
+        for core in s.get("cores", ()):
+            for key, gauge in self.core_gauges.items():
+                gauge.labels(core=str(core["core"])).set(float(core.get(key) or 0))
+        for i, counts in enumerate(s.get("routing", {}).get("replicas", ())):
+            for reason in ("affinity", "busy", "balance", "random"):
+                self.routed.labels(core=str(i), reason=reason).set(counts[reason])
         if self.multiproc_dir is None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
