@@ -31,7 +31,8 @@ from vlmserve.entrypoints.openai.launch import bind_sockets
 MODEL = "tiny-qwen2-vl"
 # test servers listen on loopback alone (the default host is every interface, as vLLM's)
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
-         "--max-num-batched-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1"]
+         "--max-num-batched-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1",
+         "--preprocess-workers", "1"]  # one pool process: the pool path, fewer processes to start
 
 
 def _free_port() -> int:
