@@ -28,6 +28,18 @@ def limit_host_threads(threads: int = 1) -> None:
         torch.set_num_threads(threads)
 
 
+def cuda_module_available(device, module: str) -> bool:
+    """Whether ``module`` (a CUDA kernel library: triton, fla) can run on ``device``: a CUDA
+    device and the module importable."""
+    if device.type != "cuda":
+        return False
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_device(name: str, rank: int | None = None) -> torch.device:
     """`auto` is CUDA when available; a tensor-parallel rank takes this host's GPU `rank`
     (its local rank)."""

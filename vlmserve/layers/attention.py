@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.config import auto_kernels
+from vlmserve.utils import cuda_module_available
 
 
 @dataclass
@@ -260,13 +261,7 @@ def paged_attention_reference(
 
 def triton_available(device: torch.device) -> bool:
     """Triton kernels can run here: a CUDA device and an importable triton."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_module_available(device, "triton")
 
 
 def get_paged_attention_backend(name: str, device: torch.device):

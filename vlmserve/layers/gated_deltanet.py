@@ -35,6 +35,7 @@ from torch import nn
 
 from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.layers.linear import Linear, MergedLinear
+from vlmserve.utils import cuda_module_available
 
 CHUNK = 64  # tokens per chunk of the torch chunked form (transformers' and fla's)
 
@@ -297,13 +298,7 @@ LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
 
 
 def fla_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_module_available(device, "fla.ops.gated_delta_rule")
 
 
 def get_linear_attention_backend(name: str, device: torch.device):
