@@ -106,3 +106,15 @@ def test_a_short_shared_prefix_does_not_pull_every_chat_to_one_replica() -> None
     # a chat's next turn matches most of itself: affinity
     assert router.choose(RouteKey.of(system + [3] * 28, [], BS), [5, 0]).replica == 1
     assert router.choose(RouteKey.of(system + [2] * 28, [], BS), [0, 5]).replica == 0
+
+
+def test_new_chats_spread_by_cache_room_while_loads_are_close() -> None:
+    router = AffinityRouter(2, BS, balance_abs=4)
+    # replica 0 answers faster (always less loaded): new chats still split evenly
+    routes = [router.choose(chat(c, 1), [0, 1]) for c in range(8)]
+    assert sorted(r.replica for r in routes) == [0, 0, 0, 0, 1, 1, 1, 1]
+    tables = [r["table_blocks"] for r in router.stats()["replicas"]]
+    assert tables[0] == tables[1] > 0
+    # replica 1 holds more now but replica 0 is much busier: load decides
+    router.choose(chat(9, 1), [0, 0])  # replica 0 (the turn's)
+    assert router.choose(chat(10, 1), [30, 0]).replica == 1

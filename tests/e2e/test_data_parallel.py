@@ -97,11 +97,10 @@ def test_affinity_keeps_a_chats_prefix_hits(single: ServeProc, affine: ServeProc
     assert one > 0.8  # the workload is one where prefixes matter
     assert two > one - 0.10
     assert two > rand + 0.40
-    # every follow-up turn went where its chat's prefix was; first turns spread by load (the
-    # loads the router sees lag the cores by a step, so not always exactly half each)
+    # every follow-up turn went where its chat's prefix was; first turns spread by cache room
+    # (half each, however fast each core answers)
     assert sum(r["affinity"] for r in routing) == CHATS * (TURNS - 1)
-    balance = [r["balance"] for r in routing]
-    assert sum(balance) == CHATS and min(balance) >= CHATS // 4, balance
+    assert [r["balance"] for r in routing] == [CHATS // 2] * 2
 
 
 def test_a_dead_core_fails_only_its_requests(vlmserve_cache: Path) -> None:

@@ -9,7 +9,9 @@ replica, a bounded table of the prefix keys and image hashes of the requests it 
 sends a request to the replica holding its longest prefix (plus the image rows it would find
 encoded there), the most recent on a tie. When that replica is much busier than the least loaded
 one, or nothing matches (or only a small share of the request: a system prompt all chats
-share), the least loaded one takes the request (ties in turn), as SGLang's cache-aware router.
+share), the request goes to the replica that holds least of those not much busier than the least
+loaded (ties in turn), as SGLang's cache-aware router: new chats spread by cache room, so each
+replica's share of the chats fits its cache even when one replica answers faster.
 `random` routing (`--dp-routing random`) is the baseline affinity is measured against.
 
 Plain Python: the front end's router, the Ray ingress and a unit test drive it alike.
@@ -129,19 +131,26 @@ class AffinityRouter:
     def _affine(self, key: RouteKey, live: list[int], loads: Sequence[int]) -> Route:
         scores = {i: self._score(i, key) for i in live}
         least = min(loads[i] for i in live)
+        calm = [i for i in live if self._calm(loads[i], least)]
         best = max(live, key=lambda i: (scores[i], -loads[i]))
         matched = scores[best][0]
         if matched > 0 and matched >= self.min_match * key.num_tokens:
-            load = loads[best]
-            if load - least <= self.balance_abs or load <= self.balance_rel * least:
+            if best in calm:
                 return Route(best, "affinity", matched)
             reason = "busy"
         else:
             reason = "balance"
-        idle = [i for i in live if loads[i] == least]
+        # of the replicas not much busier than the least loaded, the one that holds least
+        # (the most room left in its cache, as SGLang's router), the less loaded, in turn
+        room = min((len(self._tables[i].blocks), loads[i]) for i in calm)
+        idle = [i for i in calm if (len(self._tables[i].blocks), loads[i]) == room]
         pick = next((i for i in idle if i >= self._turn), idle[0])
         self._turn = pick + 1
         return Route(pick, reason)
+
+    def _calm(self, load: int, least: int) -> bool:
+        """Whether a replica with this load is not much busier than the least loaded."""
+        return load - least <= self.balance_abs or load <= self.balance_rel * least
 
     def _score(self, replica: int, key: RouteKey) -> tuple[int, int]:
         """(tokens this replica probably holds of the request: its longest cached prefix plus
