@@ -196,6 +196,7 @@ def test_resolve_model_creates_once_and_survives_a_race(
         ("qwen2.5-vl-7b-random", 8_292_166_656, 28, 3584, 152064),
         ("qwen3-vl-30b-a3b-random", 31_070_754_032, 48, 2048, 151936),  # "31.07B"
         ("qwen3-vl-30b-a3b-12l-random", 8_638_410_992, 12, 2048, 151936),
+        ("qwen3.5-0.8b-random", 852_985_920, 24, 1024, 248320),  # "0.9B"
     ],
 )
 def test_full_size_presets_have_published_shapes(
@@ -207,7 +208,8 @@ def test_full_size_presets_have_published_shapes(
     text = config.text_config
     assert (text.num_hidden_layers, text.hidden_size, text.vocab_size) == (layers, hidden, vocab)
     qwen3 = name.startswith("qwen3")
-    assert text.rope_parameters["mrope_section"] == ([24, 20, 20] if qwen3 else [16, 24, 24])
+    mrope = [11, 11, 10] if "3.5" in name else [24, 20, 20] if qwen3 else [16, 24, 24]
+    assert text.rope_parameters["mrope_section"] == mrope
     with torch.device("meta"):
         model = getattr(transformers, BUILTIN_MODELS[name].architecture)(config)
     assert sum(p.numel() for p in model.parameters()) == params

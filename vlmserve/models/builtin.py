@@ -115,6 +115,28 @@ def _tiny_qwen3_5(architecture: str, **moe) -> BuiltinModel:
                         image_std=(0.5, 0.5, 0.5))
 
 
+def _qwen3_5_0_8b_preset() -> BuiltinModel:
+    """Qwen/Qwen3.5-0.8B's shapes: 24 layers, three Gated DeltaNet layers to one full-attention
+    layer (16 + 16 heads of 128), 8 query / 2 KV heads of 256 with a quarter rotated; a 12-layer
+    768-wide vision tower without DeepStack."""
+    text = {**_text(1024, 3584, 24, 8, 2, 248320, [11, 11, 10]), "head_dim": 256,
+            "max_position_embeddings": 262144,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "full_attention_interval": 4}
+    text["layer_types"] = text["layer_types"] * 6
+    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": 1e7,
+                               "mrope_interleaved": True, "partial_rotary_factor": 0.25}
+    vision = dict(_QWEN3_VIS, hidden_size=768, intermediate_size=3072, depth=12, num_heads=12,
+                  out_hidden_size=1024, num_position_embeddings=2304)
+    del vision["deepstack_visual_indexes"]
+    return BuiltinModel(architecture="Qwen3_5ForConditionalGeneration", text=text,
+                        vision=vision, tie_word_embeddings=True, tiny=False,
+                        min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5),
+                        image_std=(0.5, 0.5, 0.5))
+
+
 def _qwen3_moe_preset(layers: int) -> BuiltinModel:
     text = {**_text(2048, 6144, layers, 32, 4, 151936, [24, 20, 20]), "head_dim": 128,
             "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
@@ -181,6 +203,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     # Qwen/Qwen3-VL-30B-A3B-Instruct's shapes (31.07B parameters, as published; text: Qwen3-
     # 30B-A3B's), and the same with 12 of its 48 layers (17 GB: fits the GPU machine's disk)
     "qwen3-vl-30b-a3b-random": _qwen3_moe_preset(48),
+    "qwen3.5-0.8b-random": _qwen3_5_0_8b_preset(),
     "qwen3-vl-30b-a3b-12l-random": _qwen3_moe_preset(12),
     "qwen2.5-vl-7b-random": BuiltinModel(
         architecture="Qwen2_5_VLForConditionalGeneration",
