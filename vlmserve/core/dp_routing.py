@@ -86,7 +86,7 @@ class AffinityRouter:
                  seed: int | None = None) -> None:
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, not {mode!r}")
-        assert num_replicas >= 1 and block_size >= 1
+        assert num_replicas >= 0 and block_size >= 1
         self.num_replicas, self.block_size, self.mode = num_replicas, block_size, mode
         self.max_blocks, self.max_image_rows = max(1, max_blocks), max(1, max_image_rows)
         self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
@@ -102,6 +102,15 @@ class AffinityRouter:
 
     # ---- replicas --------------------------------------------------------------------------
 
+    def add_replica(self) -> int:
+        """A new replica (Ray's, as they come): its index."""
+        self._tables.append(_Table())
+        self._alive.append(True)
+        self.counts.append(dict.fromkeys(self.counts[0] if self.counts else (
+            "affinity", "busy", "balance", "random"), 0))
+        self.num_replicas += 1
+        return self.num_replicas - 1
+
     def alive(self, replica: int) -> bool:
         return self._alive[replica]
 
@@ -112,11 +121,13 @@ class AffinityRouter:
 
     # ---- routing ---------------------------------------------------------------------------
 
-    def choose(self, key: RouteKey, loads: Sequence[int]) -> Route:
+    def choose(self, key: RouteKey, loads: Sequence[int],
+               among: Sequence[int] | None = None) -> Route:
         """The replica for a request with this key, given each replica's load now (requests
-        in flight there); the request is then recorded in that replica's table. Raises
-        `LookupError` when no replica is alive."""
-        live = [i for i in range(self.num_replicas) if self._alive[i]]
+        in flight there), among those given (default: all); the request is then recorded in
+        that replica's table. Raises `LookupError` when no replica is alive."""
+        live = [i for i in (range(self.num_replicas) if among is None else among)
+                if self._alive[i]]
         if not live:
             raise LookupError("no replica is alive")
         if self.mode == "random":

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # stats of a core that are not summed over cores: (how they combine)
 _MEAN = ("kv_cache_usage",)
 _MAX = ("stalled_s", "time")
+_OWN = ("pid", "replica", "core")  # a core's or replica's own: not in the total
 
 
 def merge_stats(per_core: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -36,6 +37,8 @@ def merge_stats(per_core: list[dict[str, Any] | None]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for key in live[0] if live else ():
         values = [s.get(key) for s in live]
+        if key in _OWN:
+            continue
         if any(v is None for v in values) or isinstance(values[0], bool):
             total[key] = values[0]
         elif not isinstance(values[0], int | float):
