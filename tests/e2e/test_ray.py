@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "tiny-qwen2-vl"
 # 320 KV blocks a replica: the 8 chats of 3 images it keeps by affinity (35 blocks each at
 # their fourth turn) fit; the 16 a replica sees with random routing do not
-ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 1024,
+ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 4096,
           "max_num_batched_tokens": 256, "num_kv_blocks": 320}
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,7 +176,9 @@ def test_a_killed_replica_fails_only_its_streams_and_ray_restarts_it(endpoint: s
     async def main() -> list:
         tasks = []
         for i in range(4):
-            tasks.append(asyncio.create_task(_long_stream(endpoint, 700, i, seen)))
+            # 2,000 tokens: far more than a replica makes before the kill (268 blocks for
+            # a replica's two streams, within its 320)
+            tasks.append(asyncio.create_task(_long_stream(endpoint, 2000, i, seen)))
             while seen[i] == 0:  # routed and begun before the next (two a replica)
                 assert not tasks[i].done(), tasks[i].result()
                 await asyncio.sleep(0.01)
@@ -191,14 +193,17 @@ def test_a_killed_replica_fails_only_its_streams_and_ray_restarts_it(endpoint: s
     assert len(failed) == len(ok) == 2
     for events in failed:  # an error event, then [DONE]
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
-    for events in ok:  # all 700 tokens
+    for events in ok:  # all 2,000 tokens
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     # Ray replaces the replica; traffic recovers on both
+    polls = iter(range(10**6))
+
     def replaced() -> bool:
-        for chat in _chats()[:2]:  # each replica answers one: the ingress learns the new one
+        for _ in range(2):  # new prompts, balanced in turn: the ingress meets the new replica
             httpx.post(endpoint + "/v1/chat/completions", timeout=120, json={
-                "model": MODEL, "messages": chat, "max_tokens": 2})
+                "model": MODEL, "messages": user(f"Poll {next(polls)}: " + "fresh words " * 20),
+                "max_tokens": 2})
         pids = {s["pid"] for s in _stats(endpoint).get("replicas", ())}
         return len(pids) == 2 and victim not in pids
 

@@ -96,8 +96,8 @@ class LLMServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, method: str, path: str, headers: list[tuple[bytes, bytes]],
-                      body: bytes, route_key: Any = None, route_to: str | None = None
-                      ) -> AsyncIterator[Any]:
+                      body: bytes, route_key: Any = None, route_to: str | None = None,
+                      route_loads: dict[str, int] | None = None) -> AsyncIterator[Any]:
         """One HTTP request through the app: (status, headers) first, then body chunks.
         `route_key` / `route_to` are the router's (router.py)."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -208,6 +208,7 @@ class OpenAIIngress:
         self.llm = llm.options(stream=True)
         self.calls = llm
         self.seen: set[str] = set()  # replicas that answered (their ids, from their responses)
+        self.in_flight: dict[str, int] = {}  # responses being streamed, by replica
 
     @_app.get("/stats")
     async def stats(self) -> JSONResponse:
@@ -240,7 +241,7 @@ class OpenAIIngress:
         headers = [(k.lower(), v) for k, v in request.headers.raw]
         for attempt in range(2):  # a replica that died before answering: once more
             gen = self.llm.forward.remote(request.method, target, headers, body,
-                                          route_key=key)
+                                          route_key=key, route_loads=dict(self.in_flight))
             try:
                 status, out_headers = await gen.__anext__()
                 break
@@ -254,12 +255,14 @@ class OpenAIIngress:
                         "message": f"the replica serving this request failed: {e}",
                         "type": "server_error", "code": 503}}, status_code=503)
         kept = {k.decode(): v.decode() for k, v in out_headers if k.decode() not in _HOP}
-        self.seen.add(kept.get("x-vlmserve-replica", ""))
+        replica = kept.get("x-vlmserve-replica", "")
+        self.seen.add(replica)
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
         sse = kept.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._rest(gen, sse), status_code=status, headers=kept)
+        return StreamingResponse(self._rest(gen, sse, replica), status_code=status,
+                                 headers=kept)
 
-    @staticmethod
-    async def _rest(gen: Any, sse: bool) -> AsyncIterator[bytes]:
+    async def _rest(self, gen: Any, sse: bool, replica: str) -> AsyncIterator[bytes]:
         try:
             async for chunk in gen:
                 yield chunk
@@ -270,6 +273,10 @@ class OpenAIIngress:
                     "message": f"the engine core serving this request died: {e}",
                     "type": "server_error", "code": 503}})
                 yield b"data: " + err + b"\n\ndata: [DONE]\n\n"
+        finally:
+            self.in_flight[replica] -= 1
+            if not self.in_flight[replica]:
+                del self.in_flight[replica]
 
 
 

@@ -62,14 +62,14 @@ def request_key(body: dict[str, Any]) -> RouteKey | None:
 
 class AffinityRequestRouter(RequestRouter):
     """Serve's router for the LLM replicas: the replica `AffinityRouter` picks for a request's
-    `route_key` (a keyword argument of the call: `request_key`), then the others by load; a
+    `route_key` (a keyword argument of the call: `request_key`; `route_loads`: requests in
+    flight by replica), then the others by load; a
     call with `route_to` (a replica's unique id) goes to that replica if it runs; a call
     with neither to the least loaded. Set as the deployment's `request_router_config`."""
 
     def initialize_state(self, mode: str = "affinity", seed: int = 0, **policy: Any) -> None:
         self.policy = AffinityRouter(0, BLOCK_UNITS, mode, seed=seed, **policy)
         self.index: dict[ReplicaID, int] = {}
-        self.in_flight: dict[ReplicaID, int] = {}
 
     def _index(self, replica_id: ReplicaID) -> int:
         i = self.index.get(replica_id)
@@ -83,9 +83,10 @@ class AffinityRequestRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        by_load = sorted(candidate_replicas,
-                         key=lambda r: self.in_flight.get(r.replica_id, 0))
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        in_flight = kwargs.get("route_loads") or {}  # the ingress's, by replica unique id
+        by_load = sorted(candidate_replicas,
+                         key=lambda r: in_flight.get(r.replica_id.unique_id, 0))
         target = kwargs.get("route_to")
         if target is not None:
             return [[r] for r in by_load if r.replica_id.unique_id == target] + [by_load]
@@ -95,7 +96,7 @@ class AffinityRequestRouter(RequestRouter):
         ids = [self._index(r.replica_id) for r in candidate_replicas]
         loads = [0] * self.policy.num_replicas
         for r, i in zip(candidate_replicas, ids, strict=True):
-            loads[i] = self.in_flight.get(r.replica_id, 0)
+            loads[i] = in_flight.get(r.replica_id.unique_id, 0)
         chosen = self.policy.choose(key, loads, among=ids).replica
         first = [r for r, i in zip(candidate_replicas, ids, strict=True) if i == chosen]
         return [first, [r for r in by_load if r not in first]]
@@ -109,17 +110,9 @@ class AffinityRequestRouter(RequestRouter):
         for r in replicas:
             self._index(r.replica_id)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: Any) -> None:
-        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.in_flight[replica_id] = max(0, self.in_flight.get(replica_id, 0) - 1)
-
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         if replica_id in self.curr_replicas:
             super().on_replica_actor_died(replica_id)
         if replica_id in self.index:
             self.policy.set_alive(self.index[replica_id], False)
-        self.in_flight.pop(replica_id, None)
         REPLICAS.pop(replica_id.unique_id, None)
