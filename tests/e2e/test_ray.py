@@ -67,17 +67,13 @@ def cluster(vlmserve_cache: Path) -> Iterator[str]:
                                 env=env))
         assert wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 120)
         yield address
-    finally:
-        with contextlib_suppress():
-            serve.shutdown()
+    finally:  # no graceful Serve shutdown (tens of seconds): the nodes' processes are killed
         with contextlib_suppress():
             ray.shutdown()
         for node in reversed(nodes):
             with contextlib_suppress():
-                os.killpg(node.pid, signal.SIGTERM)
-                node.wait(30)
-            with contextlib_suppress():
                 os.killpg(node.pid, signal.SIGKILL)
+            node.wait(30)
 
 
 def contextlib_suppress():
