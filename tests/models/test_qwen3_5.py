@@ -105,10 +105,3 @@ def test_mtp_weights_are_loaded_and_kept(pair, tmp_path):
     for name, tensor in mtp.items():
         assert torch.equal(kept[name[len("mtp."):]], tensor)
 
-
-def test_tensor_parallelism_is_refused_in_one_line(pair):
-    from types import SimpleNamespace
-
-    path = pair[0]
-    with pytest.raises(ValueError, match="does not run under tensor parallelism yet"):
-        load_model(path, load_hf_config(path), torch.float32, CPU, SimpleNamespace(world_size=2))

@@ -26,7 +26,8 @@ from vlmserve.distributed.parallel_state import (
 )
 from vlmserve.distributed.ranks import Followers
 from vlmserve.executor.uniproc import UniprocExecutor
-from vlmserve.layers.tensor_parallel import check_divisible, check_vision_divisible
+from vlmserve.layers.tensor_parallel import check_divisible
+from vlmserve.layers.vision_tensor_parallel import check_vision_divisible
 from vlmserve.models.metadata import local_model_config
 from vlmserve.utils import limit_host_threads, resolve_device
 from vlmserve.worker.model_runner import StepResult

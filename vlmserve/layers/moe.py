@@ -15,7 +15,8 @@ computes what transformers computes, expert by expert.
 Under tensor parallelism each rank holds every expert's slice of the intermediate columns
 (`ExpertWeights(inter_start=...)`), or with expert parallelism a share of the experts whole
 (`ExpertWeights(expert_start=...)`: a pick of another rank's expert adds nothing here); the
-weighted sum is all-reduced.
+weighted sum is all-reduced (with a shared expert, `SharedExpertMoE`: the experts' and its
+partial sums in one all-reduce).
 """
 
 from __future__ import annotations
@@ -160,6 +161,29 @@ class SparseMoE(nn.Module):
         else:
             y = moe_reference(h, gate_up, down, weights, ids)
         return y if self.tp is None else self.tp.all_reduce(y)
+
+
+class SharedExpertMoE(nn.Module):
+    """Qwen3.5-MoE's MLP: the routed experts (`routed`, a `SparseMoE`) plus
+    ``sigmoid(shared_expert_gate(h)) * shared_expert(h)``, `shared_expert` a SiLU-gated MLP
+    (`gate_up_proj`, `down_proj`). Under tensor parallelism both sums are this rank's partial
+    ones, all-reduced together once (`tp`)."""
+
+    def __init__(self, routed: SparseMoE, shared_expert: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.routed = routed
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Module()
+        self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, hidden))  # replicated
+        self.tp = None
+
+    def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        mlp = self.shared_expert
+        shared = mlp.down_proj(mlp.ops.silu_mul(mlp.ops.linear(h, mlp.gate_up_proj.w)))
+        gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))
+        y = self.routed.experts_sum(h) + gate * shared
+        return (y if self.tp is None else self.tp.all_reduce(y)), residual
 
 
 def is_sparse_layer(cfg, index: int) -> bool:

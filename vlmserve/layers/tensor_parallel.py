@@ -1,19 +1,19 @@
-"""The tensor-parallel layout of a Qwen2 / Llama / Mistral language model (the model code knows
-nothing of TP): `ShardPlan` says which slice of each checkpoint tensor a rank reads, and
-`shard_model` puts modules of that size in the model before any weight is allocated (see
-models/loader.py). Attention heads and MLP columns are split (column-parallel q/k/v and
-gate/up; with fewer KV heads than ranks, each rank holds the KV head its query heads use),
-o_proj and down_proj are row-parallel with an all-reduce, a sparse layer's experts each keep
-their share of the intermediate columns, or with `expert_parallel` each rank a share of the
-experts whole (the router replicated, the weighted sum all-reduced),
-and the token embedding and lm_head are split by vocabulary rows (logits all-gathered).
+"""The tensor-parallel layout of a Qwen2 / Llama / Mistral / Gemma 3 / Qwen3.5 language model
+(the model code knows nothing of TP): `ShardPlan` says which slice of each checkpoint tensor a
+rank reads, and `shard_model` puts modules of that size in the model before any weight is
+allocated (see models/loader.py). Attention heads and MLP columns are split (column-parallel
+q/k/v and gate/up; with fewer KV heads than ranks, each rank holds the KV head its query heads
+use; a gated q_proj, `TPLayout.gated_query`, by its per-head query and gate rows), o_proj and
+down_proj are row-parallel with an all-reduce, a sparse layer's experts each keep their share
+of the intermediate columns, or with `expert_parallel` each rank a share of the experts whole
+(the router replicated, the weighted sum all-reduced; a shared expert's columns split, its
+partial sum reduced with the experts' in the same all-reduce), Gated DeltaNet layers by key
+and value heads (q | k | v rows of the fused projection and the convolution, z / b / a rows,
+per-head decay parameters, out_proj row-parallel; each rank's state pools of its heads), and
+the token embedding and lm_head are split by vocabulary rows (logits all-gathered).
 
-The image encoder (vision tower and projector / merger) is replicated unless
-`mm_encoder_tp_mode="weights"`: then `VisionShardPlan` and `shard_vision_encoder` split it
-the same way, by the names of its layers (`_VISION_LAYERS`: Qwen2-VL / Qwen2.5-VL / Qwen3-VL
-towers and mergers, the CLIP tower, LLaVA's projector): attention heads (a fused qkv split by
-heads in each of its thirds), the first MLP layer column-parallel, the output projection and
-second MLP layer row-parallel, all-reduced on the language model's group."""
+The image encoder is replicated unless `mm_encoder_tp_mode="weights"`
+(layers/vision_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from torch import nn
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fp8 import HoldsFp8
 from vlmserve.layers.fused import EAGER_OPS
-from vlmserve.layers.linear import MergedLinear
-from vlmserve.layers.moe import ExpertWeights, SparseMoE, num_experts
+from vlmserve.layers.gated_deltanet import GatedDeltaNet
+from vlmserve.layers.linear import Linear, MergedLinear
+from vlmserve.layers.moe import ExpertWeights, SharedExpertMoE, SparseMoE, num_experts
 
 
 class RowParallelLinear(HoldsFp8, nn.Module):
@@ -82,23 +83,78 @@ class ParallelLMHead(nn.Module):
 
 
 # checkpoint names of the language model's split tensors (hub and transformers 5.x layouts)
-_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\."
-                    r"(weight|bias)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\."
+                    r"(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")
+_LINEAR_ATTN = re.compile(r"(?:^|\.)layers\.\d+\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight"
+                          r"|in_proj_z\.weight|in_proj_[ab]\.weight|dt_bias|A_log"
+                          r"|out_proj\.weight)$")
 _VOCAB = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
 
 
 @dataclass(frozen=True)
 class TensorSlice:
     """Rows (`dim` 0) or columns (`dim` 1) [start, stop) of a checkpoint tensor, zero-padded
-    to `size` along dim 0 when the last vocabulary shard is short. With `blocks` > 1, dim 0
-    is that many equal parts (a fused q/k/v) and the rows [start, stop) of each are read,
-    concatenated."""
+    to `size` along dim 0 when the last vocabulary shard is short. With `spans`, dim 0 is a
+    fused tensor of parts (q | k | v) and the rows [a, b) of each span are read, concatenated
+    (`start` / `stop`: the first span's start, the last one's stop)."""
 
     dim: int
     start: int
     stop: int
     size: int
-    blocks: int = 1
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of_spans(cls, spans: list[tuple[int, int]]) -> TensorSlice:
+        """Rows of several parts of a fused tensor: `spans` [a, b) in its rows, in order."""
+        return cls(0, spans[0][0], spans[-1][1], sum(b - a for a, b in spans), tuple(spans))
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What a model family's checkpoint names and config do not say about splitting it (a
+    model class's `tp_layout`). `gated_query`: q_proj's rows are, per head, its query then
+    its output gate (Qwen3.5), so a head split reads 2 * head_dim rows a head."""
+
+    gated_query: bool = False
+
+
+@dataclass(frozen=True)
+class LinearHeads:
+    """A rank's share of the Gated DeltaNet layers: key heads [k_start, k_start + k_heads) of
+    `k_total` and value heads [v_start, v_start + v_heads). Value head i reads key head
+    i // (value heads / key heads), so contiguous shares keep each with its key head."""
+
+    k_heads: int
+    k_start: int
+    k_total: int
+    k_dim: int
+    v_heads: int
+    v_start: int
+    v_dim: int
+
+    @classmethod
+    def for_config(cls, text_config, rank: int, world: int) -> LinearHeads | None:
+        k = getattr(text_config, "linear_num_key_heads", None)
+        if not k:
+            return None
+        v = text_config.linear_num_value_heads
+        return cls(k // world, rank * (k // world), k, text_config.linear_key_head_dim,
+                   v // world, rank * (v // world), text_config.linear_value_head_dim)
+
+    def slice_for(self, tensor: str) -> TensorSlice:
+        """The rows (columns of out_proj) of a linear layer's tensor (its name in the layer)."""
+        k0, k1 = self.k_start * self.k_dim, (self.k_start + self.k_heads) * self.k_dim
+        v0, v1 = self.v_start * self.v_dim, (self.v_start + self.v_heads) * self.v_dim
+        if tensor in ("in_proj_qkv.weight", "conv1d.weight"):  # rows q | k | v
+            key = self.k_total * self.k_dim
+            return TensorSlice.of_spans([(k0, k1), (key + k0, key + k1),
+                                         (2 * key + v0, 2 * key + v1)])
+        if tensor == "in_proj_z.weight":
+            return TensorSlice(0, v0, v1, v1 - v0)
+        if tensor == "out_proj.weight":
+            return TensorSlice(1, v0, v1, v1 - v0)
+        return TensorSlice(0, self.v_start, self.v_start + self.v_heads, self.v_heads)
 
 
 @dataclass(frozen=True)
@@ -119,10 +175,14 @@ class ShardPlan:
     vocab_rows: int  # embedding / lm_head rows here (the last rank's padded), from `vocab_start`
     vocab_start: int
     expert_parallel: bool = False  # sparse layers: whole experts here, not column shares
+    layout: TPLayout = TPLayout()
+    linear: LinearHeads | None = None  # Gated DeltaNet layers' heads here
+    shared_inter: int = 0  # a shared expert's columns here, from `shared_inter_start`
+    shared_inter_start: int = 0
 
     @classmethod
-    def for_config(cls, text_config, rank: int, world: int, expert_parallel: bool = False
-                   ) -> ShardPlan:
+    def for_config(cls, text_config, rank: int, world: int, expert_parallel: bool = False,
+                   layout: TPLayout = TPLayout()) -> ShardPlan:
         check_divisible(text_config, world, expert_parallel)
         heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
         head_dim = (getattr(text_config, "head_dim", None)
@@ -131,63 +191,61 @@ class ShardPlan:
             kv_here, kv_start = kv // world, rank * (kv // world)
         else:  # fewer KV heads than ranks: each is replicated on world / kv ranks
             kv_here, kv_start = 1, rank // (world // kv)
-        inter = text_config.intermediate_size // world
+        # Qwen3.5-MoE's config has no dense MLP size
+        inter = (getattr(text_config, "intermediate_size", None) or 0) // world
+        shared = (getattr(text_config, "shared_expert_intermediate_size", None) or 0) // world
         vocab = text_config.vocab_size
         rows = -(-vocab // world)
         return cls(rank, world, text_config.hidden_size, head_dim, heads // world,
                    rank * (heads // world), kv_here, kv_start, inter, rank * inter, vocab,
-                   rows, min(rank * rows, vocab), expert_parallel)
+                   rows, min(rank * rows, vocab), expert_parallel, layout,
+                   LinearHeads.for_config(text_config, rank, world), shared, rank * shared)
 
     def slice_for(self, name: str) -> TensorSlice | None:
         """The part of checkpoint tensor `name` (a language-model name) this rank reads;
         None: all of it."""
         if m := _LAYER.search(name):
-            _, proj, kind = m.groups()
-            d = self.head_dim
-            if proj == "q":
-                return TensorSlice(0, self.q_start * d, (self.q_start + self.heads) * d,
-                                   self.heads * d)
-            if proj in ("k", "v"):
-                return TensorSlice(0, self.kv_start * d, (self.kv_start + self.kv_heads) * d,
-                                   self.kv_heads * d)
-            if proj in ("gate", "up"):
-                return TensorSlice(0, self.inter_start, self.inter_start + self.inter,
-                                   self.inter)
-            if kind == "bias":  # o_proj's: added whole, after the all-reduce
-                return None
-            if proj == "o":
-                return TensorSlice(1, self.q_start * d, (self.q_start + self.heads) * d,
-                                   self.heads * d)
-            return TensorSlice(1, self.inter_start, self.inter_start + self.inter, self.inter)
+            return self._layer_slice(*m.groups())
+        if self.linear is not None and (m := _LINEAR_ATTN.search(name)):
+            return self.linear.slice_for(m.group(1))
         if _VOCAB.search(name):
             stop = min(self.vocab_start + self.vocab_rows, self.vocab_size)
             return TensorSlice(0, self.vocab_start, stop, self.vocab_rows)
         return None
 
+    def _layer_slice(self, module: str, proj: str, kind: str) -> TensorSlice | None:
+        d = self.head_dim
+        if proj == "q":
+            q = 2 * d if self.layout.gated_query else d  # rows a head
+            return TensorSlice(0, self.q_start * q, (self.q_start + self.heads) * q,
+                               self.heads * q)
+        if proj in ("k", "v"):
+            return TensorSlice(0, self.kv_start * d, (self.kv_start + self.kv_heads) * d,
+                               self.kv_heads * d)
+        if kind == "bias" and proj in ("o", "down"):  # added whole, after the all-reduce
+            return None
+        if proj == "o":
+            return TensorSlice(1, self.q_start * d, (self.q_start + self.heads) * d,
+                               self.heads * d)
+        start, n = ((self.shared_inter_start, self.shared_inter) if module.endswith("expert")
+                    else (self.inter_start, self.inter))
+        return TensorSlice(1 if proj == "down" else 0, start, start + n, n)
+
 
 def check_divisible(text_config, world_size: int, expert_parallel: bool = False) -> None:
     """Raise a clear error before any process starts if the model cannot be split."""
-    names = ["num_attention_heads", "intermediate_size"]
+    names = ["num_attention_heads", "intermediate_size", "shared_expert_intermediate_size",
+             "linear_num_key_heads", "linear_num_value_heads"]
     if num_experts(text_config):
         names.append("num_experts" if expert_parallel else "moe_intermediate_size")
     for name in names:
-        value = getattr(text_config, name)
-        if value % world_size:
+        value = getattr(text_config, name, None)
+        if value and value % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} must divide {name} ({value})")
     kv = text_config.num_key_value_heads
     if kv % world_size and world_size % kv:
         raise ValueError(f"tensor_parallel_size={world_size} must divide, or be a multiple of, "
                          f"num_key_value_heads ({kv})")
-
-
-def check_vision_divisible(vision_config, world_size: int) -> None:
-    """`mm_encoder_tp_mode="weights"`: the same check for the vision tower's heads, before
-    any process starts (`VisionShardPlan.for_model` checks every split layer as it loads)."""
-    heads = getattr(vision_config, "num_heads", None) or vision_config.num_attention_heads
-    if heads % world_size:
-        raise ValueError(f"tensor_parallel_size={world_size} must divide the vision tower's "
-                         f"attention heads ({heads}) with {_WEIGHTS_MODE}; use "
-                         f"mm_encoder_tp_mode='data'")
 
 
 def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
@@ -197,28 +255,23 @@ def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
     `build_model`)."""
     lm = model.language_model
     for layer in lm.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        attn.qkv_proj = MergedLinear(plan.hidden, [plan.heads * d, plan.kv_heads * d,
-                                                   plan.kv_heads * d],
-                                     bias=attn.qkv_proj.bias is not None)
-        attn.o_proj = RowParallelLinear(plan.heads * d, plan.hidden,
-                                        attn.o_proj.bias is not None, tp)
-        attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
-        if isinstance(mlp, SparseMoE):  # a share of every expert, or of the experts; sum reduced
-            e, world, rank = mlp.experts, plan.world, plan.rank
-            if plan.expert_parallel:
-                local = mlp.num_experts // world
-                mlp.experts = ExpertWeights(e.hidden, e.inter, local, expert_start=rank * local,
-                                            num_total=mlp.num_experts)
-            else:
-                share = e.inter // world
-                mlp.experts = ExpertWeights(e.hidden, share, mlp.num_experts, rank * share,
-                                            e.inter)
+        if hasattr(layer, "self_attn"):
+            _shard_attention(layer.self_attn, plan, tp)
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn = _sharded_linear_attention(layer.linear_attn, plan, tp)
+        mlp = layer.mlp
+        if isinstance(mlp, SharedExpertMoE):  # one all-reduce of the experts' and the shared sum
+            _shard_experts(mlp.routed, plan)
+            mlp.shared_expert.gate_up_proj = MergedLinear(
+                plan.hidden, [plan.shared_inter, plan.shared_inter], bias=False)
+            mlp.shared_expert.down_proj = Linear(plan.shared_inter, plan.hidden, bias=False)
             mlp.tp = tp
-            continue
-        mlp.gate_up_proj = MergedLinear(plan.hidden, [plan.inter, plan.inter], bias=False)
-        mlp.down_proj = RowParallelLinear(plan.inter, plan.hidden, False, tp)
+        elif isinstance(mlp, SparseMoE):  # a share of every expert, or of the experts
+            _shard_experts(mlp, plan)
+            mlp.tp = tp
+        else:
+            mlp.gate_up_proj = MergedLinear(plan.hidden, [plan.inter, plan.inter], bias=False)
+            mlp.down_proj = RowParallelLinear(plan.inter, plan.hidden, False, tp)
     lm.embed_tokens = VocabParallelEmbedding(plan.vocab_rows, plan.hidden, plan.vocab_start,
                                              tp)
     weight = (lm.embed_tokens.weight if model.tie_word_embeddings
@@ -226,104 +279,39 @@ def shard_model(model: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
     model.lm_head = ParallelLMHead(weight, plan.vocab_size, tp)
 
 
-# the image encoders' split layers by name (a module's name in the model, or a checkpoint
-# tensor's without `.weight` / `.bias`, ends with the match): Qwen2-VL / Qwen2.5-VL towers and
-# patch merger, the CLIP tower, LLaVA's projector. `qkv`: fused q/k/v, each third split by
-# heads; `column`: output features split; `row`: input features split, all-reduced.
-_VISION_LAYERS = (
-    (r"blocks\.\d+\.attn\.qkv", "qkv"),
-    (r"blocks\.\d+\.attn\.proj", "row"),
-    (r"blocks\.\d+\.mlp\.(?:fc1|gate_proj|up_proj|linear_fc1)", "column"),
-    (r"blocks\.\d+\.mlp\.(?:fc2|down_proj|linear_fc2)", "row"),
-    (r"merger\.mlp\.0", "column"),
-    (r"merger\.mlp\.2", "row"),
-    (r"(?:merger|deepstack_merger_list\.\d+)\.linear_fc1", "column"),  # Qwen3-VL's mergers
-    (r"(?:merger|deepstack_merger_list\.\d+)\.linear_fc2", "row"),
-    (r"encoder\.layers\.\d+\.self_attn\.[qkv]_proj", "column"),
-    (r"encoder\.layers\.\d+\.self_attn\.out_proj", "row"),
-    (r"encoder\.layers\.\d+\.mlp\.fc1", "column"),
-    (r"encoder\.layers\.\d+\.mlp\.fc2", "row"),
-    (r"multi_modal_projector\.linear_1", "column"),
-    (r"multi_modal_projector\.linear_2", "row"),
-)
-_VISION_LAYER = [(re.compile(rf"(?:^|\.)({pattern})$"), kind) for pattern, kind in _VISION_LAYERS]
-# attention modules of those towers (`num_heads` heads, split)
-_VISION_ATTENTION = re.compile(r"(?:^|\.)(?:blocks\.\d+\.attn|encoder\.layers\.\d+\.self_attn)$")
-_WEIGHTS_MODE = "mm_encoder_tp_mode='weights'"
+def _shard_attention(attn: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
+    d, q = attn.head_dim, 2 if plan.layout.gated_query else 1
+    assert attn.qkv_proj.out_sizes[0] == q * plan.heads * plan.world * d, \
+        "q_proj's rows do not match the model's TPLayout"
+    attn.qkv_proj = MergedLinear(plan.hidden, [q * plan.heads * d, plan.kv_heads * d,
+                                               plan.kv_heads * d],
+                                 bias=attn.qkv_proj.bias is not None)
+    attn.o_proj = RowParallelLinear(plan.heads * d, plan.hidden, attn.o_proj.bias is not None,
+                                    tp)
+    attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
 
 
-def _vision_layer(name: str) -> tuple[str, str] | None:
-    """(the layer's name as the table matches it, its kind) for a module or tensor name."""
-    for pattern, kind in _VISION_LAYER:
-        if m := pattern.search(name):
-            return m.group(1), kind
-    return None
+def _shard_experts(mlp: SparseMoE, plan: ShardPlan) -> None:
+    """A sparse layer's experts: every expert's share of the columns, or (expert parallel) a
+    share of the experts whole; the caller all-reduces the sum."""
+    e, world, rank = mlp.experts, plan.world, plan.rank
+    if plan.expert_parallel:
+        local = mlp.num_experts // world
+        mlp.experts = ExpertWeights(e.hidden, e.inter, local, expert_start=rank * local,
+                                    num_total=mlp.num_experts)
+    else:
+        share = e.inter // world
+        mlp.experts = ExpertWeights(e.hidden, share, mlp.num_experts, rank * share, e.inter)
 
 
-@dataclass(frozen=True)
-class VisionShardPlan:
-    """What rank `rank` of `world` holds of a model's image encoder in weights mode: each
-    split layer (by its name in `_VISION_LAYERS`) with its kind and whole size (in, out)."""
-
-    rank: int
-    world: int
-    layers: dict[str, tuple[str, int, int]]
-
-    @classmethod
-    def for_model(cls, model: nn.Module, rank: int, world: int) -> VisionShardPlan:
-        """From `model` as built (whole layers); a clear error if `world` does not divide its
-        vision heads or a split layer's features."""
-        layers: dict[str, tuple[str, int, int]] = {}
-        for name, module in model.named_modules():
-            if _VISION_ATTENTION.search(name) and module.num_heads % world:
-                raise ValueError(f"tensor_parallel_size={world} must divide the vision "
-                                 f"tower's attention heads ({module.num_heads}) with "
-                                 f"{_WEIGHTS_MODE}; use mm_encoder_tp_mode='data'")
-            if (hit := _vision_layer(name)) is not None:
-                key, kind = hit
-                layers[key] = (kind, module.in_features, module.out_features)
-                split = module.in_features if kind == "row" else module.out_features
-                parts = world * (3 if kind == "qkv" else 1)
-                if split % parts:
-                    raise ValueError(f"tensor_parallel_size={world} must divide the "
-                                     f"features of the vision layer {key} ({split}) with "
-                                     f"{_WEIGHTS_MODE}; use mm_encoder_tp_mode='data'")
-        return cls(rank, world, layers)
-
-    def slice_for(self, name: str) -> TensorSlice | None:
-        """The part of checkpoint tensor `name` (an image-encoder name) this rank reads;
-        None: all of it."""
-        base, _, param = name.rpartition(".")
-        hit = _vision_layer(base)
-        if hit is None or hit[0] not in self.layers:
-            return None
-        kind, features_in, features_out = self.layers[hit[0]]
-        if kind == "row":  # the bias is added whole, after the all-reduce
-            if param == "bias":
-                return None
-            n = features_in // self.world
-            return TensorSlice(1, self.rank * n, (self.rank + 1) * n, n)
-        blocks = 3 if kind == "qkv" else 1
-        n = features_out // blocks // self.world
-        return TensorSlice(0, self.rank * n, (self.rank + 1) * n, n * blocks, blocks)
-
-
-def shard_vision_encoder(model: nn.Module, plan: VisionShardPlan,
-                         tp: TensorParallel) -> None:
-    """Replace the image encoder's split layers of `model` (just built, weights not yet
-    allocated) by layers of this rank's size, and give its attention modules their share of
-    the heads; row-parallel layers all-reduce on `tp`, the language model's group."""
-    for name, module in list(model.named_modules()):
-        if _VISION_ATTENTION.search(name):
-            module.num_heads //= plan.world
-        hit = _vision_layer(name)
-        if hit is None:
-            continue
-        kind, features_in, features_out = plan.layers[hit[0]]
-        bias = module.bias is not None
-        if kind == "row":
-            layer = RowParallelLinear(features_in // plan.world, features_out, bias, tp)
-        else:
-            layer = nn.Linear(features_in, features_out // plan.world, bias=bias)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, layer)
+def _sharded_linear_attention(layer: GatedDeltaNet, plan: ShardPlan,
+                              tp: TensorParallel) -> GatedDeltaNet:
+    """A Gated DeltaNet layer of this rank's key and value heads (its state pools follow
+    from them: `state_shapes`), out_proj row-parallel."""
+    heads = plan.linear
+    assert (heads.k_heads * plan.world, heads.v_heads * plan.world) == (
+        layer.k_heads, layer.v_heads)
+    local = GatedDeltaNet(plan.hidden, heads.k_heads, heads.v_heads, layer.k_dim, layer.v_dim,
+                          layer.kernel, layer.norm.eps)
+    local.out_proj = RowParallelLinear(heads.v_heads * layer.v_dim, plan.hidden, False, tp)
+    return local

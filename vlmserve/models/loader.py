@@ -26,13 +26,8 @@ from transformers import AutoConfig
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fp8 import HoldsFp8, hold_fp8
 from vlmserve.layers.linear import MergedLinear
-from vlmserve.layers.tensor_parallel import (
-    ShardPlan,
-    TensorSlice,
-    VisionShardPlan,
-    shard_model,
-    shard_vision_encoder,
-)
+from vlmserve.layers.tensor_parallel import ShardPlan, TensorSlice, TPLayout, shard_model
+from vlmserve.layers.vision_tensor_parallel import VisionShardPlan, shard_vision_encoder
 from vlmserve.models.quantization import (
     SCALE_SUFFIX,
     Fp8BlockQuant,
@@ -120,11 +115,8 @@ def _fp8_part(part: TensorSlice, block: tuple[int, int]) -> TensorSlice:
 
 def _part(whole, part: TensorSlice) -> torch.Tensor:
     """`part` of a tensor, or of a safetensors slice (only that part read from disk)."""
-    shape = whole.get_shape() if hasattr(whole, "get_shape") else whole.shape
-    if part.blocks > 1:  # a fused q/k/v: the rows of each third
-        n = shape[0] // part.blocks
-        t = torch.cat([whole[b * n + part.start:b * n + part.stop]
-                       for b in range(part.blocks)])
+    if part.spans:  # a fused q/k/v: the rows of each part
+        t = torch.cat([whole[a:b] for a, b in part.spans])
     elif part.dim == 0:
         t = whole[part.start:part.stop]
     else:
@@ -240,8 +232,10 @@ def _build(hf_config, dtype: torch.dtype, device: torch.device, tp: TensorParall
 
 
 def _shard_plan(hf_config, tp: TensorParallel, expert_parallel: bool = False) -> ShardPlan:
+    """This rank's plan, from the text config and the model class's `tp_layout`."""
     text = getattr(hf_config, "text_config", None) or hf_config
-    return ShardPlan.for_config(text, tp.rank, tp.world_size, expert_parallel)
+    layout = getattr(resolve_model_class(hf_config), "tp_layout", TPLayout())
+    return ShardPlan.for_config(text, tp.rank, tp.world_size, expert_parallel, layout)
 
 
 def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
@@ -262,9 +256,6 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
             raise ValueError("the transformers backend runs on one device, unquantized "
                              "(tensor parallelism and fp8 need a native model)")
         return cls.from_checkpoint(path, hf_config, dtype, device)
-    if tp is not None and not getattr(cls, "supports_tensor_parallel", True):
-        raise ValueError(f"{cls.__name__} does not run under tensor parallelism yet "
-                         "(tensor_parallel_size 1)")
     quant = checkpoint_quantization(hf_config)
     online = quantization == "fp8" and quant is None
     if online:
@@ -353,7 +344,7 @@ def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: 
 def _on_blocks(part: TensorSlice, shape: list[int], block: tuple[int, int]) -> bool:
     """Whether a rank's part of a weight starts on a block and ends on one (or at the end)."""
     b = block[part.dim]
-    return (part.blocks == 1 and part.start % b == 0
+    return (not part.spans and part.start % b == 0
             and (part.stop % b == 0 or part.stop == shape[part.dim]))
 
 

@@ -14,7 +14,6 @@ by its weight as is). The multi-token-prediction weights (``mtp.*``) are loaded 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.core.kv_cache_groups import FULL as FULL_LAYER
@@ -23,9 +22,10 @@ from vlmserve.layers.attention import AttentionMetadata, paged_attention_referen
 from vlmserve.layers.fused import EAGER_OPS, rotary_qk
 from vlmserve.layers.gated_deltanet import GatedDeltaNet
 from vlmserve.layers.linear import Linear, MergedLinear
-from vlmserve.layers.moe import is_sparse_layer, sparse_moe_for
+from vlmserve.layers.moe import SharedExpertMoE, is_sparse_layer, sparse_moe_for
 from vlmserve.layers.norm import RMSNorm
 from vlmserve.layers.rotary import MRotaryEmbedding
+from vlmserve.layers.tensor_parallel import TPLayout
 from vlmserve.models.qwen2 import Qwen2MLP, Qwen2Model, rope_settings
 from vlmserve.models.qwen2_vl import text_config
 from vlmserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -69,25 +69,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(o), residual
 
 
-class SharedExpertMoE(nn.Module):
-    """Qwen3.5-MoE's MLP: the routed experts plus ``sigmoid(shared_expert_gate(h)) *
-    shared_expert(h)``."""
-
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.routed = sparse_moe_for(cfg)
-        self.shared_expert = Qwen2MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Module()
-        self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, cfg.hidden_size))
-
-    def forward(self, x, residual, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        mlp = self.shared_expert
-        shared = mlp.down_proj(mlp.ops.silu_mul(mlp.ops.linear(h, mlp.gate_up_proj.w)))
-        gate = torch.sigmoid(F.linear(h, self.shared_expert_gate.weight))
-        return self.routed.experts_sum(h) + gate * shared, residual
-
-
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, cfg, index: int) -> None:
         super().__init__()
@@ -105,8 +86,11 @@ class Qwen3_5DecoderLayer(nn.Module):
                 eps, bool(getattr(cfg, "attention_bias", False)))
         else:
             raise ValueError(f"layer {index}: unknown layer type {self.kind!r}")
-        self.mlp = (SharedExpertMoE(cfg) if is_sparse_layer(cfg, index)
-                    else Qwen2MLP(cfg.hidden_size, cfg.intermediate_size))
+        if is_sparse_layer(cfg, index):
+            shared = Qwen2MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.mlp = SharedExpertMoE(sparse_moe_for(cfg), shared, cfg.hidden_size)
+        else:
+            self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -204,7 +188,9 @@ class Qwen3_5TextModel(Qwen2Model):
 
 class MTPWeights(nn.Module):
     """The checkpoint's multi-token-prediction weights (``mtp.*``), kept as buffers by name
-    (`tensors`) for speculative decoding later; the forward never reads them."""
+    (`tensors`) for speculative decoding later; the forward never reads them. Under tensor
+    parallelism those the shard plan matches (its decoder layer's projections) are this
+    rank's slices, as a sharded MTP layer would hold them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -221,8 +207,8 @@ class MTPWeights(nn.Module):
 
 class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     language_model_cls = Qwen3_5TextModel
-    # the shard plan knows neither the linear layers nor the gated q_proj yet
-    supports_tensor_parallel = False
+    # q_proj's rows: per head, its query then its output gate
+    tp_layout = TPLayout(gated_query=True)
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
