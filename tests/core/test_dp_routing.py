@@ -118,3 +118,13 @@ def test_new_chats_spread_by_cache_room_while_loads_are_close() -> None:
     # replica 1 holds more now but replica 0 is much busier: load decides
     router.choose(chat(9, 1), [0, 0])  # replica 0 (the turn's)
     assert router.choose(chat(10, 1), [30, 0]).replica == 1
+
+
+def test_forget_empties_every_table() -> None:
+    router = AffinityRouter(2, BS)
+    first = router.choose(chat(1, 1), [0, 0]).replica
+    assert router.choose(chat(1, 2), [0, 0]).reason == "affinity"
+    router.forget()
+    assert all(r["table_blocks"] == 0 for r in router.stats()["replicas"])
+    route = router.choose(chat(1, 3), [0, 0])
+    assert route.reason == "balance" and route.replica != first  # the next in turn

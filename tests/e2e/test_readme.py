@@ -33,6 +33,8 @@ README = README_PATH.read_text()
 PAGES = {p: p.read_text() for p in [README_PATH, *sorted((ROOT / "docs").glob("*.md"))]}
 # commands of GPU tools that a block may show but a CPU test cannot run
 GPU_TOOLS = ("nvidia-cuda-mps-control", "echo quit | nvidia-cuda-mps-control")
+# a Ray cluster's commands (docs/ray.md): `serve run` / `serve deploy` lines are built below
+RAY = ('pip install "vlmserve[serve,ray]"', "ray start ", "serve run ", "serve deploy ")
 
 
 def blocks(lang: str, text: str | None = None) -> list[str]:
@@ -93,7 +95,7 @@ def test_every_block_is_run_or_parsed() -> None:
             continue
         for line in command_lines(block):
             assert line.startswith(("vlmserve ", "python -m vlmserve", "torchrun ",
-                                     "python -m vlmserve.benchmarks", *GPU_TOOLS)), line
+                                     "python -m vlmserve.benchmarks", *GPU_TOOLS, *RAY)), line
     assert len(_python_blocks()) >= 3
 
 
@@ -186,6 +188,28 @@ def test_vlmserve_command_lines_parse() -> None:
         if words[0] == "python" and words[2] != "vlmserve":  # a benchmark module of its own
             continue
         parser.parse_args(args)
+
+
+def test_ray_serve_lines_build_the_application() -> None:
+    """Each `serve run` / `serve deploy` line builds vlmserve's Ray application from its
+    arguments (`key=value` after the import path, or a config file's `args`), as Serve would."""
+    pytest.importorskip("ray.serve")
+    import yaml
+
+    from vlmserve.entrypoints.ray.app import build_app
+
+    lines = [shlex.split(line) for b in blocks("bash") for line in command_lines(b)
+             if line.startswith(("serve run ", "serve deploy "))]
+    assert len(lines) >= 3
+    for words in lines:
+        target, args = words[2], words[3:]
+        if target.endswith(".yaml"):
+            (app,) = yaml.safe_load((ROOT / target).read_text())["applications"]
+            target, kwargs = app["import_path"], app["args"]
+        else:
+            kwargs = dict(a.split("=", 1) for a in args)
+        assert target == "vlmserve.entrypoints.ray.app:build_app"
+        build_app(kwargs)
 
 
 def test_torchrun_command_lines_parse() -> None:

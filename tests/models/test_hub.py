@@ -142,20 +142,26 @@ def test_a_model_missing_offline_is_one_line_from_the_cli(tmp_path, offline, cap
     assert "neither an existing path, a built-in model nor a Hugging Face model id" in err
 
 
+def _closed_port() -> int:
+    """A port free a moment ago, closed again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
     """Online, with nothing listening where the Hub should be (HF_ENDPOINT, as
     huggingface_hub read it at import) and nothing cached."""
     from huggingface_hub import constants
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: connections are refused
+    port, listen = _closed_port(), _closed_port()  # nothing there: connections are refused
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "org/tiny", "--revision", "v1", "--download-dir", str(tmp_path)])
+        main(["serve", "org/tiny", "--revision", "v1", "--download-dir", str(tmp_path),
+              "--port", str(listen)])  # the server checks its port before the model
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and err.count("\n") == 1, err
     assert err.startswith("vlmserve: error: model 'org/tiny' (revision v1) is not in the "

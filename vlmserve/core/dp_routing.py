@@ -119,6 +119,10 @@ class AffinityRouter:
         self._alive[replica] = alive
         self._tables[replica] = _Table()
 
+    def forget(self) -> None:
+        """Every replica's table emptied (their prefix caches were reset)."""
+        self._tables = [_Table() for _ in self._tables]
+
     # ---- routing ---------------------------------------------------------------------------
 
     def choose(self, key: RouteKey, loads: Sequence[int],

@@ -168,8 +168,7 @@ class DataParallelClient:
             else:
                 if method == "reset_prefix_cache":
                     with self._lock:
-                        for i in alive:
-                            self.router.set_alive(i, self.router.alive(i))
+                        self.router.forget()
                 result = next((r for r in results if r is not None), None)
             out.set_result(result)
 

@@ -143,6 +143,12 @@ class LLMServer:
     async def stats(self, route_to: str | None = None) -> dict[str, Any]:
         return {"replica": self.replica, "pid": os.getpid(), **await self.engine.get_stats()}
 
+    async def reset_prefix_cache(self, route_to: str | None = None,
+                                 route_reset: bool = False) -> str:
+        """Empty this replica's prefix cache (`route_reset`: the router's tables too): its id."""
+        await self.engine.reset_prefix_cache()
+        return self.replica
+
     async def check_health(self) -> None:
         if not self.engine.is_running:
             raise RuntimeError("the engine core is gone")
@@ -210,20 +216,34 @@ class OpenAIIngress:
         self.seen: set[str] = set()  # replicas that answered (their ids, from their responses)
         self.in_flight: dict[str, int] = {}  # responses being streamed, by replica
 
+    async def _every_replica(self, method: str, **first_kwargs: Any) -> list[Any]:
+        """`method` called on every replica (the first call with `first_kwargs`), each
+        replica's result once; a replica that died meanwhile is left out."""
+        from vlmserve.entrypoints.ray import router
+
+        def rid(result: Any) -> str:
+            return result["replica"] if isinstance(result, dict) else result
+
+        results = [await getattr(self.calls, method).remote(**first_kwargs)]
+        for other in (set(router.REPLICAS) | self.seen) - {rid(results[0])}:
+            try:
+                results.append(await getattr(self.calls, method).remote(route_to=other))
+            except Exception as e:  # noqa: BLE001 - it died meanwhile
+                logger.warning("replica %s did not answer %s: %s", other, method, e)
+                self.seen.discard(other)
+        return list({rid(r): r for r in results}.values())
+
+    @_app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self) -> Response:
+        """Every replica's prefix cache emptied, and the router's tables with them."""
+        self.seen = set(await self._every_replica("reset_prefix_cache", route_reset=True))
+        return Response(status_code=200)
+
     @_app.get("/stats")
     async def stats(self) -> JSONResponse:
-        from vlmserve.entrypoints.ray import router
         from vlmserve.frontend.dp_client import merge_stats
 
-        first = await self.calls.stats.remote()
-        replicas = [first]
-        for rid in (set(router.REPLICAS) | self.seen) - {first["replica"]}:
-            try:
-                replicas.append(await self.calls.stats.remote(route_to=rid))
-            except Exception as e:  # noqa: BLE001 - it died meanwhile
-                logger.warning("replica %s did not answer /stats: %s", rid, e)
-                self.seen.discard(rid)
-        unique = list({s["replica"]: s for s in replicas}.values())
+        unique = await self._every_replica("stats")
         self.seen = {s["replica"] for s in unique}
         total = merge_stats(unique)
         total["replicas"] = total.pop("cores")

@@ -84,6 +84,8 @@ class AffinityRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        if kwargs.get("route_reset"):  # the replicas' prefix caches are being emptied
+            self.policy.forget()
         in_flight = kwargs.get("route_loads") or {}  # the ingress's, by replica unique id
         by_load = sorted(candidate_replicas,
                          key=lambda r: in_flight.get(r.replica_id.unique_id, 0))
