@@ -315,7 +315,7 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
         # an LLM server with the key is served; one without it is told why (503)
         for key, status in [("sesame", 200), ("wrong", 503)]:
             llm = ServeProc("--encoder-url", enc.url, "--encoder-api-key", key,
-                            "--preprocess-workers", "1")
+                            "--preprocess-workers", "0")
             try:
                 r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
                     "model": MODEL, "messages": user("Hi.", data_url(make_image(56, 84, key

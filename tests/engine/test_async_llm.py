@@ -417,13 +417,15 @@ def test_a_request_that_kills_its_preprocessing_process_fails_alone(pooled: Asyn
     assert len(_live_pids(pooled, 2)) == 2
 
 
-@pytest.mark.parametrize("threads", [1, 3])
 def test_preprocessing_workers_run_torch_on_their_share_of_threads(
-        vlmserve_cache: Path, monkeypatch, threads: int) -> None:
+        vlmserve_cache: Path, monkeypatch) -> None:
     """A pool's processes are its parallelism: each runs torch on its share of the host's
     threads (a dozen processes with a thread per core each slowed the GPU engine core),
-    unless the user set OMP_NUM_THREADS."""
+    unless the user set OMP_NUM_THREADS. (3: neither the tests' one thread nor this host's
+    core count.)"""
     import torch
+
+    threads = 3
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     eng = AsyncLLM(EngineConfig.from_kwargs(**OPTS), preprocess_workers=1,
