@@ -40,7 +40,6 @@ def _one_of(choices: tuple[str, ...]) -> Any:
     def parse(text: str) -> str:
         if text not in choices:
             raise argparse.ArgumentTypeError(
-                f"only {choices[0]} is supported, not {text!r}" if len(choices) == 1 else
                 f"must be one of {', '.join(choices)}, not {text!r}")
         return text
     return parse

@@ -236,7 +236,7 @@ def test_copied_vllm_command_lines_parse() -> None:
     args = make_parser().parse_args([
         "serve", "org/model", "--limit-mm-per-prompt", '{"image":2,"video":1}',
         "--served-model-name", "a", "b", "-tp", "2", "--max-logprobs", "5",
-        "--disable-log-requests", "--uvicorn-log-level", "warning", "--kv-cache-dtype", "auto",
+        "--disable-log-requests", "--uvicorn-log-level", "warning", "--kv-cache-dtype", "fp8",
         "--trust-remote-code", "--tokenizer", "org/tok", "--revision", "r1",
         "--download-dir", "/tmp/hf"])
     server = ServerConfig.from_args(args)
@@ -246,7 +246,7 @@ def test_copied_vllm_command_lines_parse() -> None:
     assert server.disable_log_requests and server.uvicorn_log_level == "warning"
     assert server.host == "0.0.0.0"
     assert engine_kwargs(args) == {
-        "tensor_parallel_size": 2, "kv_cache_dtype": "auto", "trust_remote_code": True,
+        "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "trust_remote_code": True,
         "tokenizer": "org/tok", "revision": "r1", "download_dir": "/tmp/hf"}
     one = ServerConfig.from_args(make_parser().parse_args(
         ["serve", "--limit-mm-per-prompt", "3", "--served-model-name", "x"]))
@@ -260,7 +260,8 @@ def test_copied_vllm_command_lines_parse() -> None:
     (["serve", "--dtype", "float64"], "argument --dtype: must be one of auto, float32"),
     (["generate", "--dtype", "fp16", "hi"], "argument --dtype: must be one of auto"),
     (["serve", "--attention-backend", "nope"], "argument --attention-backend: must be one of"),
-    (["serve", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: only auto is supported"),
+    (["serve", "--kv-cache-dtype", "int8"],
+     "argument --kv-cache-dtype: must be one of auto, fp8, fp8_e4m3, not 'int8'"),
     (["serve", "--limit-mm-per-prompt", "{image: 2}"], "argument --limit-mm-per-prompt: "),
     (["serve", "--max-logprobs", "21"], "argument --max-logprobs: must be in 0-20"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),

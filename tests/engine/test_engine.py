@@ -325,7 +325,7 @@ def test_generate_preprocesses_while_the_device_is_busy(llm, monkeypatch):
 def test_device_timeline_counts_busy_and_idle_time(monkeypatch):
     """Steps' device time from their start/end events: busy inside steps, idle between one
     step's end and the next one's start; a step still running is counted later."""
-    from vlmserve.worker.model_runner import DeviceTimeline
+    from vlmserve.worker.timeline import DeviceTimeline
 
     class FakeEvent:  # a timing event the "device" reached at `t_ms`, or not yet (None)
         def __init__(self, t_ms):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
-from vlmserve.layers import triton_attention
+from vlmserve.layers import kv_quant, triton_attention
 from vlmserve.layers.attention import (
     Window,
     build_attention_metadata,
@@ -83,9 +83,11 @@ def _run_paged(
     window: Window | None = None,
     softcap: float | None = None,
     spans: list[tuple[int, int, int]] | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> None:
     """`window`: its blocks before the first query's window point at one shared block of
-    huge values (a windowed cache group's freed places); `spans`: read both ways."""
+    huge values (a windowed cache group's freed places); `spans`: read both ways;
+    `kv_scales`: an FP8 cache of those (k, v) scales, the reference reading it dequantized."""
     H, Hkv, D = model
     gen = torch.Generator(DEVICE).manual_seed(rng.randrange(1 << 30))
     counts = [-(-s // block_size) for s in seq_lens]
@@ -114,14 +116,23 @@ def _run_paged(
         pos = pos[torch.tensor(blocks)[pos // block_size] != num_blocks - 1] if window else pos
         live[torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size] = True
     kv.view(2, -1, Hkv, D)[:, ~live.to(DEVICE)] = 1e4
-    kv = kv.to(dtype)
     scale = D**-0.5
     rdt = _ref_dtype(dtype)
-    ref = paged_attention_reference(q.to(rdt), kv.to(rdt), meta, scale, window, softcap)
+    fp8_scales = None
+    if kv_scales is None:
+        kv = kv.to(dtype)
+        ref_kv = kv.to(rdt)
+    else:  # those huge values clamp to 448 x scale: still far out of the others' range
+        fp8_scales = torch.tensor(kv_scales, device=DEVICE)
+        planes = fp8_scales.view(2, 1, 1, 1, 1)
+        kv = kv_quant.quantize(kv, planes)
+        ref_kv = kv_quant.dequantize(kv, planes, rdt)
+    ref = paged_attention_reference(q.to(rdt), ref_kv, meta, scale, window, softcap)
     out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kv, meta, scale, window, softcap, num_splits=num_splits, out=out)
+    paged_attention_triton(q, kv, meta, scale, window, softcap, kv_scales=fp8_scales,
+                           num_splits=num_splits, out=out)
     what = (f"q={query_lens[:8]} ctx={seq_lens[:8]} model={model} bs={block_size} {dtype} "
-            f"window={window} softcap={softcap} spans={spans}")
+            f"window={window} softcap={softcap} spans={spans} kv_scales={kv_scales}")
     _check(out, ref, dtype, f"{what} splits={num_splits}")
 
 
@@ -214,6 +225,22 @@ def test_paged_spans_both_ways_and_softcap():
             _run_paged(rng, query_lens, seq_lens, GQA_MODEL, 16, torch.float32,
                        window=window, softcap=softcap, spans=spans)
     _run_paged(rng, [1, 5], [50, 9], GQA_MODEL, 32, torch.bfloat16, softcap=1.3)
+
+
+def test_paged_fp8_cache():
+    """An FP8 cache (e4m3, per-tensor k and v scales) equals the reference reading the same
+    cache dequantized: decodes (split and not) and prefill chunks beside decodes in 16 bits,
+    a sliding window with spans read both ways and soft-capping in float32."""
+    rng = random.Random("fp8")
+    scales = (0.02, 0.05)
+    for splits in (None, 3):
+        _run_paged(rng, [1] * 3, [MAX_CTX, 40, 1], GQA_MODEL, 16, torch.bfloat16, splits,
+                   kv_scales=scales)
+    _run_paged(rng, [1, 24, 5], [60, 80, 5], (4, 2, 80), 32, torch.bfloat16,
+               kv_scales=scales)
+    _run_paged(rng, [1, 20], [50, 40], GQA_MODEL, 16, torch.float32,
+               window=Window("sliding", 8), softcap=0.7, spans=[(1, 25, 35)],
+               kv_scales=scales)
 
 
 def _run_varlen(rng: random.Random, lengths: list[int], heads: int, dim: int,

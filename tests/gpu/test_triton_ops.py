@@ -196,6 +196,49 @@ def test_rotary_writes_kv_cache(dtype, heads, kv_heads, head_dim, tokens):
     assert (cache.view(2, -1, kv_heads, head_dim).abs().sum((0, 2, 3)) > 0).sum() == tokens
 
 
+def _fp8_close(cache: torch.Tensor, ref: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype) -> None:
+    """Equal e4m3 caches, read back, give or take one e4m3 step (an eighth) where the fused
+    kernel's 16-bit result was rounded to the other side of a boundary (a few values)."""
+    a, b = (c.float() * scales.view(2, 1, 1, 1, 1) for c in (cache, ref))
+    torch.testing.assert_close(a, b, rtol=0.13, atol=TOL[dtype]["atol"])
+    assert (a != b).float().mean() < 0.02, "most values are the very same e4m3"
+
+
+# the interpreter (two CPU cores in CI) checks float32 alone: 16 bits round alike
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if ON_GPU else [torch.float32],
+                         ids=lambda dt: str(dt).removeprefix("torch."))
+def test_fp8_kv_writes(dtype):
+    """Both fused KV writes into an FP8 cache (rotary + write for a step's tokens; norm +
+    QKV + rotary + write for one token) store what the eager write stores: k / k_scale and
+    v / v_scale clamped to e4m3's range (448: the large values here reach it)."""
+    heads, kv_heads, head_dim, hidden, tokens = 4, 2, 16, 64, 5
+    scales = torch.tensor([0.01, 0.02], device=DEVICE)
+    g = torch.Generator().manual_seed(11)
+    slots = torch.randperm(4 * 8, generator=g)[:tokens].to(DEVICE)
+    rope = MRotaryEmbedding(head_dim, 1e4, None).to(DEVICE)
+    cos, sin = rope.cos_sin(torch.arange(tokens, device=DEVICE) * 3, dtype)
+    qkv = 3 * _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=12)
+    caches = []
+    for fn in (triton_ops.rotary_qk_cache, fused.rotary_qk_cache):
+        q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.clone().split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        caches.append(torch.zeros(2, 4, 8, kv_heads, head_dim, dtype=torch.float8_e4m3fn,
+                                  device=DEVICE))
+        fn(q, k, v, cos, sin, caches[-1], slots, scales)
+    _fp8_close(*caches, scales, dtype)
+    assert caches[0].float().abs().amax() == 448, "some values clamped"
+    x, r = _randn(1, hidden, dtype=dtype, seed=13), _randn(1, hidden, dtype=dtype, seed=14)
+    w = _randn((heads + 2 * kv_heads) * head_dim, hidden, dtype=dtype, seed=15)
+    args = (x, r, 1 + 0.1 * _randn(hidden, dtype=dtype, seed=16), 1e-6, w, None, heads,
+            kv_heads, cos[:1], sin[:1])
+    caches = [torch.zeros_like(caches[0]) for _ in range(2)]
+    triton_ops.rms_norm_qkv_rope(*args, caches[0], slots[:1], scales)
+    fused.compose_rms_norm_qkv_rope(fused.EAGER_OPS, *args, caches[1], slots[:1], scales)
+    _fp8_close(*caches, scales, dtype)
+    assert caches[0].float().abs().sum() > 0, "k and v written"
+
+
 @DTYPES
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_vision_rotary_and_quick_gelu(dtype, tokens):

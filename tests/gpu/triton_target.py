@@ -40,7 +40,33 @@ def _fix_interpreter_index_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _fix_interpreter_fp8_rounding() -> None:
+    """Triton's interpreter (3.9 and earlier) rounds float32 -> e4m3 (``.to(tl.float8e4nv)``)
+    without carrying a mantissa rounded up into the exponent: 124.0 becomes 64, not 128. The
+    GPU rounds to nearest even (``cvt.rn``), as torch does: convert through torch there
+    (the FP8 KV cache's write kernels store such values). A fixed interpreter is left alone."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    probe = interpreter.TensorHandle(np.array([124.0], dtype=np.float32), tl.float32)
+    if original(interpreter.interpreter_builder, probe, tl.float8e4nv, None).data[0] == 0x58:
+        return  # 0x58: 128.0 in e4m3
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return original(self, src, dst_type, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        return interpreter.TensorHandle(x.to(torch.float8_e4m3fn).view(torch.uint8).numpy(),
+                                        dst_type.scalar)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 if INTERPRET:
     _fix_interpreter_index_for_numpy_2_4()
+    _fix_interpreter_fp8_rounding()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

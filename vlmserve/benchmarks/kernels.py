@@ -80,11 +80,11 @@ def decode_step(llm, prompt_len: int, ceilings: dict, batch: int = 1, steps: int
     engine.abort_request(rids)
     runner = llm.engine.executor.runner
     model = runner.model
-    itemsize = llm.engine.executor.dtype.itemsize
     # every layer and lm_head (of a sparse layer, the experts the batch's tokens pick)
     weight_bytes = sum(lm_weights(model, nbytes=True)) - idle_experts(model, batch, True)
-    cache = runner.kv_caches[0]
-    kv_per_token = model.num_layers * 2 * cache.shape[-2] * cache.shape[-1] * itemsize
+    cache = runner.kv_caches[0]  # in the KV cache's dtype (FP8: one byte a value)
+    kv_per_token = (model.num_layers * 2 * cache.shape[-2] * cache.shape[-1]
+                    * cache.element_size())
     kv_bytes = batch * kv_per_token * (prompt_len + steps / 2)
     # reading the weights and KV once is that many bytes of memory traffic; the copy rate
     # counts read + write traffic, so it is the rate of traffic the memory sustains

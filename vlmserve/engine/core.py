@@ -171,11 +171,12 @@ class EngineCore:
             self.eos_token_ids, config.structured_outputs_config)
         ex = self.executor
         logger.info(
-            "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens (%d blocks of "
-            "%d), max_num_seqs %d, max_num_batched_tokens %d%s, image rows beside decodes %s, "
-            "prefix caching %s",
+            "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens in %s (%d "
+            "blocks of %d), max_num_seqs %d, max_num_batched_tokens %d%s, image rows beside "
+            "decodes %s, prefix caching %s",
             mc.model, ex.device, str(ex.dtype).removeprefix("torch."), self.max_model_len,
-            kv_tokens, ex.num_kv_blocks, cc.block_size, sc.max_num_seqs,
+            kv_tokens, str(ex.kv_dtype).removeprefix("torch."), ex.num_kv_blocks,
+            cc.block_size, sc.max_num_seqs,
             sc.max_num_batched_tokens,
             " (sized to the device)" if config.resolved.limits_sized else "",
             sc.max_num_encoder_tokens_while_decoding or "not capped",
@@ -406,6 +407,7 @@ class EngineCore:
         return {
             **s.__dict__,
             "num_kv_blocks": self.scheduler.kv.num_blocks,
+            "kv_cache_dtype": str(self.executor.kv_dtype).removeprefix("torch."),
             "mm_embedding_offload": store.offload,
             "mm_embedding_bytes_device": store.bytes_on_device,
             "mm_embedding_bytes_host": store.bytes_on_host,

@@ -120,8 +120,8 @@ class MultiprocExecutor:
         except BaseException:
             self._stop(abort=True)
             raise
-        for name in ("device", "dtype", "num_kv_blocks", "cache_groups", "num_snapshot_slots",
-                     "mm_offload",
+        for name in ("device", "dtype", "kv_dtype", "num_kv_blocks", "cache_groups",
+                     "num_snapshot_slots", "mm_offload",
                      "bytes_per_embedding_row", "encoder_cache_rows", "runner"):
             setattr(self, name, getattr(self.local, name))
         # data mode: the followers get the pixels of their share only, as they encode it;

@@ -14,11 +14,14 @@ from vlmserve.core.kv_cache_groups import FULL, LayerKind, size_cache_groups
 from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fused import FusedOps
+from vlmserve.layers.kv_quant import check_fp8_support, kv_cache_dtype
 from vlmserve.layers.vision_attention import get_vision_attention_backend
 from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
 from vlmserve.models.metadata import model_processor
+from vlmserve.models.quantization import kv_cache_scales
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import resolve_device, resolve_dtype
+from vlmserve.worker.kv_cache import kv_block_bytes
 from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
@@ -46,8 +49,12 @@ class UniprocExecutor:
         self.max_model_len = max_model_len
         self.device = resolve_device(mc.device, tp.local_rank if tp else None)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         torch.manual_seed(mc.seed)  # every rank draws the same random numbers
-        resolve_model_class(hf_config)  # imported before the load is measured
+        model_cls = resolve_model_class(hf_config)  # imported before the load is measured
+        if cc.kv_cache_dtype != "auto":
+            check_fp8_support(model_cls, self.device,
+                              "triton" in (mc.attention_backend, mc.fused_ops))
         with peak_rss_delta() as rss:  # a tensor-parallel rank reads and holds its share
             model = load_model(model_path, hf_config, self.dtype, self.device, tp,
                                shard_vision=config.parallel_config.mm_encoder_tp_mode == "weights",
@@ -79,6 +86,9 @@ class UniprocExecutor:
             max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len,
             chunk_tokens=sc.max_num_batched_tokens)
         self.num_kv_blocks = self.cache_groups[0].num_blocks
+        # an FP8 cache's per-tensor scales: the checkpoint's, the same on every rank
+        kv_scales = (kv_cache_scales(model_path, model.num_layers, tuple(model.encoder_prefixes))
+                     if cc.kv_cache_dtype != "auto" else {})
         self.mm_offload = cc.mm_embedding_offload
         self.bytes_per_embedding_row = model.row_width * self.dtype.itemsize
         # the encoder cache's capacity: the scheduler's budget and, offloaded, the host rows
@@ -99,11 +109,14 @@ class UniprocExecutor:
             tp=tp,
             encoder_tp=config.parallel_config.mm_encoder_tp_mode == "data",
             num_state_slots=self.num_state_slots,
-            linear_attention_backend=mc.linear_attention_backend)
+            linear_attention_backend=mc.linear_attention_backend,
+            kv_dtype=self.kv_dtype, kv_scales=kv_scales)
         self.load_stats = dataclasses.replace(
             self.load_stats, host_cache_bytes=self.runner.store.host_pool_bytes)
-        logger.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
-                    self.num_kv_blocks, cc.block_size)
+        logger.info("model on %s (%s), %d KV blocks of %d tokens in %s%s", self.device,
+                    self.dtype, self.num_kv_blocks, cc.block_size, cc.kv_cache_dtype,
+                    f" (scales of {len(kv_scales)} layers from the checkpoint, else 1.0)"
+                    if cc.kv_cache_dtype != "auto" else "")
 
     def _memory_budget(self, config: EngineConfig) -> float | None:
         """Device bytes the caches may take (CUDA: free memory within
@@ -118,9 +131,7 @@ class UniprocExecutor:
         """KV blocks within the budget left after the linear layers' `state_bytes`, each
         block in every attention layer (not the linear ones)."""
         cc, sc = config.cache_config, config.scheduler_config
-        shape = model.kv_cache_shape(1, cc.block_size)
-        kv_layers = sum(kind.kind != "linear" for kind in model_layer_kinds(model))
-        block_bytes = kv_layers * self.dtype.itemsize * int(torch.Size(shape).numel())
+        block_bytes = kv_block_bytes(model, cc.block_size, self.kv_dtype)
         budget = self._memory_budget(config)
         if budget is not None:
             # no more than every sequence at full length could use

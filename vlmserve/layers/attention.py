@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.config import auto_kernels
+from vlmserve.layers import kv_quant
 from vlmserve.utils import cuda_module_available
 
 
@@ -217,8 +218,14 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size,
     )
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, dim]."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             kv_scales: torch.Tensor | None = None):
+    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, dim].
+    An FP8 cache takes them quantized by `kv_scales` ([k_scale, v_scale]; None: 1.0)."""
+    if kv_quant.is_fp8(kv_cache):
+        s = kv_quant.unit_scales(k.device) if kv_scales is None else kv_scales
+        k, v = kv_quant.quantize(k, s[0]), kv_quant.quantize(v, s[1])
+        kv_cache, k, v = (t.view(torch.uint8) for t in (kv_cache, k, v))  # no fp8 index_copy_
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
@@ -231,22 +238,31 @@ def paged_attention_reference(
     scale: float,
     window: Window | None = None,
     softcap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query over its request's cached keys: causal, within ``window`` if given, and
     both ways inside the step's `bidirectional` spans; with ``softcap``, the scores capped
-    (``tanh(s / cap) * cap``, Gemma 2's) before the softmax."""
+    (``tanh(s / cap) * cap``, Gemma 2's) before the softmax. An FP8 cache is read back
+    times `kv_scales` ([k_scale, v_scale]; None: 1.0)."""
     T, H, D = q.shape
     Hkv = kv_cache.shape[-2]
     G = H // Hkv  # query heads per KV head: folded into the query axis, K/V never repeated
     out = q.new_empty(T, H, D)
+    fp8 = kv_quant.is_fp8(kv_cache)
+    if fp8 and kv_scales is None:
+        kv_scales = kv_quant.unit_scales(q.device)
+
+    def read(plane: int, g: AttentionGroup) -> torch.Tensor:  # [B, Hkv, keys, D]
+        x = kv_cache[plane][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
+        return kv_quant.dequantize(x, kv_scales[plane], q.dtype) if fp8 else x
+
     for g in meta.reference_groups(window):
         qp = q.new_zeros(g.batch * g.max_q, H, D)
         qp[g.pad_index] = q[g.token_index]
         # [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
         qp = qp.view(g.batch, g.max_q, Hkv, G, D).permute(0, 2, 3, 1, 4)
         qp = qp.reshape(g.batch, Hkv, G * g.max_q, D)
-        k = kv_cache[0][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
-        v = kv_cache[1][g.block_tables].view(g.batch, -1, Hkv, D).transpose(1, 2)
+        k, v = read(0, g), read(1, g)
         mask = g.mask if g.max_q == 1 else g.mask.repeat(1, 1, G, 1)
         if softcap is None:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)

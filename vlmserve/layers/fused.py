@@ -85,14 +85,15 @@ def compose_rms_norm_qkv_rope(ops, x: torch.Tensor, residual: torch.Tensor | Non
                               norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                               bias: torch.Tensor | None, heads: int, kv_heads: int,
                               cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                              slots: torch.Tensor, kv_scales: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_qkv_rope` from `ops.rms_norm_linear` and `ops.rotary_qk_cache`."""
     T = x.shape[0]
     qkv, s = ops.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
     d = weight.shape[0] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q = ops.rotary_qk_cache(q.view(T, heads, d), k.view(T, kv_heads, d),
-                            v.view(T, kv_heads, d), cos, sin, kv_cache, slots)
+                            v.view(T, kv_heads, d), cos, sin, kv_cache, slots, kv_scales)
     return q, s
 
 
@@ -116,11 +117,12 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
-                    ) -> torch.Tensor:
-    """Rotate q and k, write k and v to the paged cache at `slots`; returns the rotated q."""
+                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k, write k and v to the paged cache at `slots` (`write_kv`: an FP8
+    cache's quantized by `kv_scales`); returns the rotated q."""
     q, k = rotary_qk(q, k, cos, sin)
-    write_kv(kv_cache, k, v, slots)
+    write_kv(kv_cache, k, v, slots, kv_scales)
     return q
 
 

@@ -7,7 +7,8 @@ so each K/V tile is loaded once for all of them. Keys are walked in ``BLOCK_N`` 
 through the block table, with an fp32 online softmax (base 2); the causal mask is applied only
 to the tiles past the tile's first query position. Decode-only steps with few (request, KV head)
 pairs split the context across programs (flash-decoding) and merge the partial results in a
-second small kernel.
+second small kernel. An FP8 cache (`layers/kv_quant.py`) is read as e4m3 and converted in
+registers; its scales are folded into the score scale (keys) and the output (values).
 
 ``varlen_attention_triton`` is the non-causal packed-segment attention of the vision towers.
 
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from vlmserve.layers import attention_launch as launch
+from vlmserve.layers import kv_quant
 from vlmserve.layers.attention import AttentionMetadata, Window
 from vlmserve.layers.attention_launch import num_sms as _num_sms
 
@@ -105,8 +107,8 @@ def _attend(
     """One online-softmax step over a key tile. k_rows/v_rows: [BLOCK_N] row pointers. Each
     row sees keys up to its `pos` (CAUSAL) and from its `row_lo` (LOWER); with SOFTCAP the
     scores are ``tanh(s / cap) * cap`` (`qk_scale` then scale / cap, `softcap` cap in log2
-    units)."""
-    k = _load_tile(k_rows, offs_d, key_ok, MASK_KEYS, HEAD_DIM, D_PAD)
+    units). K and V tiles are read in the query's dtype (an FP8 cache's values exactly)."""
+    k = _load_tile(k_rows, offs_d, key_ok, MASK_KEYS, HEAD_DIM, D_PAD).to(q.dtype)
     s = _dot(q, tl.trans(k), DOT_PREC) * qk_scale  # [M, N], log2 units
     if SOFTCAP:
         t = tl.exp(-2.0 * tl.abs(s))  # tanh(|s|) = (1 - t) / (1 + t), never overflowing
@@ -125,7 +127,7 @@ def _attend(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_rows, offs_d, key_ok, MASK_KEYS, HEAD_DIM, D_PAD)
+    v = _load_tile(v_rows, offs_d, key_ok, MASK_KEYS, HEAD_DIM, D_PAD).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC)
     return m_new, l_i, acc
 
@@ -138,7 +140,7 @@ def _attend(
                                "num_splits", "stride_bt", "window"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    block_tables_ptr, qsl_ptr, seq_lens_ptr, spans_ptr,
+    block_tables_ptr, qsl_ptr, seq_lens_ptr, spans_ptr, kv_scales_ptr,
     qk_scale, softcap, num_reqs, tiles_per_seq, num_tokens, num_heads, num_splits, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -146,12 +148,14 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     SEARCH_ITERS: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     WINDOW: tl.constexpr = 0, SPANS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    WINDOWED: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False, FP8_KV: tl.constexpr = False,
 ):
     """WINDOW: 0 causal, 1 sliding (the last `window` positions), 2 chunked (the query's
     chunk of `window`); SPANS: per token [first, end) of the span it reads both ways
     (`spans_ptr` [T, 2] int32; first > end for none), widening its visible keys; WINDOWED:
-    either (every tile then masked, from each row's first key)."""
+    either (every tile then masked, from each row's first key). FP8_KV: the cache holds
+    e4m3 values of keys / k_scale and values / v_scale (`kv_scales_ptr`: [2] float32):
+    k_scale joins the score scale, v_scale the output."""
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req, tile = _find_seq(
@@ -174,6 +178,8 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=qd_mask, other=0.0)
 
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -237,6 +243,8 @@ def _paged_attn_kernel(
             HEAD_DIM, D_PAD, True, True, DOT_PREC, row_lo, softcap, WINDOWED, SOFTCAP,
         )
 
+    if FP8_KV:
+        acc = acc * tl.load(kv_scales_ptr + 1)
     if SPLIT_KV:
         # Partials: acc [num_splits, T, H, HEAD_DIM], (m, l) [2, num_splits, T, H], fp32.
         ml = (split * num_tokens + tok) * num_heads + head
@@ -348,13 +356,15 @@ def paged_attention_triton(
     scale: float,
     window: Window | None = None,
     softcap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens to its paged context (one launch),
     within ``window`` if given, both ways inside the step's `bidirectional` spans, scores
-    soft-capped by ``softcap`` if given (as `paged_attention_reference`).
+    soft-capped by ``softcap`` if given, an FP8 cache read times ``kv_scales`` (as
+    `paged_attention_reference`).
 
     ``num_splits`` (decode-only steps) overrides the flash-decoding split count; any value is
     correct for any context length, so a CUDA graph may fix it at capture time. ``out``: an
@@ -388,12 +398,15 @@ def paged_attention_triton(
     bt = meta.block_tables
     spans = meta.token_spans()
     kind = {None: 0, "sliding": 1, "chunked": 2}[window.kind if window else None]
+    fp8 = kv_quant.is_fp8(kv_cache)
+    if fp8 and kv_scales is None:
+        kv_scales = kv_quant.unit_scales(q.device)
     qk_scale, cap = scale * _LOG2E, 0.0
     if softcap:
         qk_scale, cap = scale / softcap, softcap * _LOG2E
     _paged_attn_kernel[(cfg.programs, Hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, bt, meta.query_start_loc, meta.seq_lens,
-        spans if spans is not None else meta.seq_lens,
+        spans if spans is not None else meta.seq_lens, kv_scales if fp8 else meta.seq_lens,
         qk_scale, cap, B, cfg.tiles_per_seq, T, H, splits, window.size if window else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -402,6 +415,7 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=d_pad, SEARCH_ITERS=cfg.search_iters,
         SPLIT_KV=splits > 1, DOT_PREC=_dot_precision(q.dtype), WINDOW=kind,
         SPANS=spans is not None, SOFTCAP=bool(softcap), WINDOWED=kind != 0 or spans is not None,
+        FP8_KV=fp8,
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )

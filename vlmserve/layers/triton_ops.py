@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vlmserve.layers import kv_quant
 from vlmserve.layers.fp8 import Fp8Weight
 from vlmserve.layers.fused import compose_rms_norm_linear, compose_rms_norm_qkv_rope
 from vlmserve.layers.triton_fp8 import fp8_linear
@@ -234,15 +235,26 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
 
 
 @triton.jit
+def _scaled(x, scale, FP8_KV: tl.constexpr):
+    """`x` before its cast to the cache's dtype: for an FP8 cache ``x / scale`` clamped to
+    e4m3's range (the cast rounds to nearest even)."""
+    if FP8_KV:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    return x
+
+
+@triton.jit
 def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, cos_ptr, sin_ptr,
-                     cache_ptr, slot_ptr, stride_w, eps, plane, num_q_heads, num_kv_heads,
-                     K: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HALF: tl.constexpr, BK: tl.constexpr, NUM_K: tl.constexpr):
+                     cache_ptr, slot_ptr, kv_scales_ptr, stride_w, eps, plane, num_q_heads,
+                     num_kv_heads, K: tl.constexpr, HAS_RES: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr,
+                     NUM_K: tl.constexpr, FP8_KV: tl.constexpr):
     """One token: rms_norm(x (+ residual)) -> QKV projection (+ bias) -> rotate-half on the
     q and k heads -> k and v to the token's paged-cache slot. Program p owns rows d and
     d + HALF of head p // HALF (d = p % HALF), the pair that rotary mixes. The projection is
     rounded to the activation dtype before the rotation, as when the separate kernels store
-    it; the norm is applied as in `_gemv_kernel` (1/rms after the product)."""
+    it; the norm is applied as in `_gemv_kernel` (1/rms after the product). FP8_KV: the
+    cache takes k / k_scale and v / v_scale in e4m3 (`kv_scales_ptr`: [2] float32)."""
     dt = y_ptr.dtype.element_ty
     p = tl.program_id(0)
     head = p // HALF
@@ -285,14 +297,16 @@ def _qkv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, cos_ptr, 
     slot = tl.load(slot_ptr).to(tl.int64)
     dst = (cache_ptr + tl.where(is_v, plane, 0) + (slot * num_kv_heads + g) * (2 * HALF) + d)
     ty = cache_ptr.dtype.element_ty
-    tl.store(dst, out_a.to(ty), mask=to_cache)
-    tl.store(dst + HALF, out_b.to(ty), mask=to_cache)
+    scale = tl.load(kv_scales_ptr + is_v.to(tl.int32)) if FP8_KV else 1.0
+    tl.store(dst, _scaled(out_a, scale, FP8_KV).to(ty), mask=to_cache)
+    tl.store(dst + HALF, _scaled(out_b, scale, FP8_KV).to(ty), mask=to_cache)
 
 
 def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
                       kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_cache: torch.Tensor, slots: torch.Tensor
+                      kv_cache: torch.Tensor, slots: torch.Tensor,
+                      kv_scales: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused.rms_norm_qkv_rope`: for a single token and a narrow 16-bit input one launch
     (norm, QKV GEMV, rotary, KV write); otherwise `rms_norm_linear` (an FP8 weight's GEMV at
@@ -305,16 +319,17 @@ def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
             or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not kv_cache.is_contiguous():
         return compose_rms_norm_qkv_rope(sys.modules[__name__], x, residual, norm_weight, eps,
                                          weight, bias, heads, kv_heads, cos, sin, kv_cache,
-                                         slots)
+                                         slots, kv_scales)
     y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else x
     _, bk, warps = _gemv_config(K)
     _qkv_rope_kernel[(n_out // 2,)](
         x, residual if residual is not None else x, norm_weight, weight,
         bias if bias is not None else weight, y, total, cos, sin, kv_cache, slots,
-        weight.stride(0), eps, kv_cache[0].numel(), heads, kv_heads, K=K,
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=d // 2, BK=bk,
-        NUM_K=triton.cdiv(K, bk), num_warps=warps)
+        _cache_scales(kv_cache, kv_scales, slots), weight.stride(0), eps, kv_cache[0].numel(),
+        heads, kv_heads, K=K, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        HALF=d // 2, BK=bk, NUM_K=triton.cdiv(K, bk), FP8_KV=kv_quant.is_fp8(kv_cache),
+        num_warps=warps)
     return y[:, :heads * d].view(1, heads, d), total
 
 
@@ -377,13 +392,15 @@ def _rotate_heads(base, stride_h, num_heads, cos, sin, HEADS: tl.constexpr, HALF
 
 
 @triton.jit
-def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_qt,
-                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-                         plane, num_q_heads, num_kv_heads, WRITE_CACHE: tl.constexpr,
-                         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr):
+def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+                         kv_scales_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_c, plane, num_q_heads, num_kv_heads,
+                         WRITE_CACHE: tl.constexpr, Q_HEADS: tl.constexpr,
+                         KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                         FP8_KV: tl.constexpr = False):
     """One program per token, all its q and k heads: rotate-half in place; with WRITE_CACHE
-    the rotated keys and the values also go to the token's cache slot."""
+    the rotated keys and the values also go to the token's cache slot (FP8_KV: divided by
+    their scales, `kv_scales_ptr`, in e4m3)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
@@ -397,12 +414,14 @@ def _rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_
         dst = (cache_ptr + (tl.load(slot_ptr + t) * num_kv_heads + h[:, None]) * (2 * HALF)
                + d[None, :])
         ty = cache_ptr.dtype.element_ty
-        tl.store(dst, k1.to(ty), mask=ok)
-        tl.store(dst + HALF, k2.to(ty), mask=ok)
+        k_scale = tl.load(kv_scales_ptr) if FP8_KV else 1.0
+        v_scale = tl.load(kv_scales_ptr + 1) if FP8_KV else 1.0
+        tl.store(dst, _scaled(k1, k_scale, FP8_KV).to(ty), mask=ok)
+        tl.store(dst + HALF, _scaled(k2, k_scale, FP8_KV).to(ty), mask=ok)
         src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         for part in tl.static_range(2):
             val = tl.load(src + part * HALF, mask=ok, other=0.0)
-            tl.store(dst + plane + part * HALF, val.to(ty), mask=ok)
+            tl.store(dst + plane + part * HALF, _scaled(val, v_scale, FP8_KV).to(ty), mask=ok)
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -420,16 +439,26 @@ def rotary_qk_float32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def rotary_qk_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
-                    ) -> torch.Tensor:
+                    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`rotary_qk`, then the rotated k and v written to `kv_cache` [2, blocks, block_size,
-    kv_heads, D] at `slots` [T], all in one launch. Returns the rotated q."""
+    kv_heads, D] at `slots` [T] (an FP8 cache's quantized by `kv_scales`), all in one
+    launch. Returns the rotated q."""
     assert kv_cache.is_contiguous() and v.stride(-1) == 1
-    _launch_rotary(q, k, v, cos, sin, kv_cache, slots)
+    _launch_rotary(q, k, v, cos, sin, kv_cache, slots, kv_scales)
     return q
 
 
-def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
+def _cache_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                  unused: torch.Tensor) -> torch.Tensor:
+    """The scales pointer of a kernel's cache write: `kv_scales` (1.0 if None) for an FP8
+    cache, else `unused`."""
+    if not kv_quant.is_fp8(kv_cache):
+        return unused
+    return kv_quant.unit_scales(kv_cache.device) if kv_scales is None else kv_scales
+
+
+def _launch_rotary(q, k, v, cos, sin, kv_cache, slots, kv_scales=None) -> None:
     T, H, D = q.shape
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
     if not T:
@@ -440,11 +469,13 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots) -> None:
     q_heads = triton.next_power_of_2(H)
     _rotary_cache_kernel[(T,)](
         q, k, v if cache else k, cos, sin, kv_cache if cache else q,
-        slots if cache else cos, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        slots if cache else cos, _cache_scales(kv_cache, kv_scales, cos) if cache else cos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0) if cache else 0, v.stride(1) if cache else 0, cos.stride(0),
         kv_cache[0].numel() if cache else 0, H, k.shape[1], WRITE_CACHE=cache,
         Q_HEADS=q_heads, KV_HEADS=triton.next_power_of_2(k.shape[1]), HALF=half,
-        HALF_PAD=half_pad, num_warps=min(max(q_heads * half_pad // 256, 1), 8))
+        HALF_PAD=half_pad, FP8_KV=cache and kv_quant.is_fp8(kv_cache),
+        num_warps=min(max(q_heads * half_pad // 256, 1), 8))
 
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",

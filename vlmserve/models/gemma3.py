@@ -104,6 +104,7 @@ class Gemma3Attention(nn.Module):
         self.group = group  # its KV group: which of the step's block tables it reads
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
+        self.kv_scales = None  # an FP8 cache's [k_scale, v_scale]
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
@@ -113,11 +114,12 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.reshape(T, self.heads, d))
         k = self.k_norm(k.reshape(T, self.kv_heads, d))
         q = self.ops.rotary_qk_cache(q, k, v.reshape(T, self.kv_heads, d), cos, sin, kv_cache,
-                                     meta.slot_mapping)
+                                     meta.slot_mapping, self.kv_scales)
         if self.window is None and self.softcap is None:
-            o = self.attn_fn(q, kv_cache, meta, self.scale)
+            o = self.attn_fn(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales)
         else:
-            o = self.attn_fn(q, kv_cache, meta, self.scale, self.window, self.softcap)
+            o = self.attn_fn(q, kv_cache, meta, self.scale, self.window, self.softcap,
+                             kv_scales=self.kv_scales)
         return self.o_proj(o.reshape(T, -1))  # [T, hidden]
 
 
@@ -160,6 +162,7 @@ class Gemma3TextModel(nn.Module):
     _STACKED = Qwen2Model._STACKED
     load_weights = Qwen2Model.load_weights
     set_attention_backend = Qwen2Model.set_attention_backend
+    set_kv_cache_scales = Qwen2Model.set_kv_cache_scales
     kv_cache_shape = Qwen2Model.kv_cache_shape
 
     def __init__(self, cfg) -> None:

@@ -143,6 +143,11 @@ class VisionLanguageModel(Protocol):
     def set_fused_ops(self, ops) -> None:
         """Eager or compiled elementwise ops of the decoder (see layers/fused.py)."""
 
+    def set_kv_cache_scales(self, scales: list[torch.Tensor | None]) -> None:
+        """Optional, what an FP8 KV cache needs (layers/kv_quant.py): each decoder layer's
+        ``[k_scale, v_scale]`` (None: no paged KV) to its attention, which passes them to
+        the KV write and the paged attention; a model without it is refused one."""
+
     # ---- loading: one of the two ---------------------------------------------------------
     def load_weights(self, weights) -> set[str]:
         """Copy (checkpoint name, tensor) pairs into the model built by ``cls(hf_config)``;

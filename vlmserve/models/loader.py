@@ -32,6 +32,7 @@ from vlmserve.models.quantization import (
     SCALE_SUFFIX,
     Fp8BlockQuant,
     checkpoint_quantization,
+    is_attention_scale,
     quantize_fp8_block,
 )
 from vlmserve.models.registry import MODEL_IMPLS, resolve_model_class
@@ -65,7 +66,8 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
     tensor to read instead of all of it, or None. With `quant`, FP8 weights come back
     dequantized (float32) under their own names and their scales are not given, except
     those named in `raw`: they and their scales come as they are (for a model that holds
-    them as FP8)."""
+    them as FP8). Attention layers' activation scales (an FP8 KV cache's) are no weights:
+    left out (`quantization.kv_cache_scales` reads them)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -77,6 +79,8 @@ def iter_safetensors(path: str | Path, prefixes: tuple[str, ...] = (),
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
+                if is_attention_scale(name):
+                    continue
                 if prefixes and not name.startswith(prefixes) or name in scales and (
                         name[:-len(SCALE_SUFFIX)] not in raw):
                     continue
@@ -309,6 +313,8 @@ def _hold_fp8(model: nn.Module, path: str | Path, quant: Fp8BlockQuant, online: 
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
             for n in fh.keys():
+                if is_attention_scale(n):
+                    continue
                 shape = list(fh.get_slice(n).get_shape())
                 part = slice_for(n) if slice_for is not None else None
                 if part is None or _on_blocks(part, shape, quant.block):

@@ -10,18 +10,27 @@ its dtype, not in FP8. Any other quantization method is refused by name as the c
 config is read, before anything loads.
 
 `quantize_fp8_checkpoint` writes a checkpoint folder in that format (tests, benchmarks).
+
+FP8 KV cache scales (`kv_cache_scales`): per-tensor ``k_scale`` / ``v_scale`` of each decoder
+layer's attention, under the names compressed-tensors and ModelOpt checkpoints give them
+(``layers.N.self_attn.k_scale``, ``layers.N.self_attn.k_proj.k_scale``,
+``layers.N.self_attn.qkv_proj.k_scale``; the older ``kv_scale``: both). They are no
+weights: the loader leaves every attention scale (`is_attention_scale`, q and softmax
+scales too) to this function.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vlmserve.layers.fp8 import FP8_DTYPE, Fp8Weight, scale_grid
@@ -134,3 +143,39 @@ def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, 
     if not quantized:
         raise ValueError(f"no weight of {src} was chosen for FP8")
     return dst
+
+
+# an attention layer's activation scale: layers.N.self_attn[.{q,k,v,qkv}_proj].{q,k,v,kv,prob}_scale
+_ATTENTION_SCALE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:(?:[qkv]|qkv)_proj\.)?(q|k|v|kv|prob)_scale$")
+
+
+def is_attention_scale(name: str) -> bool:
+    """Whether checkpoint tensor `name` is an attention layer's activation scale (no weight:
+    the FP8 KV cache's scales are read by `kv_cache_scales`, the others unused)."""
+    return _ATTENTION_SCALE.search(name) is not None
+
+
+def kv_cache_scales(path: str | Path, num_layers: int, skip: tuple[str, ...] = ()
+                    ) -> dict[int, tuple[float, float]]:
+    """(k_scale, v_scale) of each decoder layer whose checkpoint gives them (a missing one
+    1.0); `skip`: name prefixes that are no decoder (the image encoder's; the
+    multi-token-prediction layers', ``mtp.``, always). A scale that is not one value (per
+    head, per channel) is refused: the cache's scales are per tensor."""
+    skip = (*skip, "mtp.", "model.mtp.")
+    found: dict[int, dict[str, float]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                m = _ATTENTION_SCALE.search(name)
+                if m is None or name.startswith(skip) or m.group(2) not in ("k", "v", "kv"):
+                    continue
+                layer, t = int(m.group(1)), fh.get_tensor(name)
+                if layer >= num_layers:
+                    raise ValueError(f"{name}: the model has {num_layers} decoder layers")
+                if t.numel() != 1:
+                    raise ValueError(f"{name}: the FP8 KV cache takes one scale per layer's "
+                                     f"keys and values, not a tensor of {list(t.shape)}")
+                kinds = ("k", "v") if m.group(2) == "kv" else (m.group(2),)
+                found.setdefault(layer, {}).update({k: float(t.float()) for k in kinds})
+    return {layer: (s.get("k", 1.0), s.get("v", 1.0)) for layer, s in found.items()}

@@ -33,6 +33,7 @@ class Qwen2Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
+        self.kv_scales = None  # an FP8 cache's [k_scale, v_scale] (`set_kv_cache_scales`)
 
     def forward(self, x, residual, norm: RMSNorm, cos, sin, kv_cache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +44,10 @@ class Qwen2Attention(nn.Module):
         if self.q_norm is None:
             q, residual = self.ops.rms_norm_qkv_rope(
                 x, residual, norm.weight, norm.eps, self.qkv_proj.w, self.qkv_proj.bias,
-                self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping)
+                self.heads, self.kv_heads, cos, sin, kv_cache, meta.slot_mapping, self.kv_scales)
         else:
             q, residual = self._qk_norm_rope(x, residual, norm, cos, sin, kv_cache, meta)
-        o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, head_dim]
+        o = self.attn_fn(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales)
         return self.o_proj(o.reshape(T, -1)), residual
 
     def _qk_norm_rope(self, x, residual, norm: RMSNorm, cos, sin, kv_cache,
@@ -59,7 +60,7 @@ class Qwen2Attention(nn.Module):
         k = self.ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
         q = self.ops.rotary_qk_cache(q.view(T, self.heads, d), k.view(T, self.kv_heads, d),
                                      v.reshape(T, self.kv_heads, d), cos, sin, kv_cache,
-                                     meta.slot_mapping)
+                                     meta.slot_mapping, self.kv_scales)
         return q, residual
 
 
@@ -152,6 +153,13 @@ class Qwen2Model(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         attn = self.layers[0].self_attn
         return (2, num_blocks, block_size, attn.kv_heads, attn.head_dim)
+
+    def set_kv_cache_scales(self, scales: list[torch.Tensor | None]) -> None:
+        """Each layer's FP8 KV scales (`layers/kv_quant.py`; None for a layer without
+        paged KV, or an unquantized cache) to its attention."""
+        for layer, s in zip(self.layers, scales, strict=True):
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.kv_scales = s
 
     def forward(
         self,
@@ -257,6 +265,10 @@ class DecoderVLM(nn.Module):
 
     def set_attention_backend(self, fn) -> None:
         self.language_model.set_attention_backend(fn)
+
+    def set_kv_cache_scales(self, scales: list[torch.Tensor | None]) -> None:
+        """Each decoder layer's FP8 KV scales; a model without this takes no FP8 cache."""
+        self.language_model.set_kv_cache_scales(scales)
 
     def set_fused_ops(self, ops) -> None:
         """Both towers: every module with an `ops` attribute takes these."""

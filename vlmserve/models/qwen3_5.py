@@ -49,6 +49,7 @@ class GatedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.attn_fn = paged_attention_reference
         self.ops = EAGER_OPS
+        self.kv_scales = None  # an FP8 cache's [k_scale, v_scale]
 
     def forward(self, x, residual, norm: RMSNorm, cos, sin, kv_cache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +64,8 @@ class GatedAttention(nn.Module):
         r = cos.shape[-1]  # rotary channels
         q_rot, k_rot = rotary_qk(q[..., :r], k[..., :r], cos, sin)
         q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
-        write_kv(kv_cache, k, v.reshape(T, self.kv_heads, d), meta.slot_mapping)
-        o = self.attn_fn(q, kv_cache, meta, self.scale)  # [T, heads, d]
+        write_kv(kv_cache, k, v.reshape(T, self.kv_heads, d), meta.slot_mapping, self.kv_scales)
+        o = self.attn_fn(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales)  # [T, H, d]
         o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(o), residual
 

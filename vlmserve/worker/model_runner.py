@@ -15,7 +15,6 @@ from `sampled` on the device.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,8 +48,10 @@ from vlmserve.layers.sampler import (
 )
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
+from vlmserve.worker.kv_cache import allocate_kv_caches, set_kv_scales
 from vlmserve.worker.linear_states import LINEAR, LinearStates, layer_kind_names
 from vlmserve.worker.mm_embedding_store import HostShare, MMEmbeddingStore
+from vlmserve.worker.timeline import DeviceTimeline
 
 
 @dataclass
@@ -127,49 +128,6 @@ class StepResult:
         return self._tokens
 
 
-class DeviceTimeline:
-    """Device time of the steps, from timing events around each on the compute stream: busy
-    (from a step's first operation to its last) and idle (from the end of one step to the
-    start of the next: the device waited for the host, or had nothing to do). CUDA only;
-    seconds, counted once a step has run on the device."""
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self.idle_s = 0.0
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
-        self._last_end: torch.cuda.Event | None = None
-
-    @staticmethod
-    def mark() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def add(self, start: torch.cuda.Event) -> torch.cuda.Event:
-        """The step that began at `start` has been queued up to here; returns the event that
-        marks its end."""
-        end = self.mark()
-        self._pending.append((start, end))
-        self.collect()
-        return end
-
-    def restart_idle(self) -> None:
-        """Do not count the gap before the next step as idle (the caller was busy elsewhere,
-        e.g. preparing a benchmark); steps still running are counted as usual."""
-        self.collect()
-        if not self._pending:
-            self._last_end = None
-
-    def collect(self) -> None:
-        """Count the steps the device has finished."""
-        while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            self.busy_s += start.elapsed_time(end) / 1e3
-            if self._last_end is not None:
-                self.idle_s += max(self._last_end.elapsed_time(start), 0.0) / 1e3
-            self._last_end = end
-
-
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, num_blocks: int,
                  block_size: int, *, mm_offload: bool = False, max_num_batched_tokens: int = 0,
@@ -177,7 +135,11 @@ class ModelRunner:
                  max_model_len: int = 0, encoder_cache_rows: int = 0,
                  tp: TensorParallel | None = None, encoder_tp: bool = False,
                  cache_groups: Sequence[CacheGroupSpec] | None = None,
-                 num_state_slots: int = 0, linear_attention_backend: str = "torch") -> None:
+                 num_state_slots: int = 0, linear_attention_backend: str = "torch",
+                 kv_dtype: torch.dtype | None = None,
+                 kv_scales: dict[int, tuple[float, float]] | None = None) -> None:
+        """`kv_dtype`: the KV tensors' (None: `dtype`; e4m3: an FP8 cache, each attention
+        layer given its (k_scale, v_scale) from `kv_scales`, 1.0 where it has none)."""
         self.model = model
         # tensor parallelism: every rank uses rank 0's sampled tokens, so no rank's state
         # depends on its logits being bitwise equal to rank 0's
@@ -192,21 +154,15 @@ class ModelRunner:
             self.linear = LinearStates(model, num_state_slots, device, dtype)
             model.set_linear_attention_backend(
                 get_linear_attention_backend(linear_attention_backend, device))
-        # the KV groups (`core/kv_cache_groups.py`; default: one full group of every layer);
-        # each layer's KV tensor has its group's blocks and one extra, owned by nobody:
-        # padded rows of CUDA-graph batches write there and a window's passed places point
-        # there. A linear-attention layer has no KV tensor here (an empty one)
+        # the KV groups (`core/kv_cache_groups.py`; default: one full group of every layer)
+        # and their tensors (worker/kv_cache.py; a linear layer's: its state pools)
         groups = [g for g in cache_groups or () if g.kind.kind != "linear"] or [
             CacheGroupSpec(FULL, tuple(range(model.num_layers)), num_blocks)]
         self.kv_groups = groups
         self.num_blocks = min(g.num_blocks for g in groups)  # a block id valid in every group
-        blocks_of = {layer: g.num_blocks for g in groups for layer in g.layers}
-        self.kv_caches = [
-            torch.zeros(model.kv_cache_shape(blocks_of[i] + 1, block_size), dtype=dtype,
-                        device=device) if i in blocks_of
-            else self.linear.pools[i] if self.linear is not None and i in self.linear.pools
-            else torch.empty(0, device=device)
-            for i in range(model.num_layers)]
+        self.kv_caches = allocate_kv_caches(model, groups, block_size, kv_dtype or dtype,
+                                            device, self.linear)
+        set_kv_scales(model, self.kv_caches, kv_scales or {})
         self.attention_fn = get_paged_attention_backend(attention_backend, device)
         model.set_attention_backend(self.attention_fn)
         share = (HostShare(tp.is_host_leader, tp.broadcast_in_host)
