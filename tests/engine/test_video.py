@@ -12,7 +12,8 @@ import torch
 from tests.engine.helpers import HFOracle, make_image, make_mp4, mixed_prompts
 from vlmserve import LLM, SamplingParams
 from vlmserve.errors import InvalidImageError, InvalidRequestError
-from vlmserve.models.qwen2_vl_processing import Qwen2VLPixels, compute_mrope_positions
+from vlmserve.models.mrope import compute_mrope_positions
+from vlmserve.models.qwen2_vl_processing import Qwen2VLPixels
 from vlmserve.multimodal.video import Video, decode_video, load_video
 
 MAX_TOKENS = 10

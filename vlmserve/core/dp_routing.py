@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from vlmserve.core.kv_cache_manager import block_keys
 
 ROUTING_MODES = ("affinity", "random")
+REASONS = ("affinity", "busy", "balance", "random")  # why a request went where it did
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,7 @@ class AffinityRouter:
         self._turn = 0  # the next replica to take a tie
         self._random = random.Random(seed)
         # decisions so far: {replica: {reason: count}}; tokens matched by affinity
-        self.counts = [dict.fromkeys(("affinity", "busy", "balance", "random"), 0)
-                       for _ in range(num_replicas)]
+        self.counts = [dict.fromkeys(REASONS, 0) for _ in range(num_replicas)]
         self.matched_tokens = 0
 
     # ---- replicas --------------------------------------------------------------------------
@@ -106,8 +106,7 @@ class AffinityRouter:
         """A new replica (Ray's, as they come): its index."""
         self._tables.append(_Table())
         self._alive.append(True)
-        self.counts.append(dict.fromkeys(self.counts[0] if self.counts else (
-            "affinity", "busy", "balance", "random"), 0))
+        self.counts.append(dict.fromkeys(REASONS, 0))
         self.num_replicas += 1
         return self.num_replicas - 1
 

@@ -28,15 +28,8 @@ from typing import Any
 import torch
 import zmq
 
-from vlmserve.transfer.handles import (
-    CudaPool,
-    EmbeddingHandle,
-    PooledBacking,
-    make_bytes,
-    make_cuda,
-    make_cuda_pooled,
-    make_shm,
-)
+from vlmserve.transfer.cuda_pool import CudaPool, PooledBacking, make_cuda_pooled
+from vlmserve.transfer.handles import EmbeddingHandle, make_bytes, make_cuda, make_shm
 
 TRANSPORTS = ("auto", "shm", "cuda", "bytes")
 _REMEMBER_IDS = 1 << 16  # ids kept after they are freed, to tell a late open from a stray one

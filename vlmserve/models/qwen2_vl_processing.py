@@ -7,7 +7,6 @@ placeholder is expanded to ``t * h * w // merge**2`` tokens from the image proce
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,56 +17,15 @@ import torch
 from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
+from vlmserve.models.mrope import compute_mrope_positions
 from vlmserve.models.processing import HFInputProcessor, NormalizedPixels
+from vlmserve.models.qwen2_vl_video import video_normalization, video_processor_config
 from vlmserve.multimodal.hashing import hash_image, hash_video
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 from vlmserve.multimodal.video import MAX_FRAMES, Video
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def compute_mrope_positions(
-    num_tokens: int,
-    images: Sequence[tuple[int, tuple[int, int, int]] | tuple[int, tuple[int, int, int], float]],
-    spatial_merge_size: int,
-) -> tuple[torch.Tensor, int]:
-    """mRoPE positions [3, num_tokens] and delta, as HF's ``get_rope_index``.
-
-    ``images`` holds ``(offset, (t, h, w))`` per image or video in prompt order, with a
-    video's temporal step as a third item (Qwen2.5-VL: tokens_per_second * seconds per
-    temporal patch; default 1). Text tokens count up by one in all three sections; an item's
-    tokens take (t * step rounded down, h, w) indices of the merged grid plus the position it
-    starts at, and the text after it resumes one past its largest position: start +
-    max(h, w) // merge for an image, and for a video whose times run past its extent one
-    past its last time. That is the rule the checkpoints were released with: the
-    `get_rope_index` Qwen contributed to transformers with Qwen2-VL (4.45) and Qwen2.5-VL
-    (4.49), ``st_idx = llm_pos_ids_list[-1].max() + 1``, Qwen's fine-tuning code and vLLM.
-    transformers 5.x resumes at start + max(h, w) // merge whatever the times, so there the
-    text after such a video repeats positions of the video's own; we keep the released rule.
-    The delta is max position + 1 - num_tokens: token i beyond the prompt sits at i + delta.
-    """
-    pieces: list[torch.Tensor] = []
-    pos = 0  # next position id
-    cursor = 0  # next token index
-    for offset, (t, h, w), *step in images:
-        assert offset >= cursor, "images must be in prompt order and not overlap"
-        text_len = offset - cursor
-        pieces.append(torch.arange(pos, pos + text_len).expand(3, -1))
-        pos += text_len
-        gh, gw = h // spatial_merge_size, w // spatial_merge_size
-        times = (torch.arange(t) * (step[0] if step else 1)).long()
-        grid = torch.stack(
-            torch.meshgrid(times, torch.arange(gh), torch.arange(gw), indexing="ij")
-        )  # [3, t, gh, gw]
-        pieces.append(grid.reshape(3, -1) + pos)
-        pos += max(max(h, w) // spatial_merge_size, int(times[-1]) + 1)
-        cursor = offset + t * gh * gw
-    assert cursor <= num_tokens
-    pieces.append(torch.arange(pos, pos + num_tokens - cursor).expand(3, -1))
-    positions = torch.cat(pieces, dim=1).contiguous()  # [3, num_tokens]
-    delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
-    return positions, delta
 
 
 @dataclass(frozen=True)
@@ -140,7 +98,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
                                                     "qwen3_5_moe")
         # the video processor's own settings (transformers' Qwen2VLVideoProcessor, or
         # Qwen3VLVideoProcessor: its class defaults where the checkpoint gives none)
-        video = _video_processor_config(self.model_path)
+        video = video_processor_config(self.model_path)
         self.video_settings = video
         size = video.get("size") or {}
         unit = (ip.patch_size * ip.merge_size) ** 2  # transformers' defaults: 128 to 768 units
@@ -157,7 +115,7 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         self.pixel_transform = Qwen2VLPixels(
             patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, **NormalizedPixels.settings_of(ip),
-            video=_video_normalization(video, self.timestamped))
+            video=video_normalization(video, self.timestamped))
         # Qwen2.5-VL: a temporal patch's positions step by tokens_per_second * its seconds
         self.tokens_per_second: float | None = (
             getattr(hf_config.vision_config, "tokens_per_second", None)
@@ -510,50 +468,6 @@ class Qwen2VLInputProcessor(HFInputProcessor):
         out = tvF.resize(chw, [new_h, new_w], antialias=True,
                          interpolation=pil_torch_interpolation_mapping[resample])
         return out.permute(1, 2, 0).contiguous()
-
-
-def _video_processor_config(path: Path) -> dict:
-    """The settings transformers' video processor loads for the checkpoint: its
-    video_preprocessor_config.json, else processor_config.json's ``video_processor``, else the
-    image processor's preprocessor_config.json (as `AutoVideoProcessor` falls back)."""
-    for name, key in (("video_preprocessor_config.json", None),
-                      ("processor_config.json", "video_processor"),
-                      ("preprocessor_config.json", None)):
-        try:
-            with open(path / name) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
-        data = data.get(key) if key else data
-        if isinstance(data, dict):
-            return data
-    return {}
-
-
-def _video_normalization(video: dict, qwen3: bool) -> NormalizedPixels:
-    """A video processor's rescale and normalize from its settings (``video``), with its
-    class's defaults (Qwen2VLVideoProcessor: CLIP's mean and std; Qwen3VLVideoProcessor:
-    0.5 and 0.5), in the fused order of transformers' video processors (torchvision)."""
-    from transformers.utils.constants import (
-        IMAGENET_STANDARD_MEAN,
-        IMAGENET_STANDARD_STD,
-        OPENAI_CLIP_MEAN,
-        OPENAI_CLIP_STD,
-    )
-
-    def three(value, default) -> tuple[float, ...]:
-        value = default if value is None else value
-        return tuple(map(float, value if isinstance(value, (list, tuple)) else [value] * 3))
-
-    mean, std = ((IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD) if qwen3
-                 else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
-    normalize = video.get("do_normalize", True)
-    return NormalizedPixels(
-        rescale_factor=(float(video.get("rescale_factor", 1 / 255))
-                        if video.get("do_rescale", True) else None),
-        mean=three(video.get("image_mean"), mean) if normalize else None,
-        std=three(video.get("image_std"), std) if normalize else None,
-        fused=True)
 
 
 def _item_runs(ids: list[int], token_id: int, count: int,
