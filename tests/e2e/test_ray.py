@@ -189,12 +189,13 @@ def test_a_killed_replica_fails_only_its_streams_and_ray_restarts_it(endpoint: s
                 assert not tasks[i].done(), tasks[i].result()
                 await asyncio.sleep(0.01)
         victim = max(pids)
+        running = [not t.done() for t in tasks]  # a stream that already ended is not touched
         os.kill(victim, signal.SIGKILL)
-        return victim, await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return victim, running, await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
-    victim, results = asyncio.run(main())
-    failed = [ev for pid, ev in results if int(pid) == victim]
-    ok = [ev for pid, ev in results if int(pid) != victim]
+    victim, running, results = asyncio.run(main())
+    failed = [ev for (pid, ev), r in zip(results, running) if int(pid) == victim and r]
+    ok = [ev for (pid, ev), r in zip(results, running) if int(pid) != victim or not r]
     assert failed and ok and len(failed) + len(ok) == len(chats)
     for events in failed:  # an error event, then [DONE]
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
