@@ -27,6 +27,7 @@ from vlmserve.utils import (
     limit_host_threads,
     resolve_device,
     run_by_name,
+    start_children,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def start_core(target: str, name: str, *args: Any) -> tuple[mp.process.BaseProce
     address = f"ipc://{tempfile.gettempdir()}/{name}-{uuid.uuid4().hex[:12]}"
     proc = mp.get_context("spawn").Process(
         target=run_by_name, name=name, args=(target, address, os.getpid(), *args), daemon=False)
-    proc.start()
+    start_children(proc.start)
     return proc, CoreHandle(address, proc.pid)
 
 

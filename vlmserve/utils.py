@@ -7,8 +7,12 @@ import ctypes
 import gc
 import importlib
 import os
+import queue
 import signal
-from typing import Any
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
@@ -71,12 +75,48 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux)."""
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux); the parent
+    starts it through `start_children`."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the idle parent check below still ends us
         pass
+
+
+T = TypeVar("T")
+_starts: queue.SimpleQueue | None = None
+_starts_lock = threading.Lock()
+
+
+def _run_starts(starts: queue.SimpleQueue) -> None:
+    while True:
+        fn, done = starts.get()
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                done.set_exception(e)
+
+
+def start_children(fn: Callable[[], T]) -> T:
+    """``fn()``, which starts child processes that die with their parent
+    (`die_with_parent`), run on a thread that lives as long as this process. The kernel
+    sends PR_SET_PDEATHSIG when the *thread* that started the child ends, not the process:
+    a child started from a thread pool's worker (``asyncio.to_thread``, or the anyio pool
+    that runs a Ray Serve replica's constructor and retires threads idle for 10 s) is
+    killed when that worker is retired. The main thread lives as long as the process."""
+    global _starts
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _starts_lock:
+        if _starts is None:
+            _starts = queue.SimpleQueue()
+            threading.Thread(target=_run_starts, args=(_starts,), daemon=True,
+                             name="vlmserve-child-starter").start()
+    done: Future = Future()
+    _starts.put((fn, done))
+    return done.result()
 
 
 def pid_alive(pid: int) -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vlmserve.distributed.parallel_state import RankFailedError, TensorParallel, join_group
-from vlmserve.utils import limit_host_threads, resolve_device
+from vlmserve.utils import limit_host_threads, resolve_device, start_children
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class Followers:
                                   args=(target, args, rank, world, port, device, timeout_s,
                                         self.start_timeout_s))
                       for rank in range(1, world)]
-        for p in self.procs:
-            p.start()
+        start_children(lambda: [p.start() for p in self.procs])
         self.tp: TensorParallel | None = None
 
     @property

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vlmserve.layers.grammar import _grammar, _xgrammar
-from vlmserve.utils import pid_alive
+from vlmserve.utils import pid_alive, start_children
 
 START_TIMEOUT_S = 300.0  # the zygote's start (it imports xgrammar, which loads torch)
 
@@ -123,10 +123,10 @@ class Zygote:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["OMP_NUM_THREADS"] = "1"  # no thread before a fork (torch's pool, if it ran)
         try:
-            self.proc = subprocess.Popen(
+            self.proc = start_children(lambda: subprocess.Popen(
                 [sys.executable, "-c", "from vlmserve.layers.grammar_processes import "
                  f"_zygote_main; _zygote_main({fd}, {os.getpid()})"],
-                pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL))
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())

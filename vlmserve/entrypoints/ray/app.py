@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from ray.serve.handle import DeploymentHandle
 from vlmserve.config import EngineConfig
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.ray.router import AffinityRequestRouter, request_key
+from vlmserve.utils import die_with_parent, start_children
 
 logger = logging.getLogger("vlmserve.ray")
 _KEYED = ("/v1/chat/completions", "/v1/completions")
@@ -62,12 +62,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # in the child, before exec
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class LLMServer:
@@ -175,7 +169,8 @@ class EncoderServer:
                 args.append(flag if value else "--no-" + flag[2:])
             elif value is not None:
                 args += [flag, str(value)]
-        self.proc = subprocess.Popen(args, preexec_fn=_die_with_parent)
+        # started from a thread that lasts (the constructor's is a pool worker Serve retires)
+        self.proc = start_children(lambda: subprocess.Popen(args, preexec_fn=die_with_parent))
         self._url = f"http://{host}:{port}"
         deadline = time.monotonic() + 600
         while not self._healthy():
