@@ -25,20 +25,18 @@ pytestmark = pytest.mark.slow
 # 640 KV blocks holds them all, and so do two cores of 320 each when each keeps its own half
 # (affinity); a core that sees every chat (random routing) cannot keep them
 CHATS, TURNS, BLOCKS = 16, 4, 320
-# preprocessing on the front end's threads: fewer processes to start on 2 cores
-FLAGS = ("--preprocess-workers", "0")
 
 
 @pytest.fixture(scope="module")
 def single(vlmserve_cache: Path) -> Iterator[ServeProc]:
-    srv = ServeProc(*FLAGS, "--num-kv-blocks", str(2 * BLOCKS))
+    srv = ServeProc("--num-kv-blocks", str(2 * BLOCKS))
     yield srv
     srv.kill()
 
 
 @pytest.fixture(scope="module")
 def affine(vlmserve_cache: Path) -> Iterator[ServeProc]:
-    srv = ServeProc(*FLAGS, "-dp", "2", "--num-kv-blocks", str(BLOCKS))
+    srv = ServeProc("-dp", "2", "--num-kv-blocks", str(BLOCKS))
     yield srv
     srv.kill()
 
@@ -86,7 +84,7 @@ def test_affinity_keeps_a_chats_prefix_hits(single: ServeProc, affine: ServeProc
                for was, after in zip(before, affine.stats()["routing"]["replicas"],
                                      strict=True)]
     affine.kill()  # the machine has 2 cores: one two-core server at a time
-    randomly = ServeProc(*FLAGS, "-dp", "2", "--num-kv-blocks", str(BLOCKS),
+    randomly = ServeProc("-dp", "2", "--num-kv-blocks", str(BLOCKS),
                          "--dp-routing", "random")
     try:
         rand = _hit_rate(randomly)
@@ -105,7 +103,7 @@ def test_affinity_keeps_a_chats_prefix_hits(single: ServeProc, affine: ServeProc
 
 def test_a_dead_core_fails_only_its_requests(vlmserve_cache: Path) -> None:
     # 16,000 tokens a stream: far more than a core makes before the kill
-    srv = ServeProc(*FLAGS, "-dp", "2", "--max-model-len", "16384")
+    srv = ServeProc("-dp", "2", "--max-model-len", "16384")
     try:
         events: list[list] = [[] for _ in range(4)]
 

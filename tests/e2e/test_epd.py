@@ -210,7 +210,7 @@ def test_a_clients_mm_hash_names_only_its_own_pixels(vlmserve_cache) -> None:
 
 def test_no_encoder_reachable_is_a_503_naming_it(vlmserve_cache) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
-    llm = ServeProc("--encoder-url", dead, "--preprocess-workers", "0")
+    llm = ServeProc("--encoder-url", dead)
     try:
         r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": user("Hi.", data_url(IMAGES[0])), "max_tokens": 2})
@@ -271,8 +271,8 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
     model = "tiny-llava-next"
     enc = ServeProc("--role", "encoder", model=model)
     try:
-        llm = ServeProc("--encoder-url", enc.url, "--preprocess-workers", "0",
-                        "--served-model-name", MODEL, model=model)  # the name _stream sends
+        llm = ServeProc("--encoder-url", enc.url, "--served-model-name", MODEL,
+                        model=model)  # the name _stream sends
     except BaseException:
         enc.kill()
         raise
@@ -314,8 +314,7 @@ def test_encoder_server_keys_and_body_limits(vlmserve_cache) -> None:
         assert httpx.get(enc.url + "/health").status_code == 200
         # an LLM server with the key is served; one without it is told why (503)
         for key, status in [("sesame", 200), ("wrong", 503)]:
-            llm = ServeProc("--encoder-url", enc.url, "--encoder-api-key", key,
-                            "--preprocess-workers", "0")
+            llm = ServeProc("--encoder-url", enc.url, "--encoder-api-key", key)
             try:
                 r = httpx.post(llm.url + "/v1/chat/completions", timeout=60, json={
                     "model": MODEL, "messages": user("Hi.", data_url(make_image(56, 84, key
@@ -471,7 +470,7 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
     encoder server exit 1 within 5 s."""
     enc = ServeProc("--role", "encoder", "--api-server-count", "2")
     try:
-        llm = ServeProc("--encoder-url", enc.url, "--preprocess-workers", "0")
+        llm = ServeProc("--encoder-url", enc.url)
         try:
             convs = _conversations()
             assert _streamed_together(llm, convs, 8) == _single_process(convs, 8)

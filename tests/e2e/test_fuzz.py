@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.test_server import data_url, user
-from tests.e2e.test_server_procs import MODEL, ServeProc
+from tests.e2e.test_server_procs import MODEL, POOL, ServeProc
 from tests.engine.helpers import make_image
 
 CHAT, COMPLETIONS, ENCODE = "/v1/chat/completions", "/v1/completions", "/v1/encode"
@@ -47,8 +47,9 @@ NORMAL = {"model": MODEL, "messages": user("What is this?", data_url(make_image(
 @pytest.fixture(scope="module")
 def server(vlmserve_cache: Path) -> Iterator[ServeProc]:
     # small limits: every request is cheap, and the limits themselves get hit
+    # and requests preprocessed in a pool process, as `vlmserve serve` does by default
     srv = ServeProc("--max-model-len", "512", "--default-max-tokens", "4",
-                    "--max-request-bytes", str(MAX_REQUEST_BYTES))
+                    "--max-request-bytes", str(MAX_REQUEST_BYTES), *POOL)
     yield srv
     srv.kill()
 
@@ -91,7 +92,7 @@ def test_fuzz_openapi_schemathesis(server: ServeProc, tmp_path: Path, record_pro
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
          "--checks", checks, "--mode", "all", "--phases", "examples,coverage,fuzzing",
-         "--max-examples", "100", "--seed", "21", "--generation-database", "none",
+         "--max-examples", "50", "--seed", "21", "--generation-database", "none",
          "--workers", "1", "--continue-on-failure", "--request-timeout", "60",
          "--no-color", "--output-sanitize", "false", "--output-truncate", "true",
          "--report", "ndjson", "--report-ndjson-path", str(report)],

@@ -15,7 +15,7 @@ from tests.hub_cache import add_snapshot
 def test_serve_a_model_by_id_from_the_cache(tmp_path: Path, tiny_qwen2_vl_path: Path) -> None:
     cache = tmp_path / "hub"
     add_snapshot(cache, "org/tiny", tiny_qwen2_vl_path)
-    srv = ServeProc("--preprocess-workers", "0", model="org/tiny",
+    srv = ServeProc(model="org/tiny",
                     env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)

@@ -57,7 +57,7 @@ def test_ctrl_c_while_a_server_starts_leaves_nothing_running(vlmserve_cache: Pat
         from tests.e2e.test_server_procs import ServeProc
 
         def test_start():
-            ServeProc("--served-model-name", "{marker}")
+            ServeProc("--served-model-name", "{marker}", "--preprocess-workers", "1")
         """)
     try:
         # the server runs and has bound its port: its start is under way

@@ -32,7 +32,9 @@ MODEL = "tiny-qwen2-vl"
 # test servers listen on loopback alone (the default host is every interface, as vLLM's)
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
          "--max-num-batched-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1",
-         "--preprocess-workers", "1"]  # one pool process: the pool path, fewer processes to start
+         "--preprocess-workers", "0"]  # preprocessing in the front end's threads
+# the production path where the test is about the server's processes: a pool process a front end
+POOL = ("--preprocess-workers", "1")
 
 
 def _free_port() -> int:
@@ -132,7 +134,7 @@ async def _stream(client: openai.AsyncOpenAI, messages: list[dict], n: int,
 @pytest.fixture(scope="module")
 def two_front_ends(vlmserve_cache: Path) -> Iterator[ServeProc]:
     """A server with two front ends, shared by the tests that leave it running."""
-    srv = ServeProc("--api-server-count", "2")
+    srv = ServeProc("--api-server-count", "2", *POOL)
     yield srv
     srv.kill()
 
@@ -229,7 +231,9 @@ def test_two_front_ends_metrics_count_every_front_ends_requests(two_front_ends) 
 def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, count) -> None:
     # 16,000 tokens: far more than the core makes before the kill, however late the client
     # reads its first events (900 were all made and buffered once on 2 busy cores)
-    srv = serve("--api-server-count", count, "--max-model-len", "16384")
+    # one front end with its pool process, two without: every process ends either way
+    srv = serve("--api-server-count", count, "--max-model-len", "16384",
+                *(POOL if count == "1" else ()))
     core_pid = srv.stats()["engine_core_pid"]
     events: list = []
 
@@ -292,7 +296,8 @@ def test_sigterm_lets_streams_finish_ends_the_rest_and_exits_zero(serve, count,
     # 6 s: the short streams' 20 tokens come well within it even on 2 busy cores; the long
     # ones' 16,000 cannot
     srv = serve("--shutdown-timeout", "6", "--max-model-len", "16384", "--api-server-count",
-                count, env={"TRITON_INTERPRET": "0"}, stderr=tmp_path / "stderr")
+                count, *(POOL if count == "1" else ()), env={"TRITON_INTERPRET": "0"},
+                stderr=tmp_path / "stderr")
     core_pid = srv.stats()["engine_core_pid"]
     events: list[list] = [[] for _ in range(8)]
 
