@@ -103,9 +103,9 @@ def start_children(fn: Callable[[], T]) -> T:
     """``fn()``, which starts child processes that die with their parent
     (`die_with_parent`), run on a thread that lives as long as this process. The kernel
     sends PR_SET_PDEATHSIG when the *thread* that started the child ends, not the process:
-    a child started from a thread pool's worker (``asyncio.to_thread``, or the anyio pool
-    that runs a Ray Serve replica's constructor and retires threads idle for 10 s) is
-    killed when that worker is retired. The main thread lives as long as the process."""
+    a child started from a thread pool's worker (``asyncio.to_thread``; anyio's pool, which
+    retires threads idle for 10 s) is killed when that worker is retired. The main thread
+    lives as long as the process."""
     global _starts
     if threading.current_thread() is threading.main_thread():
         return fn()

@@ -99,7 +99,12 @@ def _deploy(routing: str = "affinity", replicas: int = 2, encoder: bool = True) 
         "encoder": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"node_b": 0.1}}}
         if encoder else None,
         "ingress": {"ray_actor_options": {"num_cpus": 0.1}}})
-    serve.run(app, name="vlmserve", route_prefix="/")
+    try:
+        serve.run(app, name="vlmserve", route_prefix="/")
+    except RuntimeError as e:  # what each deployment said (a replica's exception among it)
+        status = serve.status().applications.get("vlmserve")
+        said = {name: d.message for name, d in status.deployments.items()} if status else {}
+        raise AssertionError(f"{e} {said}") from e
     return f"http://127.0.0.1:{port}"
 
 

@@ -23,6 +23,7 @@ replicas.
 
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,7 +57,28 @@ _DICT_ARGS = ("engine", "server", "router", "llm", "encoder", "ingress")
 
 
 def _node_ip() -> str:
+    """The address other nodes reach this one by: the one its `ray start` registered
+    (`--node-ip-address`), not the one `ray.util.get_node_ip_address` guesses from a route."""
+    node = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n["NodeID"] == node:
+            return n["NodeManagerAddress"]
     return ray.util.get_node_ip_address()
+
+
+def _tail(pipe: Any, lines: int = 40) -> collections.deque:
+    """The last `lines` lines of a child's output `pipe`, kept while a thread copies it all
+    to this process's stderr (which Ray writes to the replica's log)."""
+    kept: collections.deque = collections.deque(maxlen=lines)
+
+    def copy() -> None:
+        for line in iter(pipe.readline, b""):
+            text = line.decode(errors="replace")
+            kept.append(text)
+            sys.stderr.write(text)
+
+    threading.Thread(target=copy, daemon=True, name="vlmserve-encoder-stderr").start()
+    return kept
 
 
 def _free_port(host: str) -> int:
@@ -157,26 +180,37 @@ class EncoderServer:
     this node's address (its ledger too, for LLM replicas on other nodes)."""
 
     def __init__(self, engine: dict[str, Any], server: dict[str, Any] | None = None) -> None:
-        host = _node_ip()
-        port = _free_port(host)
-        args = [sys.executable, "-m", "vlmserve", "serve", engine["model"], "--role", "encoder",
-                "--host", host, "--port", str(port), "--encoder-ledger-address",
-                f"tcp://{host}:{_free_port(host)}"]
+        flags: list[str] = []
         for name, value in {**{k: v for k, v in engine.items() if k != "model"},
                             **(server or {})}.items():
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):
-                args.append(flag if value else "--no-" + flag[2:])
+                flags.append(flag if value else "--no-" + flag[2:])
             elif value is not None:
-                args += [flag, str(value)]
-        # started from a thread that lasts (the constructor's is a pool worker Serve retires)
-        self.proc = start_children(lambda: subprocess.Popen(args, preexec_fn=die_with_parent))
-        self._url = f"http://{host}:{port}"
-        deadline = time.monotonic() + 600
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the encoder server did not start ({self.proc.returncode})")
-            time.sleep(0.2)
+                flags += [flag, str(value)]
+        host = _node_ip()
+        for _ in range(3):  # a free port can be taken before the server binds it
+            port = _free_port(host)
+            args = [sys.executable, "-m", "vlmserve", "serve", engine["model"], "--role",
+                    "encoder", "--host", host, "--port", str(port), "--encoder-ledger-address",
+                    f"tcp://{host}:{_free_port(host)}", *flags]
+            self.proc = start_children(lambda a=args: subprocess.Popen(
+                a, preexec_fn=die_with_parent, stderr=subprocess.PIPE))
+            self._stderr = _tail(self.proc.stderr)
+            self._url = f"http://{host}:{port}"
+            deadline = time.monotonic() + 600
+            while not self._healthy():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            else:
+                return
+            self.proc.kill()
+            self.proc.wait()
+            logger.warning("the encoder server on %s exited (%s): %s", self._url,
+                           self.proc.returncode, "".join(self._stderr)[-2000:])
+        raise RuntimeError(f"the encoder server did not start on {host} (exit code "
+                           f"{self.proc.returncode}): {''.join(self._stderr)[-2000:]}")
 
     def _healthy(self) -> bool:
         try:
@@ -189,7 +223,8 @@ class EncoderServer:
 
     def check_health(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"the encoder server exited ({self.proc.returncode})")
+            raise RuntimeError(f"the encoder server exited ({self.proc.returncode}): "
+                               f"{''.join(self._stderr)[-2000:]}")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
