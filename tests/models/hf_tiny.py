@@ -312,6 +312,44 @@ def _build_gemma3(path: Path) -> Path:
     return _finish(path, config, tf.Gemma3ForConditionalGeneration, proc)
 
 
+GEMMA4_MARKS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
+
+
+def _build_gemma4(path: Path) -> Path:
+    import transformers as tf
+
+    # the processor adds <|video|> to its tokenizer: present from the start, in the vocabulary
+    tok = make_tokenizer([*GEMMA_TURNS, *GEMMA4_MARKS.values(), "<|video|>"],
+                         extra=GEMMA4_MARKS)
+    # max_soft_tokens 70 (its least): up to 280 patches of 8 px, pooled 2x2
+    sizes = dict(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
+    proc = tf.Gemma4Processor(feature_extractor=tf.Gemma4AudioFeatureExtractor(),
+                              image_processor=tf.Gemma4ImageProcessorPil(**sizes),
+                              tokenizer=tok, video_processor=tf.Gemma4VideoProcessor(**sizes),
+                              chat_template=_gemma_template("<|image|>"))
+    marks = dict(zip(GEMMA4_MARKS, ids(tok, *GEMMA4_MARKS.values()), strict=True))
+    # sliding, full, full, then two layers reusing the K/V of layers 0 and 2: the full layer
+    # 1's image rows reach the output through layer 2's keys
+    kinds = [*SLIDING, *SLIDING[::-1], SLIDING[1]]
+    text = text_cfg(
+        "gemma4_text", len(tok), num_hidden_layers=5, layer_types=kinds,
+        sliding_window=16, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=len(tok), global_head_dim=32, attention_k_eq_v=True,
+        num_global_key_value_heads=1, use_bidirectional_attention="vision",
+        final_logit_softcapping=30.0, **special_ids(tok))
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                  head_dim=8, patch_size=8, pooling_kernel_size=2, position_embedding_size=64)
+    config = tf.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None,
+        boi_token_id=marks["boi_token"], eoi_token_id=marks["eoi_token"],
+        image_token_id=marks["image_token"], video_token_id=ids(tok, "<|video|>")[0],
+        boa_token_id=marks["boa_token"], eoa_token_index=marks["eoa_token"],
+        audio_token_id=marks["audio_token"], **special_ids(tok))
+    return _finish(path, config, tf.Gemma4ForConditionalGeneration, proc)
+
+
 def _build_paligemma(path: Path) -> Path:
     import transformers as tf
 
@@ -967,7 +1005,7 @@ UNSUPPORTED: dict[str, str] = {
 # architectures whose processors need torchvision (their rows skip where it does not import)
 NEEDS_TORCHVISION: frozenset[str] = frozenset({
     "internvl", "mistral3", "smolvlm", "llava_onevision", "glm4v", "llama4", "cohere2_vision",
-    "lfm2_vl"})
+    "lfm2_vl", "gemma4"})
 
 _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "llava": (_build_llava, "CLIP tower (CLS dropped, feature layer -2), 16 tokens an image"),
@@ -1052,6 +1090,11 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                 "the engine keeps their state)"),
     "cohere2_vision": (_build_cohere2_vision, "tiles (56 px, up to 4 + global), pixel shuffle "
                        "x2, a line break per tile; cohere2 text sliding(16)+full"),
+    "gemma4": (_build_gemma4, "layer_types sliding(16)+full with a rotary each, full layers "
+               "of head_dim 32 and one KV head (k = v) beside sliding ones of 16 and two; the "
+               "last two layers reuse the K/V of layers 0/2; per-layer inputs (8 a layer) from "
+               "the token ids; images (up to 70 soft tokens, longer than the window) both ways "
+               "within themselves on sliding layers only; logit soft-capping; no audio tower"),
 }
 
 TINY_ARCHS: dict[str, str] = {k: note for k, (_, note) in _BUILDERS.items()}

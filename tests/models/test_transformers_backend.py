@@ -180,3 +180,20 @@ def test_refused_in_one_line(name, tmp_path):
     with pytest.raises(ValueError, match=REFUSED[name]) as err:
         LLM(str(path), model_impl="transformers", dtype="float32", device=DEVICE)
     assert "\n" not in str(err.value) and name in str(err.value)
+
+
+def test_text_both_ways_refused_in_one_line():
+    """A Gemma 4 whose text attends both ways over the whole sequence (an encoder's
+    `use_bidirectional_attention="all"`) is refused in one line; `"vision"` is served."""
+    import transformers as tf
+
+    from vlmserve.models.transformers_backend import check_supported
+
+    def config(mode):
+        text = dict(num_hidden_layers=2, use_bidirectional_attention=mode)
+        return tf.Gemma4Config(text_config=text, vision_config=dict(num_hidden_layers=1))
+
+    check_supported(config("vision"))
+    with pytest.raises(ValueError, match="both ways over the whole sequence") as err:
+        check_supported(config("all"))
+    assert "\n" not in str(err.value) and "gemma4" in str(err.value)

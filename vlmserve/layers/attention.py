@@ -103,10 +103,13 @@ class AttentionMetadata:
 class Window:
     """Keys a layer's query sees besides the causal rule: the last `size` positions up to
     its own (``"sliding"``), or those of its own chunk of `size` positions (``"chunked"``,
-    Llama 4's local layers)."""
+    Llama 4's local layers). ``clips_spans``: the window bounds the step's `bidirectional`
+    spans too (Gemma 4's sliding layers: an image token sees its image's tokens both ways,
+    but none behind the window); otherwise a span is read whole (Gemma 3's)."""
 
     kind: str
     size: int
+    clips_spans: bool = False
 
     def first_key(self, pos: int) -> int:
         """The first key position a query at `pos` sees."""
@@ -201,11 +204,13 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size,
         qpos = torch.arange(s - q, s)[:, None]  # absolute position of each query
         kpos = torch.arange(s)[None, :]
         allowed = kpos <= qpos
-        if window is not None:
+        if window is not None and not window.clips_spans:
             allowed &= window.allows(qpos, kpos)
         for r, first, end in bidirectional or ():
             if r == i:
                 allowed |= ((qpos >= first) & (qpos < end)) & ((kpos >= first) & (kpos < end))
+        if window is not None and window.clips_spans:
+            allowed &= window.allows(qpos, kpos)
         mask[b, 0, :q, :s] = allowed
         mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
     return AttentionGroup(

@@ -378,6 +378,8 @@ def paged_attention_triton(
         raise ValueError("q and kv_cache need a contiguous head_dim")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if window is not None and window.clips_spans and meta.bidirectional:
+        raise ValueError("a window that clips both-ways spans runs on the reference attention")
     G = H // Hkv
     B = meta.seq_lens.shape[0]
     out = _out_buffer(q, out)

@@ -14,6 +14,19 @@ indices, or its ``get_rope_index`` for multi-axis rotary positions. A model whos
 adds DeepStack features of its images to the hidden states of its first layers (Qwen3-VL)
 gets them as its native class does: each image row carries them beside its embedding.
 
+Gemma 4 runs so too. Its layers of a kind may differ in shape (full-attention layers with a
+wider head and, with ``attention_k_eq_v``, fewer KV heads): every layer's cache has the widest
+head and the most KV heads, a narrower layer's keys, values and queries padded with zeros (they
+add nothing to a score, and the output's padding is cut off) and its KV heads repeated, exact
+but wasteful where the kinds differ. Its last ``num_kv_shared_layers`` layers reuse the keys and
+values of an earlier layer of their kind: transformers hands the attention function those, and
+each sharing layer writes them into its own cache too, a copy of its source's (correct, if
+wasteful). Its per-layer inputs are computed from the step's token ids (`embed_tokens` keeps
+them for `forward`), image, video and audio tokens read as padding as transformers reads them.
+With ``use_bidirectional_attention="vision"`` an image's tokens attend to each other both ways
+on its sliding layers alone, within the window; its full layers stay causal. Its audio tower
+is not served: the engine sends images and text.
+
 What the backend cannot serve is refused at load in one line (`check_supported`): a model
 whose text layers are not all attention, attention it cannot run exactly (sliding windows,
 chunked windows, logit soft-capping, images or prefixes that attend both ways, until the
@@ -22,12 +35,14 @@ engine's attention has them), or no image-text-to-text class in transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.layers.attention import (
@@ -55,6 +70,8 @@ class _Step:
         self.meta: AttentionMetadata | None = None
         self.attn_fn = paged_attention_reference
         self.windows: list[Window | None] = []  # each layer's, beside the causal rule
+        self.both_ways: list[bool] = []  # each layer's: reads the step's spans both ways
+        self.causal_meta: AttentionMetadata | None = None  # the step's, without its spans
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -65,16 +82,26 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     dim]`` after the rotary -> ``[1, T, heads, dim]``. The mask is the engine's (each token
     attends causally to its own request); transformers builds none for this interface."""
     step: _Step = module.vlmserve_step
-    cache = step.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1).contiguous()
-    write_kv(cache, key[0].transpose(0, 1), value[0].transpose(0, 1), step.meta.slot_mapping)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    window = step.windows[module.layer_idx]
+    layer = module.layer_idx
+    cache = step.kv_caches[layer]
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    dim = q.shape[-1]
+    heads, width = cache.shape[-2:]
+    if k.shape[1] != heads:  # fewer KV heads than the cache's: each repeated for its queries
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+    if dim != width:  # a narrower head: zeros past it add nothing to a score
+        q, k, v = (F.pad(x, (0, width - dim)) for x in (q, k, v))
+    q = q.contiguous()
+    write_kv(cache, k, v, step.meta.slot_mapping)
+    scale = scaling if scaling is not None else dim ** -0.5
+    window = step.windows[layer]
+    meta = step.meta if step.both_ways[layer] else step.causal_meta
     softcap = kwargs.get("softcap")
-    if window is None and softcap is None and not step.meta.bidirectional:
-        return step.attn_fn(q, cache, step.meta, scale)[None], None
-    # windows, soft-capping and spans read both ways: the reference kernel's
-    return paged_attention_reference(q, cache, step.meta, scale, window, softcap)[None], None
+    if window is None and softcap is None and not meta.bidirectional:
+        out = step.attn_fn(q, cache, meta, scale)
+    else:  # windows, soft-capping and spans read both ways: the reference kernel's
+        out = paged_attention_reference(q, cache, meta, scale, window, softcap)
+    return out[..., :dim][None], None
 
 
 def _register() -> None:
@@ -108,6 +135,9 @@ _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
                      "chunked_attention": "chunked"}
 # models whose images' tokens attend to each other both ways (in prefill; on every layer)
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
+# models whose images' tokens attend to each other both ways on their sliding layers alone,
+# within the window, where their text config's `use_bidirectional_attention` is "vision"
+_IMAGES_BOTH_WAYS_SLIDING = frozenset({"gemma4"})
 # models whose text model adds DeepStack features of the images after its first layers
 # (`deepstack_visual_embeds` at `visual_pos_masks`)
 _DEEPSTACK = frozenset({"qwen3_vl", "qwen3_vl_moe"})
@@ -149,14 +179,54 @@ def layer_windows(hf_config) -> list[Window | None]:
                          "hybrid KV cache (the transformers backend serves attention layers: "
                          "full, sliding-window, chunked)")
     out = []
+    clips = hf_config.model_type in _IMAGES_BOTH_WAYS_SLIDING
     for kind in kinds:
         if _ATTENTION_LAYERS[kind] == "sliding":
-            out.append(Window("sliding", int(tc.sliding_window)))
+            out.append(Window("sliding", int(tc.sliding_window), clips_spans=clips))
         elif _ATTENTION_LAYERS[kind] == "chunked":
             out.append(Window("chunked", int(tc.attention_chunk_size)))
         else:
             out.append(None)
     return out
+
+
+def _images_both_ways_sliding(hf_config) -> bool:
+    """Gemma 4 with `use_bidirectional_attention="vision"`: images both ways on its sliding
+    layers alone."""
+    return hf_config.model_type in _IMAGES_BOTH_WAYS_SLIDING and getattr(
+        _text_config(hf_config), "use_bidirectional_attention", None) == "vision"
+
+
+def layers_both_ways(hf_config) -> list[bool]:
+    """Each text layer: whether it reads the step's both-ways spans (images', or a prompt's,
+    where the model has them): every layer, but Gemma 4's sliding layers alone."""
+    tc = _text_config(hf_config)
+    if hf_config.model_type in _IMAGES_BOTH_WAYS_SLIDING:
+        sliding = _images_both_ways_sliding(hf_config)
+        return [sliding and kind == "sliding_attention" for kind in tc.layer_types]
+    return [True] * tc.num_hidden_layers
+
+
+def layer_kv_shapes(hf_config) -> list[tuple[int, int]]:
+    """Each text layer's (KV heads, head dim): the config's, or its `per_layer_config`'s where
+    layers differ (Gemma 4's full-attention layers). `ValueError` where a layer's KV heads do
+    not divide the most any layer has (the cache's)."""
+    tc = _text_config(hf_config)
+    per_layer = getattr(tc, "per_layer_config", None)  # (its global values are not to be read)
+    out = [_kv_shape(tc if per_layer is None else per_layer[i])
+           for i in range(tc.num_hidden_layers)]
+    most = max(h for h, _ in out)
+    if any(most % h for h, _ in out):
+        raise ValueError(f"{hf_config.model_type}: its layers' KV heads "
+                         f"{sorted({h for h, _ in out})} do not divide the most of them "
+                         "(the transformers backend's cache holds that many for every layer)")
+    return out
+
+
+def _kv_shape(c) -> tuple[int, int]:
+    """(KV heads, head dim) of a text config, or of one layer's."""
+    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
 
 def _deepstack_layers(hf_config) -> int:
@@ -178,8 +248,13 @@ def check_supported(hf_config) -> None:
     """Refuse, in one line, a model the backend cannot serve exactly (`ValueError`)."""
     kind = hf_config.model_type
     layer_windows(hf_config)
+    layer_kv_shapes(hf_config)
     if kind in _REFUSED:
         raise ValueError(f"{kind}: {_REFUSED[kind]}")
+    if getattr(_text_config(hf_config), "use_bidirectional_attention", None) == "all":
+        raise ValueError(f"{kind}: its text attends both ways over the whole sequence "
+                         "(use_bidirectional_attention='all'), an encoder's attention, not a "
+                         "generator's")
     hf_model_class(hf_config)
 
 
@@ -192,7 +267,7 @@ class TransformersVLM(nn.Module):
 
     @classmethod
     def reads_images_both_ways(cls, hf_config) -> bool:
-        return hf_config.model_type in _IMAGES_BOTH_WAYS
+        return hf_config.model_type in _IMAGES_BOTH_WAYS or _images_both_ways_sliding(hf_config)
 
     @classmethod
     def reads_prompt_both_ways(cls, hf_config) -> bool:
@@ -206,6 +281,7 @@ class TransformersVLM(nn.Module):
         self.text_config = tc
         self.step = _Step()
         self.step.windows = layer_windows(self.config)
+        self.step.both_ways = layers_both_ways(self.config)
         self.bidirectional_images = self.reads_images_both_ways(self.config)
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
@@ -231,8 +307,21 @@ class TransformersVLM(nn.Module):
                              f"{self._num_layers} text layers")
         self.embedding = hf_model.get_input_embeddings()
         self.lm_head = hf_model.get_output_embeddings()
-        self.kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        # every layer's cache as wide as the widest layer's (`paged_attention` pads the rest)
+        shapes = layer_kv_shapes(self.config)
+        self.kv_heads = max(h for h, _ in shapes)
+        self.head_dim = max(d for _, d in shapes)
+        # per-layer inputs (Gemma 4's): from the step's token ids, kept by `embed_tokens`;
+        # its image, video and audio tokens read as padding, as transformers reads them
+        self.per_layer_inputs = bool(getattr(tc, "hidden_size_per_layer_input", None)) and \
+            hasattr(self.text_model, "get_per_layer_inputs")
+        self._media_ids = torch.tensor(
+            [i for i in (getattr(self.config, f"{m}_token_id", None)
+                         for m in ("image", "video", "audio")) if i is not None],
+            dtype=torch.int64)
+        self._step_ids: torch.Tensor | None = None
+        if self.per_layer_inputs:  # a decode graph would not see the kept ids change
+            self.cuda_graphs_safe = False
         rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
         section = rope.get("mrope_section") if isinstance(rope, dict) else None
         # multi-axis positions: a row per section (time, height, width; some models more)
@@ -296,7 +385,13 @@ class TransformersVLM(nn.Module):
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The model's own token embedding (scaled where the model scales it); an image
-        token id past the vocabulary (its row is replaced by the image's) embeds as 0."""
+        token id past the vocabulary (its row is replaced by the image's) embeds as 0. A model
+        with per-layer inputs keeps the ids for the step's `forward`."""
+        if self.per_layer_inputs:
+            self._step_ids = token_ids
+        return self._embed(token_ids)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         n = self.embedding.num_embeddings
         return self.embedding(torch.where(token_ids < n, token_ids, 0))
 
@@ -316,8 +411,14 @@ class TransformersVLM(nn.Module):
         over the paged KV cache. ``deepstack``: the image rows' token indices [R] and their
         DeepStack rows [R, layers, hidden], added after each of the first layers."""
         self.step.kv_caches, self.step.meta = kv_caches, meta
+        self.step.causal_meta = meta
+        if meta.bidirectional and not all(self.step.both_ways):
+            self.step.causal_meta = dataclasses.replace(meta, bidirectional=None, _groups={},
+                                                        _spans=None)
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None]
         extra = {}
+        if self.per_layer_inputs:
+            extra["per_layer_inputs"] = self._per_layer_inputs(inputs_embeds.shape[0])
         if deepstack is not None:
             dest, deep = deepstack
             mask = torch.zeros(inputs_embeds.shape[0], dtype=torch.bool,
@@ -329,6 +430,19 @@ class TransformersVLM(nn.Module):
         out = self.text_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
                               use_cache=False, return_dict=True, **extra)
         return out.last_hidden_state[0]
+
+    def _per_layer_inputs(self, num_tokens: int) -> torch.Tensor:
+        """The text model's per-layer inputs [1, T, layers, width] of the step's token ids
+        (kept by `embed_tokens`), each image, video or audio token's as the padding token's."""
+        ids = self._step_ids
+        if ids is None or ids.shape[0] != num_tokens:
+            raise RuntimeError(f"{self.config.model_type}: per-layer inputs need the step's "
+                               "token ids, given to embed_tokens before forward")
+        if self._media_ids.device != ids.device:
+            self._media_ids = self._media_ids.to(ids.device)
+        pad = self.text_config.pad_token_id or 0
+        ids = torch.where(torch.isin(ids, self._media_ids), pad, ids)
+        return self.text_model.get_per_layer_inputs(ids[None])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -411,5 +525,5 @@ class TransformersVLM(nn.Module):
         is_image = torch.ones(length, dtype=torch.bool, device=device)
         is_image[pos] = False
         rows[is_image] = features.to(rows.dtype)
-        rows[pos, :self.hidden_size] = self.embed_tokens(ids)
+        rows[pos, :self.hidden_size] = self._embed(ids)
         return rows

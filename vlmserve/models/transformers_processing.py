@@ -48,7 +48,7 @@ TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention
                "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
                "image_num_patches", "pixel_mask", "num_crops", "grids",
                "high_res_pixel_values", "num_local_patches", "pixel_values_local",
-               "aspect_ratios", "batch_num_images")
+               "aspect_ratios", "batch_num_images", "image_position_ids")
 # models whose processor takes a prompt's images as a flat list (nested: pages)
 _FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
