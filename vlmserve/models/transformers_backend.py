@@ -28,9 +28,10 @@ on its sliding layers alone, within the window; its full layers stay causal. Its
 is not served: the engine sends images and text.
 
 What the backend cannot serve is refused at load in one line (`check_supported`): a model
-whose text layers are not all attention, attention it cannot run exactly (sliding windows,
-chunked windows, logit soft-capping, images or prefixes that attend both ways, until the
-engine's attention has them), or no image-text-to-text class in transformers.
+whose text layers are not all attention (linear attention, convolutions), whose whole text
+attends both ways, whose layers' KV heads do not divide the most any layer has, one of
+`_REFUSED` (image features inside the decoder or depending on the prompt, visual-vocabulary
+markers), or one with no image-text-to-text class in transformers.
 """
 
 from __future__ import annotations
