@@ -48,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from vlmserve.config import EngineConfig
 from vlmserve.entrypoints.args import ServerConfig
 from vlmserve.entrypoints.ray.router import AffinityRequestRouter, request_key
-from vlmserve.utils import die_with_parent, start_children
+from vlmserve.utils import start_children
 
 logger = logging.getLogger("vlmserve.ray")
 _KEYED = ("/v1/chat/completions", "/v1/completions")
@@ -64,6 +64,14 @@ def _node_ip() -> str:
         if n["NodeID"] == node:
             return n["NodeManagerAddress"]
     return ray.util.get_node_ip_address()
+
+
+# `vlmserve ...` that dies with the process `{}` (asked first thing; where that process is
+# already gone, it exits): no preexec_fn, which is unsafe in a process with threads
+_DIE_WITH_PARENT_THEN_CLI = (
+    "import os, sys; from vlmserve.utils import die_with_parent; die_with_parent(); "
+    "os.getppid() == {} or sys.exit('its Ray replica is gone'); "
+    "from vlmserve.entrypoints.cli import main; main()")
 
 
 def _tail(pipe: Any, lines: int = 40) -> collections.deque:
@@ -191,11 +199,12 @@ class EncoderServer:
         host = _node_ip()
         for _ in range(3):  # a free port can be taken before the server binds it
             port = _free_port(host)
-            args = [sys.executable, "-m", "vlmserve", "serve", engine["model"], "--role",
-                    "encoder", "--host", host, "--port", str(port), "--encoder-ledger-address",
-                    f"tcp://{host}:{_free_port(host)}", *flags]
-            self.proc = start_children(lambda a=args: subprocess.Popen(
-                a, preexec_fn=die_with_parent, stderr=subprocess.PIPE))
+            args = [sys.executable, "-c", _DIE_WITH_PARENT_THEN_CLI.format(os.getpid()),
+                    "serve", engine["model"], "--role", "encoder", "--host", host, "--port",
+                    str(port), "--encoder-ledger-address", f"tcp://{host}:{_free_port(host)}",
+                    *flags]
+            self.proc = start_children(
+                lambda a=args: subprocess.Popen(a, stderr=subprocess.PIPE))
             self._stderr = _tail(self.proc.stderr)
             self._url = f"http://{host}:{port}"
             deadline = time.monotonic() + 600
