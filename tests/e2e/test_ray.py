@@ -239,3 +239,13 @@ def test_affinity_keeps_a_chats_prefix_hits(endpoint: str) -> None:
           f"randomly {rand:.1%}")
     assert affine > 0.85  # one engine's is 92.5% on this workload (test_data_parallel.py)
     assert affine > rand + 0.40
+
+
+def test_an_encoder_server_that_cannot_start_says_why(monkeypatch) -> None:
+    """Its replica's error ends with what the server printed (tried on three ports first)."""
+    from vlmserve.entrypoints.ray import app
+
+    monkeypatch.setattr(app, "_node_ip", lambda: "127.0.0.1")
+    with pytest.raises(RuntimeError, match="did not start on 127.0.0.1 .exit code 2.: "
+                       "(.|\n)*unrecognized arguments: --no-such-option 1"):
+        app.EncoderServer({"model": MODEL, "no_such_option": 1})
