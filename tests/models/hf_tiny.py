@@ -983,7 +983,8 @@ def _build_lfm2_vl(path: Path) -> Path:
     proc = tf.Lfm2VlProcessor(image_processor=ip, tokenizer=tok,
                               chat_template=_chatml("<image>"))
     config = tf.Lfm2VlConfig(
-        text_config=text_cfg("lfm2", len(tok), layer_types=["conv", "full_attention"],
+        text_config=text_cfg("lfm2", len(tok), num_hidden_layers=3,
+                             layer_types=["conv", "full_attention", "conv"],
                              **special_ids(tok)),
         vision_config=dict(model_type="siglip2_vision_model", hidden_size=32,
                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -1086,8 +1087,9 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                "a tile), tile separators; chunked attention (16) on RoPE layers, full "
                "attention without RoPE on layer 3; MoE (4 experts, top-1, shared expert) on "
                "layers 1 and 3"),
-    "lfm2_vl": (_build_lfm2_vl, "short-convolution layers beside attention (refused until "
-                "the engine keeps their state)"),
+    "lfm2_vl": (_build_lfm2_vl, "lfm2 text: gated short-convolution layers (kernel 3, "
+                "their conv state in the engine's state pools) around a full-attention layer; "
+                "SigLIP2 tower (4 to 16 tokens an image, no tiling), pixel unshuffle x2"),
     "cohere2_vision": (_build_cohere2_vision, "tiles (56 px, up to 4 + global), pixel shuffle "
                        "x2, a line break per tile; cohere2 text sliding(16)+full"),
     "gemma4": (_build_gemma4, "layer_types sliding(16)+full with a rotary each, full layers "

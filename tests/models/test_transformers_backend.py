@@ -54,7 +54,7 @@ PADS_IMAGES = frozenset({"emu3"})
 # architectures the backend refuses at load, and the reason its one line gives
 REFUSED = {"granite4_vision": "inside the decoder's layers",
            "ovis2": "visual vocabulary", "granite_docling": "inside the decoder's layers",
-           "instructblip": "depend on the prompt's text", "lfm2_vl": "layers of kind"}
+           "instructblip": "depend on the prompt's text"}
 # served, but not yet token for token: what differs (a strict xfail: CI says when it passes)
 OPEN = {"shieldgemma2": "an image prompt's first token differs (its processor builds a "
                         "policy prompt around each image)"}
@@ -197,3 +197,19 @@ def test_text_both_ways_refused_in_one_line():
     with pytest.raises(ValueError, match="both ways over the whole sequence") as err:
         check_supported(config("all"))
     assert "\n" not in str(err.value) and "gemma4" in str(err.value)
+
+
+def test_layers_neither_attention_nor_convolutions_refused_in_one_line():
+    """LFM2's short convolutions are served; a text layer of another kind (linear attention
+    here) is refused in one line naming it."""
+    import transformers as tf
+
+    from vlmserve.models.transformers_backend import check_supported
+
+    def config(kinds):
+        return tf.Lfm2VlConfig(text_config=dict(num_hidden_layers=2, layer_types=kinds))
+
+    check_supported(config(["conv", "full_attention"]))
+    with pytest.raises(ValueError, match="layers of kind") as err:
+        check_supported(config(["linear_attention", "full_attention"]))
+    assert "\n" not in str(err.value) and "lfm2_vl" in str(err.value)

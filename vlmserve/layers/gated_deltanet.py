@@ -21,7 +21,9 @@ prefill chunks, 64 tokens a chunk, the step-by-step recurrence for decodes) and 
 (CUDA: flash-linear-attention's `chunk_gated_delta_rule` for steps with prefill chunks,
 `fused_recurrent_gated_delta_rule` for decode-only steps, imported only there). The
 convolution is the same gather of ``kernel`` rows on both (device index ops of fixed shape
-per batch: capturable in CUDA graphs).
+per batch: capturable in CUDA graphs). The convolution alone (`depthwise_conv`, no
+activation) also runs LFM2's gated short convolutions in the transformers backend, whose
+state pools hold a conv state and no recurrent state.
 """
 
 from __future__ import annotations
@@ -123,9 +125,18 @@ def build_linear_metadata(query_lens: list[int], state_slots: list[int],
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 meta: LinearAttentionMetadata) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``,
-    each sequence continuing its ``conv_state`` row (zeros without an initial state), whose
-    new state is written back (and the snapshots' states to theirs)."""
+    """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``
+    (`depthwise_conv`), in ``x``'s dtype."""
+    return F.silu(depthwise_conv(x, weight, conv_state, meta)).to(x.dtype)
+
+
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                   meta: LinearAttentionMetadata, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The causal depthwise conv of the step's ``x [T, C]`` with ``weight [C, kernel]`` (and
+    ``bias [C]``) -> float32 ``[T, C]``, each sequence continuing its ``conv_state`` row
+    (zeros without an initial state), whose new state is written back (and the snapshots'
+    states to theirs)."""
     prev = conv_state.index_select(0, meta.state_slots)  # [B, kernel - 1, C]
     prev = prev * meta.has_initial_state[:, None, None].to(prev.dtype)
     rows = torch.cat([prev.reshape(-1, x.shape[1]).to(x.dtype), x])  # [B * (K - 1) + T, C]
@@ -136,7 +147,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     n = meta.conv_state_index.shape[0]
     new_state = rows[meta.conv_state_index.reshape(-1)].view(n, -1, x.shape[1])
     conv_state.index_copy_(0, meta.conv_write_slots, new_state.to(conv_state.dtype))
-    return F.silu(out).to(x.dtype)
+    return out if bias is None else out + bias.float()
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -27,16 +27,25 @@ With ``use_bidirectional_attention="vision"`` an image's tokens attend to each o
 on its sliding layers alone, within the window; its full layers stay causal. Its audio tower
 is not served: the engine sends images and text.
 
+LFM2's short-convolution layers (``layer_types`` "conv": ``out_proj(C * conv(B * x))``, a
+causal depthwise convolution over the last ``kernel`` inputs) keep their state in the engine's
+state pools as a native model's linear-attention layers do (`layer_kinds`: kind "linear", a
+conv state and no recurrent state, `worker/linear_states.py`): each conv module's forward is
+replaced by `short_conv`, which runs the step's sequences (prefill chunks with or without a
+state, decodes) over their slots with `layers/gated_deltanet.depthwise_conv`, so chunked
+prefill and prefix caching (state snapshots at block boundaries) work for them too.
+
 What the backend cannot serve is refused at load in one line (`check_supported`): a model
-whose text layers are not all attention (linear attention, convolutions), whose whole text
-attends both ways, whose layers' KV heads do not divide the most any layer has, one of
-`_REFUSED` (image features inside the decoder or depending on the prompt, visual-vocabulary
-markers), or one with no image-text-to-text class in transformers.
+whose text layers are not all attention or short convolutions (linear attention, state-space
+layers), whose whole text attends both ways, whose layers' KV heads do not divide the most any
+layer has, one of `_REFUSED` (image features inside the decoder or depending on the prompt,
+visual-vocabulary markers), or one with no image-text-to-text class in transformers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,12 +55,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.core.kv_cache_groups import FULL, LayerKind
 from vlmserve.layers.attention import (
     AttentionMetadata,
     Window,
     paged_attention_reference,
     write_kv,
 )
+from vlmserve.layers.gated_deltanet import depthwise_conv
 from vlmserve.layers.positions import MRopePositions, TokenPositions
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
@@ -105,6 +116,21 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out[..., :dim][None], None
 
 
+def short_conv(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> torch.Tensor:
+    """An LFM2 short-convolution module's forward over the engine's state pools:
+    ``hidden_states [1, T, hidden]`` (the step's flat tokens) -> ``out_proj(C * conv(B *
+    x))``, each sequence's convolution continuing the conv state at its slot (zeros without
+    one) and leaving its new state there (`meta.linear`). transformers' padding mask and
+    cache are not read: the engine's steps have no padding, the pools are the cache."""
+    step: _Step = module.vlmserve_step
+    conv_state = step.kv_caches[module.layer_idx][0]
+    b, c, x = module.in_proj(hidden_states[0]).chunk(3, dim=-1)
+    conv = module.conv
+    y = depthwise_conv(b * x, conv.weight[:, 0], conv_state, step.meta.linear, conv.bias)
+    return module.out_proj(c * y.to(x.dtype))[None]
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -134,6 +160,8 @@ def hf_model_class(hf_config) -> type:
 
 _ATTENTION_LAYERS = {"full_attention": None, "sliding_attention": "sliding",
                      "chunked_attention": "chunked"}
+# layer kinds that keep a state per sequence in the engine's state pools (no window, no KV)
+_CONV_LAYERS = frozenset({"conv"})  # LFM2's gated short convolutions (`short_conv`)
 # models whose images' tokens attend to each other both ways (in prefill; on every layer)
 _IMAGES_BOTH_WAYS = frozenset({"gemma3", "shieldgemma2"})
 # models whose images' tokens attend to each other both ways on their sliding layers alone,
@@ -166,29 +194,41 @@ _POSITIONS_FROM_ONE = frozenset({"paligemma"})
 def layer_windows(hf_config) -> list[Window | None]:
     """Each text layer's window (None: full causal attention) from its config: its
     `layer_types` (sliding: `sliding_window`; chunked: `attention_chunk_size`), or one
-    `sliding_window` for every layer where the config turns it on. `ValueError` naming a
-    layer kind that is not attention (linear attention, convolutions, ...)."""
+    `sliding_window` for every layer where the config turns it on; None too for a
+    short-convolution layer (it attends to nothing). `ValueError` naming a layer kind that
+    is neither attention nor a short convolution (linear attention, state-space layers)."""
     tc = _text_config(hf_config)
     kinds = getattr(tc, "layer_types", None)
     if kinds is None:
         window = getattr(tc, "sliding_window", None)
         on = window and getattr(tc, "use_sliding_window", True)
         return [Window("sliding", int(window)) if on else None] * tc.num_hidden_layers
-    unknown = sorted(set(kinds) - set(_ATTENTION_LAYERS))
+    unknown = sorted(set(kinds) - set(_ATTENTION_LAYERS) - _CONV_LAYERS)
     if unknown:
-        raise ValueError(f"{hf_config.model_type}: layers of kind {unknown} need the engine's "
-                         "hybrid KV cache (the transformers backend serves attention layers: "
-                         "full, sliding-window, chunked)")
+        raise ValueError(f"{hf_config.model_type}: layers of kind {unknown} are not served by "
+                         "the transformers backend (it serves attention layers: full, "
+                         "sliding-window, chunked; and short convolutions)")
     out = []
     clips = hf_config.model_type in _IMAGES_BOTH_WAYS_SLIDING
     for kind in kinds:
-        if _ATTENTION_LAYERS[kind] == "sliding":
+        if kind in _CONV_LAYERS:
+            out.append(None)
+        elif _ATTENTION_LAYERS[kind] == "sliding":
             out.append(Window("sliding", int(tc.sliding_window), clips_spans=clips))
         elif _ATTENTION_LAYERS[kind] == "chunked":
             out.append(Window("chunked", int(tc.attention_chunk_size)))
         else:
             out.append(None)
     return out
+
+
+def layer_kinds(hf_config) -> list[LayerKind]:
+    """Each text layer's cache kind: a short convolution's state slots ("linear"), else full
+    attention (a windowed layer's window is a mask over the full layers' cache)."""
+    kinds = getattr(_text_config(hf_config), "layer_types", None)
+    if kinds is None:
+        return [FULL] * _text_config(hf_config).num_hidden_layers
+    return [LayerKind("linear") if k in _CONV_LAYERS else FULL for k in kinds]
 
 
 def _images_both_ways_sliding(hf_config) -> bool:
@@ -295,15 +335,27 @@ class TransformersVLM(nn.Module):
             decoder = text.get_decoder()
             text = decoder if decoder is not text else text.model  # Llama 4's says itself
         self.text_model = text
-        layers = 0
+        # each layer's cache kind (the engine's groups); a conv layer's: its state slots
+        self.layer_kinds = layer_kinds(self.config)
+        convs = {i for i, k in enumerate(self.layer_kinds) if k.kind == "linear"}
+        layers, patched, self._conv_shape = 0, set(), None
         for module in self.text_model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "scaling") or (
-                    hasattr(module, "layer_idx") and type(module).__name__.endswith(
-                        "Attention")):
+            if not hasattr(module, "layer_idx"):
+                continue
+            if module.layer_idx in convs and isinstance(getattr(module, "conv", None),
+                                                        nn.Conv1d):
+                module.vlmserve_step = self.step
+                module.forward = functools.partial(short_conv, module)
+                patched.add(module.layer_idx)
+                self._conv_shape = (module.conv.kernel_size[0] - 1, module.conv.in_channels)
+            elif hasattr(module, "scaling") or type(module).__name__.endswith("Attention"):
                 module.vlmserve_step = self.step
                 layers = max(layers, module.layer_idx + 1)
         self._num_layers = tc.num_hidden_layers
-        if layers != self._num_layers:
+        if patched != convs:
+            raise ValueError(f"{self.config.model_type}: found no short convolution in text "
+                             f"layers {sorted(convs - patched)}")
+        if max([layers, *(i + 1 for i in convs)]) != self._num_layers:
             raise ValueError(f"{self.config.model_type}: found attention in {layers} of "
                              f"{self._num_layers} text layers")
         self.embedding = hf_model.get_input_embeddings()
@@ -375,8 +427,16 @@ class TransformersVLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.kv_heads, self.head_dim)
 
+    def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per state slot of a short-convolution layer: its conv state (the last kernel - 1
+        inputs) and no recurrent state."""
+        return self._conv_shape, (0,)
+
     def set_attention_backend(self, fn) -> None:
         self.step.attn_fn = fn
+
+    def set_linear_attention_backend(self, fn) -> None:
+        """Unused: a short convolution has no recurrence."""
 
     def set_vision_attention_backend(self, fn) -> None:
         """Unused: the vision part runs transformers' own attention."""

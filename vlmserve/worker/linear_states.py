@@ -1,14 +1,17 @@
-"""The linear-attention state pools of a model with Gated DeltaNet layers (the worker's half of
-the linear cache group, `core/kv_cache_groups.StatePool`).
+"""The linear-attention state pools of a model with Gated DeltaNet layers, or other layers that
+keep a state per sequence (LFM2's short convolutions): the worker's half of the linear cache
+group, `core/kv_cache_groups.StatePool`.
 
 Each linear layer holds a conv state pool ``[slots + 1, kernel - 1, conv_dim]`` (the model's
-dtype) and a recurrent state pool ``[slots + 1, v_heads, k_dim, v_dim]`` (float32), allocated
-once at start: ``slots`` is the manager's running slots (max_num_seqs) plus its snapshot
-slots; the extra last slot is scratch, where the padded rows of a decode graph write. A step
-(`LinearStates.prepare`): new requests that resume from a snapshot get its states copied into
-their running slot first; the layers read and write the running slots (`metadata`); states
-asked for at the end of a request's chunk are copied to their snapshot slots after the
-forward (`finish`), those inside a chunk are left there by the layers.
+dtype) and a recurrent state pool ``[slots + 1, v_heads, k_dim, v_dim]`` (float32); a model
+whose layers keep a conv state alone declares an empty recurrent shape (``(0,)``: its pool
+holds nothing). Both are allocated once at start: ``slots`` is the manager's running slots
+(max_num_seqs) plus its snapshot slots; the extra last slot is scratch, where the padded rows
+of a decode graph write. A step (`LinearStates.prepare`): new requests that resume from a
+snapshot get its states copied into their running slot first; the layers read and write the
+running slots (`metadata`); states asked for at the end of a request's chunk are copied to
+their snapshot slots after the forward (`finish`), those inside a chunk are left there by the
+layers.
 """
 
 from __future__ import annotations
