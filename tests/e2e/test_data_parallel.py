@@ -115,6 +115,8 @@ def test_a_dead_core_fails_only_its_requests(vlmserve_cache: Path) -> None:
                     tasks.append(asyncio.create_task(
                         _stream(client, user(prompt), 16000, events[i])))
                     while not events[i]:  # routed and begun before the next is sent
+                        if tasks[i].done():  # it failed before its first event: say why
+                            raise AssertionError(f"stream {i}: {tasks[i].exception()!r}")
                         await asyncio.sleep(0.01)
                 cores = srv.stats()["cores"]
                 assert [c["num_streams"] for c in cores] == [2, 2]
