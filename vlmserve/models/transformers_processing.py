@@ -36,6 +36,7 @@ from PIL import Image
 
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.processing import HFInputProcessor, check_tokenizer
+from vlmserve.models.transformers_families import hf_model_class, positions_from_one
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
@@ -179,9 +180,7 @@ class TransformersInputProcessor(HFInputProcessor):
         self._hash_extra = self.hash_extra(engine=self.engine_kwargs)
         self._max_image_tokens: int | None = None
         self.rope_index = rope_index_of(hf_config)
-        from vlmserve.models.transformers_backend import _POSITIONS_FROM_ONE
-
-        self.first_position = 1 if hf_config.model_type in _POSITIONS_FROM_ONE else 0
+        self.first_position = 1 if positions_from_one(hf_config) else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
 
     def hash_extra(self, **more: Any) -> str:
@@ -411,7 +410,6 @@ def rope_index_of(hf_config) -> Any:
     model of 1-D positions."""
     import importlib
 
-    from vlmserve.models.transformers_backend import hf_model_class
 
     cls = hf_model_class(hf_config)
     module = importlib.import_module(cls.__module__)
