@@ -81,7 +81,7 @@ class ServeProc:
         # a connect given a minute (the client's 5 s default): a test's event loop busy with
         # other streams on 2 loaded cores has let a connect that the kernel made time out
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                                  timeout=httpx.Timeout(600, connect=60))
+                                  timeout=openai.Timeout(600, connect=60))
 
     def stats(self) -> dict:
         return httpx.get(self.url + "/stats", timeout=10).json()
