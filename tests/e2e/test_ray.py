@@ -56,7 +56,9 @@ def cluster(vlmserve_cache: Path) -> Iterator[str]:
     """Two Ray nodes on this machine (node_a, node_b), torn down however the tests end."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="vr-")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DISABLE_IMPORT_WARNING": "1"}
+    # PYTHONPATH kept (tests/site among it: torchvision importable in the replicas' children)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "RAY_DISABLE_IMPORT_WARNING": "1"}
     nodes = [_ray_start("--head", "--port", str(port), "--include-dashboard", "false",
                         "--temp-dir", temp, "--resources", json.dumps({"node_a": 1}), env=env)]
     address = f"127.0.0.1:{port}"
@@ -103,8 +105,9 @@ def _deploy(routing: str = "affinity", replicas: int = 2, encoder: bool = True) 
         serve.run(app, name="vlmserve", route_prefix="/")
     except RuntimeError as e:  # what each deployment said (a replica's exception among it)
         status = serve.status().applications.get("vlmserve")
-        said = {name: d.message for name, d in status.deployments.items()} if status else {}
-        raise AssertionError(f"{e} {said}") from e
+        said = "\n".join(f"{name}: {d.message[-3000:]}" for name, d in
+                          status.deployments.items() if d.message) if status else ""
+        pytest.fail(f"{e}\n{said}", pytrace=False)  # the message alone, first in the report
     return f"http://127.0.0.1:{port}"
 
 
