@@ -12,7 +12,7 @@ ck=$1; side=${2:-both}
 ARGS=${MT_ARGS:---conversations 32 --turns 4 --images 2 --output-len 64}
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 dir=$OUT/multiturn; mkdir -p "$dir"
-up() { for _ in $(seq 1 400); do curl -sf "localhost:$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+up() { for _ in $(seq 1 400); do curl -sf "localhost:$1/health" >/dev/null && return 0; kill -0 $pid 2>/dev/null || return 1; sleep 1; done; return 1; }
 bench() {  # bench PORT TAG
   PYTHONPATH=$PWD:/tmp/deps python3 -m vlmserve.benchmarks.multiturn \
     --base-url "http://127.0.0.1:$1" --conversations 8 --turns 2 --seed 99 > /dev/null

@@ -21,6 +21,8 @@ PROMPTS = {  # SBS_PROMPT picks the model family's chat format
     "qwen": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>" + TEXT
             + "<|im_end|>\n<|im_start|>assistant\n",
     "llava_next": "[INST] <image>\n" + TEXT + " [/INST]",
+    "gemma": "<start_of_turn>user\n<start_of_image>" + TEXT
+             + "<end_of_turn>\n<start_of_turn>model\n",
 }
 PROMPT = PROMPTS[os.environ.get("SBS_PROMPT", "qwen")]
 OUT_TOK = int(os.environ.get("OUT_TOK", "128"))
