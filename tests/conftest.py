@@ -88,9 +88,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 _SLOW = ("e2e", "distributed", "encoder", "engine/test_async_llm.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's `--dist loadfile` hands out files in collection order once its own reorder (by
+    # number of tests, which puts the few long tests of process-starting files last) is off
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`slow` on the tests of the _SLOW files, and those files first (the longest work first,
+    the many short files last: parallel workers end together)."""
     root = Path(__file__).parent
     for item in items:
         path = Path(str(item.fspath)).relative_to(root)
         if path.parts[0] in _SLOW or path.as_posix() in _SLOW:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
