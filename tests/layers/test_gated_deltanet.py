@@ -111,6 +111,26 @@ def test_conv_rows_index_states_then_tokens():
     assert isinstance(index, np.ndarray)
 
 
+def test_the_convolution_gathered_at_once_equals_tap_by_tap(monkeypatch):
+    """Short steps gather every token's window at once, long ones go tap by tap: the same
+    outputs and the same states written (a step of fresh and continued sequences, bias)."""
+    from vlmserve.layers import gated_deltanet as gdn
+
+    gen = torch.Generator().manual_seed(3)
+    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((9, 12), (12, KERNEL),
+                                                                          (12,)))
+    start = torch.randn(5, KERNEL - 1, 12, generator=gen)
+    meta = build_linear_metadata([4, 1, 3, 1], [4, 0, 2, 1], [True, True, False, True],
+                                 KERNEL, CPU, [(0, 2, 3)])
+    results = []
+    for limit in (9, 8):  # this step's 9 tokens at once, then tap by tap
+        monkeypatch.setattr(gdn, "GATHER_TOKENS", limit)
+        state = start.clone()
+        results.append((gdn.depthwise_conv(x, weight, state, meta, bias), state))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(results[0][1], results[1][1])
+
+
 @torch.no_grad()
 def test_snapshots_inside_a_chunk_hold_the_states_there(layers):
     """A 100-token chunk asking for its states after 16 and 64 tokens (slots 4 and 5), a

@@ -40,6 +40,9 @@ from vlmserve.layers.linear import Linear, MergedLinear
 from vlmserve.utils import cuda_module_available
 
 CHUNK = 64  # tokens per chunk of the torch chunked form (transformers' and fla's)
+# steps of at most this many tokens (decodes, short chunks) gather the convolution's windows
+# at once; longer ones tap by tap
+GATHER_TOKENS = 1024
 
 
 @dataclass
@@ -140,10 +143,15 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
     prev = conv_state.index_select(0, meta.state_slots)  # [B, kernel - 1, C]
     prev = prev * meta.has_initial_state[:, None, None].to(prev.dtype)
     rows = torch.cat([prev.reshape(-1, x.shape[1]).to(x.dtype), x])  # [B * (K - 1) + T, C]
-    out = None
-    for j in range(weight.shape[1]):
-        term = rows.index_select(0, meta.conv_index[:, j]).float() * weight[:, j].float()
-        out = term if out is None else out + term
+    T, C = x.shape
+    if T <= GATHER_TOKENS:  # every token's window in one gather: a few kernels a layer
+        win = rows.index_select(0, meta.conv_index.reshape(-1)).view(T, -1, C)
+        out = (win.float() * weight.t().float()).sum(1)
+    else:  # tap by tap, without a [T, kernel, C] temporary
+        out = None
+        for j in range(weight.shape[1]):
+            term = rows.index_select(0, meta.conv_index[:, j]).float() * weight[:, j].float()
+            out = term if out is None else out + term
     n = meta.conv_state_index.shape[0]
     new_state = rows[meta.conv_state_index.reshape(-1)].view(n, -1, x.shape[1])
     conv_state.index_copy_(0, meta.conv_write_slots, new_state.to(conv_state.dtype))
