@@ -19,7 +19,8 @@ starts from zeros. Any mix of prefill chunks and single-token decodes runs in on
 Backends (`get_linear_attention_backend`): ``torch`` (any device; the chunked form for
 prefill chunks, 64 tokens a chunk, the step-by-step recurrence for decodes) and ``fla``
 (CUDA: flash-linear-attention's `chunk_gated_delta_rule` for steps with prefill chunks,
-`fused_recurrent_gated_delta_rule` for decode-only steps, imported only there). The
+imported only there; `triton_gdn.gdn_decode`, one kernel on the states in place, for
+decode-only steps). The
 convolution is the same gather of ``kernel`` rows on both (device index ops of fixed shape
 per batch: capturable in CUDA graphs). The convolution alone (`depthwise_conv`, no
 activation) also runs LFM2's gated short convolutions in the transformers backend, whose
@@ -249,30 +250,24 @@ def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
 
 def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
                          meta: LinearAttentionMetadata) -> torch.Tensor:
-    """The same through flash-linear-attention's kernels (CUDA): decode-only steps by the
-    fused recurrence (one token per sequence, graph-capturable), others by the chunked
-    kernel over the step's sequences (`cu_seqlens`)."""
-    from fla.ops.gated_delta_rule import (
-        chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule,
-    )
+    """The same on CUDA: decode-only steps by our one-kernel recurrence on the states in
+    place (`triton_gdn.gdn_decode`, graph-capturable), others by flash-linear-attention's
+    chunked kernel over the step's sequences (`cu_seqlens`)."""
+    if meta.decode_only:
+        from vlmserve.layers.triton_gdn import gdn_decode
+
+        return gdn_decode(q, k, v, g, beta, ssm_state, meta.state_slots,
+                          meta.has_initial_state)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     slots = meta.state_slots
     init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
-    if meta.decode_only:
-        o, final = fused_recurrent_gated_delta_rule(
-            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(),
-            beta=beta[:, None], initial_state=init, output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
-        o = o[:, 0]
-    else:
-        o, final = chunk_gated_delta_rule(
-            q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
-            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=meta.query_start_loc)
-        o = o[0]
+    o, final = chunk_gated_delta_rule(
+        q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
+        initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=meta.query_start_loc)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
-    return o
+    return o[0]
 
 
 def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor,

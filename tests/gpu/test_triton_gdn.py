@@ -1,0 +1,48 @@
+"""The Gated DeltaNet decode kernel (layers/triton_gdn.py) against the torch recurrence
+(`gated_deltanet.delta_rule_step`): outputs, the states written at their slots, the other
+slots untouched, a sequence without an initial state starting from zeros (whatever its slot
+held); grouped heads (more value heads than key heads) and strided q / k / v / beta views as
+the layer passes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
+from vlmserve.layers.gated_deltanet import delta_rule_step
+from vlmserve.layers.triton_gdn import gdn_decode
+
+SHAPES = [(4, 2, 4, 128, 128), (3, 16, 16, 128, 128)] if ON_GPU else [(4, 2, 4, 16, 8),
+                                                                      (3, 1, 1, 32, 16)]
+
+
+@pytest.mark.parametrize("B, Hk, Hv, K, V", SHAPES)
+@torch.no_grad()
+def test_decode_equals_the_torch_step_in_place(B, Hk, Hv, K, V) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    # q | k | v side by side in one row per token, as the layer's convolution output
+    qkv = randn(B, 2 * Hk * K + Hv * V)
+    q = qkv[:, :Hk * K].view(B, Hk, K)
+    k = qkv[:, Hk * K:2 * Hk * K].view(B, Hk, K)
+    v = qkv[:, 2 * Hk * K:].view(B, Hv, V)
+    g = -randn(B, Hv).abs()
+    beta = randn(B, Hv + 3).sigmoid()[:, :Hv]  # rows apart, as a split's
+    pool = randn(B + 3, Hv, K, V)
+    slots = torch.tensor([B + 2, 0, 3, 1][:B], device=DEVICE)
+    init = torch.tensor([True, False, True, True][:B], device=DEVICE)
+    pool[slots[~init]] = float("nan")  # a slot's leftovers, never read without a state
+    want_out, want_states = delta_rule_step(
+        q, k, v, g, beta, torch.where(init[:, None, None, None], pool[slots], 0.0))
+    state = pool.clone()
+    out = gdn_decode(q, k, v, g, beta, state, slots, init)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, want_out, **tol)
+    torch.testing.assert_close(state[slots], want_states, **tol)
+    others = [i for i in range(B + 3) if i not in slots.tolist()]
+    assert torch.equal(state[others], pool[others])
+    assert out.isfinite().all()
