@@ -46,3 +46,39 @@ def test_decode_equals_the_torch_step_in_place(B, Hk, Hv, K, V) -> None:
     others = [i for i in range(B + 3) if i not in slots.tolist()]
     assert torch.equal(state[others], pool[others])
     assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("silu, bias", [(True, False), (False, True)])
+@torch.no_grad()
+def test_conv_decode_equals_the_torch_gathers(silu, bias) -> None:
+    """One token of each sequence through the convolution: the output (SiLU in x's dtype as
+    Qwen3.5 takes it, or float32 with a bias as LFM2) and every state as the torch gathers
+    leave them (a sequence without an initial state from zeros; other slots untouched)."""
+    import torch.nn.functional as F
+
+    from vlmserve.layers.gated_deltanet import build_linear_metadata, depthwise_conv_torch
+
+    B, C, KW = 4, (6144 if ON_GPU else 40), 4
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    x = randn(B, C + 8)[:, :C]  # rows apart, as a split of the input projection's
+    weight, b = randn(C, 1, KW)[:, 0], (randn(C) if bias else None)
+    pool = randn(7, KW - 1, C)
+    slots, init = [5, 0, 2, 6], [True, False, True, True]
+    pool[0] = float("nan")  # the fresh sequence's slot: leftovers never read
+    meta = build_linear_metadata([1] * B, slots, init, KW, DEVICE)
+    want_state = pool.nan_to_num()  # the torch path masks by multiplying: NaN would stay
+    want = depthwise_conv_torch(x, weight, want_state, meta, b)
+    state = pool.clone()
+    from vlmserve.layers.triton_gdn import conv_decode
+
+    got = conv_decode(x, weight, state, meta.state_slots, meta.has_initial_state, b, silu)
+    if silu:
+        want = F.silu(want).to(x.dtype)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[slots], want_state[slots])
+    others = [1, 3, 4]
+    assert torch.equal(state[others], pool[others])

@@ -77,6 +77,20 @@ def test_a_prompt_in_chunks_carries_its_states(layers):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("length", [1, 20])
+def test_a_slots_leftovers_never_reach_a_fresh_sequence(layers, length):
+    """A fresh sequence (one token: the decode path; or a chunk) in a slot whose last request
+    left NaN and inf answers as from zeros."""
+    _, ours = layers
+    x = torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(5))
+    meta = build_linear_metadata([length], [1], [False], KERNEL, CPU)
+    clean = ours(x, *pools(ours), meta)
+    conv, ssm = pools(ours)
+    conv[1], ssm[1] = float("nan"), float("inf")
+    torch.testing.assert_close(ours(x, conv, ssm, meta), clean)
+
+
+@torch.no_grad()
 def test_one_call_mixes_prefill_chunks_and_decodes(layers):
     """Four sequences at slots 4, 1, 5, 0 in one call: a fresh 70-token prompt, a prompt's
     second chunk (20 done, 30 new), a decode after 40 tokens, a decode after 2 (fewer than

@@ -127,10 +127,21 @@ def build_linear_metadata(query_lens: list[int], state_slots: list[int],
         snapshots=list(snapshots))
 
 
+def _one_kernel(x: torch.Tensor, meta: LinearAttentionMetadata) -> bool:
+    """Whether the convolution runs as `triton_gdn.conv_decode`: decodes on CUDA that leave
+    no snapshot."""
+    return x.is_cuda and meta.decode_only and not meta.snapshots
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 meta: LinearAttentionMetadata) -> torch.Tensor:
     """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``
     (`depthwise_conv`), in ``x``'s dtype."""
+    if _one_kernel(x, meta):
+        from vlmserve.layers.triton_gdn import conv_decode
+
+        return conv_decode(x, weight, conv_state, meta.state_slots, meta.has_initial_state,
+                           silu=True)
     return F.silu(depthwise_conv(x, weight, conv_state, meta)).to(x.dtype)
 
 
@@ -140,9 +151,22 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
     """The causal depthwise conv of the step's ``x [T, C]`` with ``weight [C, kernel]`` (and
     ``bias [C]``) -> float32 ``[T, C]``, each sequence continuing its ``conv_state`` row
     (zeros without an initial state), whose new state is written back (and the snapshots'
-    states to theirs)."""
+    states to theirs). Decodes on CUDA: one kernel (`triton_gdn.conv_decode`)."""
+    if _one_kernel(x, meta):
+        from vlmserve.layers.triton_gdn import conv_decode
+
+        return conv_decode(x, weight, conv_state, meta.state_slots, meta.has_initial_state,
+                           bias)
+    return depthwise_conv_torch(x, weight, conv_state, meta, bias)
+
+
+def depthwise_conv_torch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         meta: LinearAttentionMetadata, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """`depthwise_conv` by torch ops (gathers over [states | step tokens]), any device."""
     prev = conv_state.index_select(0, meta.state_slots)  # [B, kernel - 1, C]
-    prev = prev * meta.has_initial_state[:, None, None].to(prev.dtype)
+    prev = torch.where(meta.has_initial_state[:, None, None], prev, 0)  # not a product:
+    # whatever a slot's last request left (inf, NaN) never reaches a fresh sequence
     rows = torch.cat([prev.reshape(-1, x.shape[1]).to(x.dtype), x])  # [B * (K - 1) + T, C]
     T, C = x.shape
     if T <= GATHER_TOKENS:  # every token's window in one gather: a few kernels a layer
@@ -224,7 +248,8 @@ def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
     states (read and written at their slots) -> ``[T, Hv, Dv]`` float32. Single-token
     sequences go as one batch, each longer one by the chunked form."""
     slots = meta.state_slots
-    init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
+    init = torch.where(meta.has_initial_state[:, None, None, None],
+                       ssm_state.index_select(0, slots), 0)
     if meta.decode_only:  # no host-built index: a decode graph captures this
         out, final = delta_rule_step(q, k, v, g, beta, init)
         ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
@@ -261,7 +286,8 @@ def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     slots = meta.state_slots
-    init = ssm_state.index_select(0, slots) * meta.has_initial_state[:, None, None, None]
+    init = torch.where(meta.has_initial_state[:, None, None, None],
+                       ssm_state.index_select(0, slots), 0)
     o, final = chunk_gated_delta_rule(
         q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,

@@ -1,12 +1,16 @@
-"""The Gated DeltaNet decode step in one Triton kernel, states read and written in place at
-their slots of the pool: one token of each of B sequences, per (sequence, value head, block of
-value columns) program: q and k L2-normalised (q scaled), the slot's state ``S [k_dim,
-v_dim]`` decayed by ``exp(g)``, corrected by ``k (beta (v - S^T k))^T`` and read by q.
+"""Decodes of the linear-attention layers in one Triton kernel each, on the state pools in
+place at the sequences' slots (`layers/gated_deltanet.py` calls them on CUDA):
 
-Same contract as `gated_deltanet.delta_rule_step` over ``ssm_state[slots]`` (zeros where a
-sequence has no initial state), written back: what the fla backend's decode-only steps run
-(fla's fused recurrence takes a dense batch of states, which costs a gather and a scatter of
-every state around it, two more launches a layer inside the decode graph)."""
+- `gdn_decode`: the gated delta rule for one token of each of B sequences, per (sequence,
+  value head, block of value columns) program: q and k L2-normalised (q scaled), the slot's
+  state ``S [k_dim, v_dim]`` decayed by ``exp(g)``, corrected by ``k (beta (v - S^T k))^T``
+  and read by q. Same contract as `gated_deltanet.delta_rule_step` over ``ssm_state[slots]``
+  written back (fla's fused recurrence takes a dense batch of states: a gather and a scatter
+  of every state around it, more launches a layer inside the decode graph).
+- `conv_decode`: the causal depthwise convolution of one token each, the slot's last inputs
+  shifted by one (`gated_deltanet.depthwise_conv`'s torch gathers take ~8 launches).
+
+A sequence without an initial state reads zeros, whatever its slot held."""
 
 from __future__ import annotations
 
@@ -68,4 +72,54 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), K ** -0.5, eps, HV=Hv, REP=Hv // Hk, K=K, V=V, BK=BK,
         BV=BV)
+    return out
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, slot_ptr, init_ptr, out_ptr,
+                        stride_x, stride_w, stride_out, C, KW: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    ok = cols < C
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    keep = tl.load(init_ptr + b) != 0
+    x = tl.load(x_ptr + b * stride_x + cols, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + cols * stride_w + KW - 1, mask=ok,
+                                     other=0.0).to(tl.float32)
+    row = state_ptr + slot * (KW - 1) * C + cols  # the slot's oldest input, this column
+    for j in tl.static_range(KW - 1):
+        past = tl.where(keep, tl.load(row + j * C, mask=ok, other=0.0), 0.0)
+        acc += past.to(tl.float32) * tl.load(w_ptr + cols * stride_w + j, mask=ok,
+                                             other=0.0).to(tl.float32)
+        if j > 0:  # each input one row older (row j - 1 was read the pass before)
+            tl.store(row + (j - 1) * C, past.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(row + (KW - 2) * C, x.to(state_ptr.dtype.element_ty), mask=ok)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                slots: torch.Tensor, has_initial_state: torch.Tensor,
+                bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    """The causal depthwise convolution of one token of each of B sequences, ``x [B, C]``
+    (rows may be apart), with ``weight [C, kernel]`` (and ``bias [C]``), each continuing the
+    last ``kernel - 1`` inputs in ``conv_state [slots, kernel - 1, C]`` at its slot (zeros
+    without an initial state), which become its latest ``kernel - 1`` in place -> float32
+    ``[B, C]``, or SiLU of it in ``x``'s dtype with ``silu`` (as `gated_deltanet.causal_conv`)."""
+    B, C = x.shape
+    KW = weight.shape[1]
+    assert KW >= 2 and x.stride(1) == 1 and weight.stride(1) == 1
+    assert conv_state.is_contiguous() and conv_state.shape[1:] == (KW - 1, C)
+    out = torch.empty(B, C, dtype=x.dtype if silu else torch.float32, device=x.device)
+    if B == 0:
+        return out
+    BC = 256
+    _conv_decode_kernel[(B, triton.cdiv(C, BC))](
+        x, weight, bias if bias is not None else weight, conv_state, slots, has_initial_state,
+        out, x.stride(0), weight.stride(0), out.stride(0), C, KW=KW,
+        HAS_BIAS=bias is not None, SILU=silu, BC=BC)
     return out
