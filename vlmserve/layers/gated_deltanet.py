@@ -21,8 +21,9 @@ prefill chunks, 64 tokens a chunk, the step-by-step recurrence for decodes) and 
 (CUDA: flash-linear-attention's `chunk_gated_delta_rule` for steps with prefill chunks,
 imported only there; `triton_gdn.gdn_decode`, one kernel on the states in place, for
 decode-only steps). The
-convolution is the same gather of ``kernel`` rows on both (device index ops of fixed shape
-per batch: capturable in CUDA graphs). The convolution alone (`depthwise_conv`, no
+convolution is a gather of ``kernel`` rows on both (device index ops of fixed shape per
+batch: capturable in CUDA graphs), except decodes on CUDA: one kernel,
+`triton_gdn.conv_decode`. The convolution alone (`depthwise_conv`, no
 activation) also runs LFM2's gated short convolutions in the transformers backend, whose
 state pools hold a conv state and no recurrent state.
 """
@@ -127,37 +128,28 @@ def build_linear_metadata(query_lens: list[int], state_slots: list[int],
         snapshots=list(snapshots))
 
 
-def _one_kernel(x: torch.Tensor, meta: LinearAttentionMetadata) -> bool:
-    """Whether the convolution runs as `triton_gdn.conv_decode`: decodes on CUDA that leave
-    no snapshot."""
-    return x.is_cuda and meta.decode_only and not meta.snapshots
-
-
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 meta: LinearAttentionMetadata) -> torch.Tensor:
     """SiLU(causal depthwise conv) of the step's ``x [T, C]`` with ``weight [C, kernel]``
     (`depthwise_conv`), in ``x``'s dtype."""
-    if _one_kernel(x, meta):
-        from vlmserve.layers.triton_gdn import conv_decode
-
-        return conv_decode(x, weight, conv_state, meta.state_slots, meta.has_initial_state,
-                           silu=True)
-    return F.silu(depthwise_conv(x, weight, conv_state, meta)).to(x.dtype)
+    return depthwise_conv(x, weight, conv_state, meta, silu=True)
 
 
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                   meta: LinearAttentionMetadata, bias: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   meta: LinearAttentionMetadata, bias: torch.Tensor | None = None,
+                   silu: bool = False) -> torch.Tensor:
     """The causal depthwise conv of the step's ``x [T, C]`` with ``weight [C, kernel]`` (and
-    ``bias [C]``) -> float32 ``[T, C]``, each sequence continuing its ``conv_state`` row
-    (zeros without an initial state), whose new state is written back (and the snapshots'
-    states to theirs). Decodes on CUDA: one kernel (`triton_gdn.conv_decode`)."""
-    if _one_kernel(x, meta):
+    ``bias [C]``) -> float32 ``[T, C]`` (with ``silu``: SiLU of it in ``x``'s dtype), each
+    sequence continuing its ``conv_state`` row (zeros without an initial state), whose new
+    state is written back (and the snapshots' states to theirs). Decodes on CUDA that leave
+    no snapshot: one kernel (`triton_gdn.conv_decode`)."""
+    if x.is_cuda and meta.decode_only and not meta.snapshots:
         from vlmserve.layers.triton_gdn import conv_decode
 
         return conv_decode(x, weight, conv_state, meta.state_slots, meta.has_initial_state,
-                           bias)
-    return depthwise_conv_torch(x, weight, conv_state, meta, bias)
+                           bias, silu)
+    out = depthwise_conv_torch(x, weight, conv_state, meta, bias)
+    return F.silu(out).to(x.dtype) if silu else out
 
 
 def depthwise_conv_torch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
