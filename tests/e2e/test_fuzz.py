@@ -318,7 +318,10 @@ def test_fuzz_token_ids(server: ServeProc, record_property) -> None:
                        st.lists(st.lists(ids, max_size=4), max_size=2),
                        st.lists(st.one_of(ids, st.text(max_size=4)), max_size=3))
     fields = st.fixed_dictionaries({"prompt": prompt}, optional={
-        "stop_token_ids": st.lists(ids, max_size=3), "max_tokens": st.integers(-1, 600),
+        # short outputs, and the lengths around the context's end (512), which are refused
+        # unless the prompt is nearly empty: every input stays cheap to answer
+        "stop_token_ids": st.lists(ids, max_size=3),
+        "max_tokens": st.one_of(st.integers(-1, 12), st.sampled_from([508, 511, 512, 513, 600])),
         "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0])})
     fuzz(server, record_property, chat_case(fields, (COMPLETIONS,)), 200)
 

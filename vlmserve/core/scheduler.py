@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmserve.core.admission import AdmissionLimits
+from vlmserve.core.chunk_plan import plan_chunk
 from vlmserve.core.kv_cache_groups import CacheGroupSpec
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.mm_cache_manager import EncoderCacheManager
@@ -176,7 +177,9 @@ class Scheduler:
 
         def plan(req: Request, tokens: int) -> tuple[int, list[int], int]:
             first = enc_budget if enc_budget == self.max_num_encoder_tokens else 0
-            return self._plan_chunk(req, tokens, max(enc_soft, 0), first)
+            return plan_chunk(req, tokens, max(enc_soft, 0), first, self.encoder_cache,
+                              whole_images=self.whole_images,
+                              chunked=self.enable_chunked_prefill)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -302,50 +305,6 @@ class Scheduler:
         if cap is not None and decoding:
             return min(cap, budget)
         return budget
-
-    def _plan_chunk(
-        self, req: Request, budget: int, enc_budget: int, enc_first: int = 0
-    ) -> tuple[int, list[int], int]:
-        """How many tokens of `req` to compute now, which images to encode for them, and the
-        encoder rows that costs (at most `enc_budget`, or `enc_first` for the chunk's first
-        image). A chunk stops before an image it cannot encode this step, and with
-        `whole_images` before an image it would cut."""
-        start = req.num_computed_tokens
-        num_new = min(req.num_tokens - start, budget)
-        if self.whole_images:
-            end = start + num_new
-            for img in req.mm_features:
-                if img.offset < end < img.offset + img.length:
-                    num_new = max(img.offset - start, 0)
-                    break
-        enc_ids: list[int] = []
-        enc_cost = 0
-        pending: set[str] = set()
-        reused: set[str] = set()
-        for idx, img in enumerate(req.mm_features):
-            if img.offset >= start + num_new:
-                break
-            if img.offset + img.length <= start:
-                continue
-            if img.mm_hash in self.encoder_cache:
-                reused.add(img.mm_hash)
-                continue
-            if img.mm_hash in pending:
-                continue
-            if (enc_cost + img.length > (enc_budget if enc_ids else max(enc_budget, enc_first))
-                    or not self.encoder_cache.can_allocate(enc_cost + img.length, reused)):
-                num_new = img.offset - start
-                break
-            enc_ids.append(idx)
-            enc_cost += img.length
-            pending.add(img.mm_hash)
-        if num_new < 0:
-            num_new = 0
-        if not self.enable_chunked_prefill and 0 < num_new < req.num_tokens - start:
-            num_new = 0
-        if num_new == 0:
-            return 0, [], 0
-        return num_new, enc_ids, enc_cost
 
     def _commit_chunk(
         self, req: Request, num_new: int, enc_ids: list[int], out: SchedulerOutput
