@@ -87,19 +87,18 @@ def contextlib_suppress():
 _HTTP_PORT = _free_port()
 
 
-def _deploy(routing: str = "affinity", replicas: int = 2, encoder: bool = True) -> str:
-    """The application deployed (replacing the one before), its URL."""
+def _deploy() -> str:
+    """The application deployed (two LLM replicas on node A, an encoder on node B), its URL."""
     from vlmserve.entrypoints.ray.app import build_app
 
     port = _HTTP_PORT
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
-        "model": MODEL, "engine": ENGINE, "routing": routing,
+        "model": MODEL, "engine": ENGINE, "routing": "affinity",
         "server": {"preprocess_workers": 0, "log_level": "warning"},
-        "llm": {"num_replicas": replicas,
+        "llm": {"num_replicas": 2,
                 "ray_actor_options": {"num_cpus": 0.5, "resources": {"node_a": 0.1}}},
-        "encoder": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"node_b": 0.1}}}
-        if encoder else None,
+        "encoder": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"node_b": 0.1}}},
         "ingress": {"ray_actor_options": {"num_cpus": 0.1}}})
     try:
         serve.run(app, name="vlmserve", route_prefix="/")

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
-from vlmserve.layers.gated_deltanet import delta_rule_step
-from vlmserve.layers.triton_gdn import gdn_decode
+from vlmserve.layers.gated_deltanet import (
+    build_linear_metadata,
+    delta_rule_step,
+    depthwise_conv_torch,
+)
+from vlmserve.layers.triton_gdn import conv_decode, gdn_decode
 
 SHAPES = [(4, 2, 4, 128, 128), (3, 16, 16, 128, 128)] if ON_GPU else [(4, 2, 4, 16, 8),
                                                                       (3, 1, 1, 32, 16)]
@@ -54,10 +58,6 @@ def test_conv_decode_equals_the_torch_gathers(silu, bias) -> None:
     """One token of each sequence through the convolution: the output (SiLU in x's dtype as
     Qwen3.5 takes it, or float32 with a bias as LFM2) and every state as the torch gathers
     leave them (a sequence without an initial state from zeros; other slots untouched)."""
-    import torch.nn.functional as F
-
-    from vlmserve.layers.gated_deltanet import build_linear_metadata, depthwise_conv_torch
-
     B, C, KW = 4, (6144 if ON_GPU else 40), 4
     gen = torch.Generator(device=DEVICE).manual_seed(1)
 
@@ -70,14 +70,12 @@ def test_conv_decode_equals_the_torch_gathers(silu, bias) -> None:
     slots, init = [5, 0, 2, 6], [True, False, True, True]
     pool[0] = float("nan")  # the fresh sequence's slot: leftovers never read
     meta = build_linear_metadata([1] * B, slots, init, KW, DEVICE)
-    want_state = pool.nan_to_num()  # the torch path masks by multiplying: NaN would stay
+    want_state = pool.clone()
     want = depthwise_conv_torch(x, weight, want_state, meta, b)
     state = pool.clone()
-    from vlmserve.layers.triton_gdn import conv_decode
-
     got = conv_decode(x, weight, state, meta.state_slots, meta.has_initial_state, b, silu)
     if silu:
-        want = F.silu(want).to(x.dtype)
+        want = torch.nn.functional.silu(want).to(x.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[slots], want_state[slots])
     others = [1, 3, 4]
