@@ -260,10 +260,11 @@ class EncoderCoreProc:
             self._answer(job, JobDone(job.job_id, [], f"{type(e).__name__}: {e}"))
 
     def _answer(self, job: EncodeJob, done: JobDone) -> None:
+        answered = time.monotonic()  # before the send: once sent, the client may have it
         self._send(self.sender.pop(id(job)), done)
         if job.received_at:
             self.times.requests += 1
-            self.times.request_s += time.monotonic() - job.received_at
+            self.times.request_s += answered - job.received_at
 
     def _image(self, img: PixelImage) -> ImageInput:
         pixels = torch.frombuffer(bytearray(img.pixels), dtype=torch.uint8).view(img.shape)
