@@ -271,7 +271,8 @@ def test_completion_with_multi_modal_embeddings_from_the_encoder_server(epd) -> 
 
 def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
     """LLaVA-NeXT through an encoder server: each image a stack of tiles (different counts),
-    answers equal one process's."""
+    answers equal one process's. Then SIGKILL of the encoder server's HTTP process alone: its
+    core follows it."""
     model = "tiny-llava-next"
     enc = ServeProc("--role", "encoder", model=model)
     try:
@@ -287,6 +288,10 @@ def test_epd_with_llava_next_tiles(vlmserve_cache) -> None:
         assert _streamed_together(llm, convs, 8) == _single_process(convs, 8, model)
         assert httpx.get(enc.url + "/stats").json()["encoded_images"] == 3
         assert llm.stats()["encoder_handles_opened"] == 3
+        llm.kill()
+        core = enc.stats()["core_pid"]
+        os.kill(enc.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: not _alive(core), 5)
     finally:
         llm.kill()
         enc.kill()
@@ -415,36 +420,9 @@ def _encode_body() -> dict:
     return {"images": [data_url(IMAGES[0])], "transport": "bytes"}
 
 
-def test_encoder_core_death_is_a_503_and_the_server_exits_1(vlmserve_cache) -> None:
-    """The tower runs in a process of its own (not on the HTTP server's interpreter); when
-    it dies, /health and /v1/encode answer 503 and the server exits 1."""
-    enc = ServeProc("--role", "encoder")
-    try:
-        assert httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=60).is_success
-        core = enc.stats()["core_pid"]
-        assert core != enc.proc.pid and _alive(core)
-        os.kill(core, signal.SIGKILL)
-        deadline, seen = time.monotonic() + 60, set()  # the deadline: a server that hangs
-        while enc.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(enc.url + "/health", timeout=1).status_code == 503:
-                    seen.add("health")
-                    r = httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=5)
-                    assert r.status_code == 503, r.text
-                    assert "encoder core" in r.json()["error"]["message"]
-                    seen.add("encode")
-            except httpx.TransportError:  # it is closing
-                pass
-            time.sleep(0.05)
-        assert enc.wait(10) == 1
-        assert seen == {"health", "encode"}
-    finally:
-        enc.kill()
-
-
 def test_encoder_server_stops_cleanly_and_never_leaves_its_core(vlmserve_cache) -> None:
-    """SIGTERM: exit 0, the core gone with every handle reclaimed (no segment left). SIGKILL
-    of the HTTP process alone: the core follows it."""
+    """SIGTERM: exit 0, the core gone with every handle reclaimed (no segment left). (SIGKILL
+    of the HTTP process alone: `test_epd_with_llava_next_tiles`.)"""
     enc = ServeProc("--role", "encoder", "--encoder-lease", "600")
     try:
         r = httpx.post(enc.url + "/v1/encode", json={**_encode_body(), "transport": "shm"},
@@ -458,20 +436,14 @@ def test_encoder_server_stops_cleanly_and_never_leaves_its_core(vlmserve_cache) 
         assert segments(f"vlms-{core}x") == []
     finally:
         enc.kill()
-    enc = ServeProc("--role", "encoder")
-    try:
-        core = enc.stats()["core_pid"]
-        os.kill(enc.proc.pid, signal.SIGKILL)
-        assert wait_until(lambda: not _alive(core), 5)
-    finally:
-        enc.kill()
 
 
 def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
     """`--role encoder --api-server-count 2`: two HTTP front ends on one port over one
     encoder core; an LLM server through it answers as one process does; `/stats` counts the
-    requests of both front ends, whichever answers it; SIGKILL of the core makes the whole
-    encoder server exit 1 within 5 s."""
+    requests of both front ends, whichever answers it. The tower runs in a process of its own
+    (not on an HTTP server's interpreter): when it dies, /health and /v1/encode answer 503
+    naming it, and the whole encoder server exits 1 within 5 s."""
     enc = ServeProc("--role", "encoder", "--api-server-count", "2")
     try:
         llm = ServeProc("--encoder-url", enc.url)
@@ -491,9 +463,22 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
         finally:
             llm.kill()
         core = stats["core_pid"]
-        assert core != enc.proc.pid
+        assert core != enc.proc.pid and _alive(core)
         os.kill(core, signal.SIGKILL)
-        assert enc.wait(5) == 1
+        killed, seen = time.monotonic(), set()
+        while enc.proc.poll() is None and time.monotonic() < killed + 60:  # 60: a hang
+            try:
+                if httpx.get(enc.url + "/health", timeout=1).status_code == 503:
+                    seen.add("health")
+                    r = httpx.post(enc.url + "/v1/encode", json=_encode_body(), timeout=5)
+                    assert r.status_code == 503, r.text
+                    assert "encoder core" in r.json()["error"]["message"]
+                    seen.add("encode")
+            except httpx.TransportError:  # it is closing
+                pass
+            time.sleep(0.05)
+        assert enc.wait(10) == 1 and time.monotonic() - killed < 5
+        assert seen == {"health", "encode"}
     finally:
         enc.kill()
 
