@@ -10,6 +10,7 @@ import asyncio
 import base64
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -464,9 +465,14 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
             llm.kill()
         core = stats["core_pid"]
         assert core != enc.proc.pid and _alive(core)
+        exited_at: list[float] = []  # taken by a thread of its own: the polls below may block
+        waiter = threading.Thread(target=lambda: (enc.proc.wait(70),
+                                                  exited_at.append(time.monotonic())),
+                                  daemon=True)
         os.kill(core, signal.SIGKILL)
         killed, seen = time.monotonic(), set()
-        while enc.proc.poll() is None and time.monotonic() < killed + 60:  # 60: a hang
+        waiter.start()
+        while not exited_at and time.monotonic() < killed + 60:  # 60: a hang
             try:
                 if httpx.get(enc.url + "/health", timeout=1).status_code == 503:
                     seen.add("health")
@@ -477,7 +483,8 @@ def test_two_encoder_front_ends_share_one_core(vlmserve_cache) -> None:
             except httpx.TransportError:  # it is closing
                 pass
             time.sleep(0.05)
-        assert enc.wait(10) == 1 and time.monotonic() - killed < 5
+        waiter.join(10)
+        assert enc.proc.returncode == 1 and exited_at and exited_at[0] - killed < 5
         assert seen == {"health", "encode"}
     finally:
         enc.kill()
