@@ -114,6 +114,11 @@ class ModelConfig:
         choices=("torch", "flash", "triton", "auto"), group="expert")
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they need the triton backend).",
         group="expert")
+    vision_cuda_graph_max_rows: int = _opt(
+        0, "Vision steps of at most this many patch rows replay CUDA graphs, one captured "
+        "per size bucket when first met, at most 32 (the Qwen towers on CUDA; the vision "
+        "attention backend flash or triton; not with --enforce-eager nor the tower's "
+        "weights split by --mm-encoder-tp-mode weights); 0: off.", group="expert")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "
         "through the model), so the first requests run at steady-state speed; default: on "
@@ -272,6 +277,8 @@ class Resolved:
     # scheduler's budget and, offloaded, the host rows); None for an encoder
     encoder_cache_rows: int | None
     cuda_graphs: bool  # decode steps replay CUDA graphs (CUDA, triton attention, not eager)
+    # vision steps of at most this many rows replay CUDA graphs (0: none)
+    vision_cuda_graph_max_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -377,6 +384,22 @@ def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str,
                                          and dtype in ("float16", "bfloat16") else "torch")}
 
 
+def _vision_graph_rows(config: EngineConfig, kernels: dict[str, str], cuda: bool) -> int:
+    """The rows under which vision steps replay CUDA graphs: the option's on CUDA, unless
+    eager or the tower's weights are split; refused with the torch vision attention."""
+    rows = config.model_config.vision_cuda_graph_max_rows
+    if rows < 0:
+        raise ValueError(f"vision_cuda_graph_max_rows must be >= 0, got {rows}")
+    if not rows or not cuda or config.model_config.enforce_eager or (
+            config.tensor_parallel and config.parallel_config.mm_encoder_tp_mode == "weights"):
+        return 0
+    if kernels["vision_attention_backend"] not in ("flash", "triton"):
+        raise ValueError("vision_cuda_graph_max_rows needs vision_attention_backend flash or "
+                         "triton (one launch over device cu_seqlens), not "
+                         f"{kernels['vision_attention_backend']}")
+    return rows
+
+
 def resolve_config(config: EngineConfig, role: str, device_type: str,
                    device_memory: int | None = None, *, triton: bool = False,
                    dtype: str | None = None, max_image_tokens: int | None = None,
@@ -414,7 +437,8 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
       `auto` by `auto_kernels`.
     And `config.resolved` (`Resolved`): whether the batch limits were sized, the encoder
     cache's rows (mm_cache_gb's: a byte budget the user may set below the largest item, which
-    admission then refuses naming it), whether decode steps replay CUDA graphs. Whether
+    admission then refuses naming it), whether decode steps replay CUDA graphs, the rows under
+    which vision steps do (`_vision_graph_rows`). Whether
     tensor parallelism is on is `EngineConfig.tensor_parallel`.
     """
     if role not in ROLES:
@@ -461,6 +485,7 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
         encoder_cache_rows=(int(cc.mm_cache_gb * 2**30) // embedding_row_bytes if engine
                             else None),
         cuda_graphs=(engine and cuda and not mc.enforce_eager
-                     and kernels["attention_backend"] == "triton"))
+                     and kernels["attention_backend"] == "triton"),
+        vision_cuda_graph_max_rows=_vision_graph_rows(config, kernels, cuda))
     return dataclasses.replace(config, model_config=model, cache_config=cache,
                                scheduler_config=scheduler, resolved=resolved)

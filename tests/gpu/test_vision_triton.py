@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import mixed_prompts
+from tests.gpu.towers import full_size_tower
 from vlmserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -17,16 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("preset", ["qwen2-vl-2b-random", "qwen2.5-vl-7b-random"])
 def test_full_size_tower_bf16(preset, backend):
     from vlmserve.layers.vision_attention import get_vision_attention_backend
-    from vlmserve.models.builtin import build_config
-    from vlmserve.models.registry import resolve_model_class
 
-    cfg = build_config(preset)
-    cls = resolve_model_class(cfg).vision_cls
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        tower = cls(cfg.vision_config).to(torch.bfloat16).eval()
-    for p in tower.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    tower = full_size_tower(preset)
     grids = torch.tensor([[1, 32, 32], [1, 48, 64], [1, 16, 24], [1, 64, 64]], device="cuda")
     pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 14 * 14, device="cuda")
     with torch.inference_mode():

@@ -46,6 +46,7 @@ from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_orde
 from vlmserve.transfer.delivered import DeliveredImages
 from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
 from vlmserve.utils import device_memory, resolve_device, resolve_dtype
+from vlmserve.worker.vision_graphs import attach_vision_graphs
 
 EncoderRankError = RankFailedError  # a rank of a tensor-parallel encoder failed
 
@@ -194,6 +195,8 @@ class MultimodalEncoder:
         self.vision.set_attention_backend(
             get_vision_attention_backend(mc.vision_attention_backend, self.device,
                                          self.dtype))
+        if self.config.resolved.vision_cuda_graph_max_rows:
+            attach_vision_graphs(self.vision, self.config.resolved.vision_cuda_graph_max_rows)
         self.input_processor = encoder_input_processor(self.model_path, self.hf_config, mc)
         self.model_processor = self.input_processor.model_processor
 

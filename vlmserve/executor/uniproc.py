@@ -24,6 +24,7 @@ from vlmserve.utils import resolve_device, resolve_dtype
 from vlmserve.worker.kv_cache import kv_block_bytes
 from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
+from vlmserve.worker.vision_graphs import attach_vision_graphs
 from vlmserve.worker.warmup import DEFAULT_IMAGE_SIZES
 from vlmserve.worker.warmup_plan import Limits
 
@@ -98,6 +99,8 @@ class UniprocExecutor:
         self.vision_attention_fn = get_vision_attention_backend(mc.vision_attention_backend,
                                                                 self.device, self.dtype)
         model.set_vision_attention_backend(self.vision_attention_fn)
+        if config.resolved.vision_cuda_graph_max_rows:
+            attach_vision_graphs(model, config.resolved.vision_cuda_graph_max_rows)
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
             cache_groups=self.cache_groups,

@@ -8,7 +8,6 @@ patches ordered frame by frame and, inside a frame, by spatial-merge block (the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -17,7 +16,8 @@ from torch import nn
 
 from vlmserve.layers.fused import EAGER_OPS, quick_gelu
 from vlmserve.layers.norm import LayerNorm, RMSNorm
-from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan, varlen_attention
+from vlmserve.layers.vision_attention import varlen_attention
+from vlmserve.models.vision.step_inputs import AttnSegments, TowerTensors, VisionInputs
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu,  # FusedOps.quick_gelu replaces it (one kernel with triton)
@@ -81,22 +81,6 @@ class VisionRotary(nn.Module):
         freqs = (pos_hw.float()[:, :, None] * inv_freq).flatten(1)  # [N, head_dim/2]: h | w
         emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim]
         return emb.cos(), emb.sin()
-
-
-@dataclass
-class AttnSegments:
-    """Attention segmentation for one forward: device ``cu_seqlens`` plus its launch plan."""
-
-    cu_seqlens: torch.Tensor  # [num_seqs + 1] int32
-    max_seqlen: int
-    plan: VarlenPlan
-
-    @classmethod
-    def build(cls, seqlens: torch.Tensor, device: torch.device) -> AttnSegments:
-        """From host ``seqlens [num_seqs]``."""
-        cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)  # [num_seqs + 1]
-        plan = build_varlen_plan(cu, device=device)
-        return cls(cu.to(device, non_blocking=True), plan.max_seqlen, plan)
 
 
 class VisionAttention(nn.Module):
@@ -241,10 +225,39 @@ def frame_seqlens(grids: list[tuple[int, int, int]]) -> torch.Tensor:
 
 
 class VisionTowerBase(nn.Module):
-    """Weight loading and dtype/device helpers shared by the towers."""
+    """Weight loading and dtype/device helpers shared by the towers; a Qwen tower's step:
+    its host inputs (`step_inputs`, from the grids) and its device work (`run`), eager or
+    replayed from a CUDA graph (`graphs`: a `worker/vision_graphs.VisionGraphs`)."""
 
     spatial_merge_size: int
     out_hidden_size: int
+    graphs = None
+
+    def step_inputs(self, grids: list[tuple[int, int, int]]) -> VisionInputs:
+        raise NotImplementedError
+
+    def run(self, pixel_values: torch.Tensor, inputs: TowerTensors) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Encode a batch of images/videos.
+
+        Args:
+            pixel_values: ``[num_patches, C*T*P*P]``, images concatenated in ``grid_thw`` order.
+            grid_thw: ``[num_images, 3]`` patch grid (t, h, w) per image.
+
+        Returns:
+            ``[num_patches // merge**2, out_hidden_size]``: image 0's tokens, then image 1's, ...
+        """
+        inputs = self.step_inputs(grid_list(grid_thw))
+        if inputs.rows != pixel_values.shape[0]:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows, grid_thw "
+                             f"implies {inputs.rows}")
+        if self.graphs is not None:
+            out = self.graphs.run(pixel_values, inputs)
+            if out is not None:
+                return out
+        return self.run(pixel_values, inputs.to_device(self.device))
 
     def set_attention_backend(self, fn) -> None:
         """`fn(q, k, v, cu_seqlens, max_seqlen)` for every block, or None for torch SDPA."""

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from vlmserve.models.vision.common import (
-    AttnSegments,
     GatedVisionMLP,
     PatchEmbed,
     PatchMerger,
@@ -21,11 +20,11 @@ from vlmserve.models.vision.common import (
     VisionRotary,
     VisionTowerBase,
     frame_seqlens,
-    grid_list,
     merge_order_positions,
     rms_norm,
     rope_theta,
 )
+from vlmserve.models.vision.step_inputs import TowerTensors, VisionInputs
 
 
 def window_partition(
@@ -90,41 +89,29 @@ class Qwen2_5_VisionTransformer(VisionTowerBase):
         )
         self.merger = PatchMerger(cfg.out_hidden_size, dim, self.spatial_merge_size, rms_norm)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Encode a batch of images/videos.
-
-        Args:
-            pixel_values: ``[num_patches, C*T*P*P]``, images concatenated in ``grid_thw`` order.
-            grid_thw: ``[num_images, 3]`` patch grid (t, h, w) per image.
-
-        Returns:
-            ``[num_patches // merge**2, out_hidden_size]``: image 0's tokens, then image 1's, ...
-        """
-        device, unit = self.device, self.spatial_merge_size**2
-        grids = grid_list(grid_thw)
+    def step_inputs(self, grids: list[tuple[int, int, int]]) -> VisionInputs:
+        """Rows in window order: each row's position, the pixel row it reads and each merged
+        row's place in the original (raster, merge-block) order; full attention per frame
+        (windows never cross frames), the other layers per window."""
+        unit = self.spatial_merge_size**2
         pos = merge_order_positions(grids, self.spatial_merge_size)  # [N, 2]
-        if pos.shape[0] != pixel_values.shape[0]:
-            raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} rows, grid_thw implies {pos.shape[0]}"
-            )
         unit_order, window_seqlens = window_partition(
-            grids, self.spatial_merge_size, self.window_units
-        )
+            grids, self.spatial_merge_size, self.window_units)
         patch_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
-        full_seg = AttnSegments.build(frame_seqlens(grids), device)  # windows never cross frames
-        window_seg = AttnSegments.build(window_seqlens, device)
-        # built on the host: copied without waiting for the stream
-        pos, patch_order, unit_order = (t.to(device, non_blocking=True)
-                                        for t in (pos[patch_order], patch_order, unit_order))
-        rotary = self.rotary(pos)  # 2 x [N, head_dim], windowed order
+        return VisionInputs(pos[patch_order],
+                            {"frames": frame_seqlens(grids), "windows": window_seqlens},
+                            unit, gather=patch_order, scatter=unit_order)
 
-        x = pixel_values.to(device=device, dtype=self.dtype).index_select(
-            0, patch_order
-        )  # [N, C*T*P*P]
-        x = self.patch_embed(x)  # [N, hidden], windowed order
+    def run(self, pixel_values: torch.Tensor, inputs: TowerTensors) -> torch.Tensor:
+        """``[N, C*T*P*P]`` -> ``[N / merge^2, out_hidden]`` in the original order."""
+        rotary = self.rotary(inputs.pos)  # 2 x [N, head_dim], windowed order
+        full, window = inputs.segments["frames"], inputs.segments["windows"]
+        x = pixel_values.to(device=self.device, dtype=self.dtype).index_select(
+            0, inputs.gather)  # [N, C*T*P*P], windowed order
+        x = self.patch_embed(x)  # [N, hidden]
         delta = None
         for i, block in enumerate(self.blocks):
-            seg = full_seg if i in self.fullatt_block_indexes else window_seg
+            seg = full if i in self.fullatt_block_indexes else window
             delta, x = block(x, rotary, seg, delta)
         merged = self.merger(x + delta)  # [N / merge^2, out_hidden], windowed order
-        return torch.empty_like(merged).index_copy_(0, unit_order, merged)  # original order
+        return torch.empty_like(merged).index_copy_(0, inputs.scatter.long(), merged)

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from vlmserve.models.vision.common import (
-    AttnSegments,
     PatchEmbed,
     PatchMerger,
     VisionBlock,
@@ -14,11 +13,11 @@ from vlmserve.models.vision.common import (
     VisionRotary,
     VisionTowerBase,
     frame_seqlens,
-    grid_list,
     layer_norm,
     merge_order_positions,
     rope_theta,
 )
+from vlmserve.models.vision.step_inputs import TowerTensors, VisionInputs
 
 
 class Qwen2VisionTransformer(VisionTowerBase):
@@ -47,28 +46,16 @@ class Qwen2VisionTransformer(VisionTowerBase):
         )
         self.merger = PatchMerger(cfg.hidden_size, dim, self.spatial_merge_size, layer_norm)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Encode a batch of images/videos.
+    def step_inputs(self, grids: list[tuple[int, int, int]]) -> VisionInputs:
+        return VisionInputs(merge_order_positions(grids, self.spatial_merge_size),
+                            {"frames": frame_seqlens(grids)}, self.spatial_merge_size**2)
 
-        Args:
-            pixel_values: ``[num_patches, C*T*P*P]``, images concatenated in ``grid_thw`` order.
-            grid_thw: ``[num_images, 3]`` patch grid (t, h, w) per image.
-
-        Returns:
-            ``[num_patches // merge**2, out_hidden_size]``: image 0's tokens, then image 1's, ...
-        """
-        device = self.device
-        grids = grid_list(grid_thw)
-        pos = merge_order_positions(grids, self.spatial_merge_size).to(device, non_blocking=True)
-        if pos.shape[0] != pixel_values.shape[0]:
-            raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} rows, grid_thw implies {pos.shape[0]}"
-            )
-        seg = AttnSegments.build(frame_seqlens(grids), device)
-        rotary = self.rotary(pos)  # 2 x [N, head_dim]
-
-        x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))  # [N, embed]
+    def run(self, pixel_values: torch.Tensor, inputs: TowerTensors) -> torch.Tensor:
+        """``[N, C*T*P*P]`` -> ``[N / merge^2, out_hidden]``."""
+        rotary = self.rotary(inputs.pos)  # 2 x [N, head_dim]
+        seg = inputs.segments["frames"]
+        x = self.patch_embed(pixel_values.to(device=self.device, dtype=self.dtype))  # [N, embed]
         delta = None
         for block in self.blocks:
             delta, x = block(x, rotary, seg, delta)
-        return self.merger(x + delta)  # [N / merge^2, out_hidden]
+        return self.merger(x + delta)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from vlmserve.models.vision.common import (
-    AttnSegments,
     PatchEmbed,
     VisionBlock,
     VisionRotary,
@@ -18,11 +17,11 @@ from vlmserve.models.vision.common import (
     _grid_positions,
     frame_seqlens,
     get_activation,
-    grid_list,
     layer_norm,
     merge_order_positions,
     rope_theta,
 )
+from vlmserve.models.vision.step_inputs import TowerTensors, VisionInputs
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -107,27 +106,24 @@ class Qwen3VisionTransformer(VisionTowerBase):
             Qwen3PatchMerger(cfg.out_hidden_size, dim, merge, postshuffle=True)
             for _ in self.deepstack_indexes)
 
-    def _position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+    def step_inputs(self, grids: list[tuple[int, int, int]]) -> VisionInputs:
+        """Each row's rotary position and its taps into the learned position table."""
         taps = [_position_taps(h, w, self.spatial_merge_size, self.side) for _, h, w in grids]
-        index = torch.cat([i.repeat(t, 1) for (t, _, _), (i, _) in zip(grids, taps)])
-        weight = torch.cat([wt.repeat(t, 1) for (t, _, _), (_, wt) in zip(grids, taps)])
-        device = self.device
-        table = self.pos_embed(index.to(device, non_blocking=True))  # [N, 4, dim]
-        return (table * weight.to(device, non_blocking=True)[:, :, None].to(table.dtype)).sum(1)
+        index = [i.repeat(t, 1) for (t, _, _), (i, _) in zip(grids, taps, strict=True)]
+        weight = [wt.repeat(t, 1) for (t, _, _), (_, wt) in zip(grids, taps, strict=True)]
+        return VisionInputs(
+            merge_order_positions(grids, self.spatial_merge_size),
+            {"frames": frame_seqlens(grids)}, self.spatial_merge_size**2,
+            tap_index=torch.cat(index) if index else torch.zeros(0, 4, dtype=torch.long),
+            tap_weight=torch.cat(weight) if weight else torch.zeros(0, 4))
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """``pixel_values [num_patches, C*T*P*P]`` of the images of ``grid_thw [num_images,
-        3]`` -> ``[num_patches / merge^2, out_hidden_size]`` (merged | DeepStack rows)."""
-        device = self.device
-        grids = grid_list(grid_thw)
-        pos = merge_order_positions(grids, self.spatial_merge_size).to(device, non_blocking=True)
-        if pos.shape[0] != pixel_values.shape[0]:
-            raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} rows, grid_thw implies {pos.shape[0]}")
-        seg = AttnSegments.build(frame_seqlens(grids), device)
-        rotary = self.rotary(pos)
-        x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))
-        x = x + self._position_embeddings(grids).to(x.dtype)
+    def run(self, pixel_values: torch.Tensor, inputs: TowerTensors) -> torch.Tensor:
+        """``[N, C*T*P*P]`` -> ``[N / merge^2, out_hidden_size]`` (merged | DeepStack rows)."""
+        rotary = self.rotary(inputs.pos)
+        seg = inputs.segments["frames"]
+        x = self.patch_embed(pixel_values.to(device=self.device, dtype=self.dtype))
+        table = self.pos_embed(inputs.tap_index)  # [N, 4, dim]
+        x = x + (table * inputs.tap_weight[:, :, None].to(table.dtype)).sum(1).to(x.dtype)
         delta, deep = None, []
         for i, block in enumerate(self.blocks):
             delta, x = block(x, rotary, seg, delta)

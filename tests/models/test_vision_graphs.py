@@ -1,0 +1,134 @@
+"""Vision steps through `VisionGraphs`' padded buffers equal the eager tower's (on the CPU
+the buffers run eagerly, ``capture=False``; tests/gpu/test_vision_graphs.py replays real CUDA
+graphs): padding rows in segments of their own, buffers reused across steps of a bucket,
+steps past ``max_rows`` or ``max_graphs`` eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_vision import GRIDS, _assert_close, _inputs, _pair, _randomize
+from vlmserve.config import EngineConfig, resolve_config
+from vlmserve.models.vision.qwen3_vl import Qwen3VisionTransformer
+from vlmserve.models.vision.step_inputs import bucket_rows, pack_padded, padded_layout
+from vlmserve.worker.vision_graphs import VisionGraphs, attach_vision_graphs
+
+pytest.importorskip("transformers")
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig  # noqa: E402
+
+
+def _tower(kind: str) -> torch.nn.Module:
+    if kind != "qwen3_vl":
+        return _pair(kind)[1]
+    cfg = Qwen3VLVisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                              out_hidden_size=64, num_position_embeddings=64,
+                              deepstack_visual_indexes=[0, 1], patch_size=14,
+                              temporal_patch_size=2, spatial_merge_size=2)
+    tower = Qwen3VisionTransformer(cfg).eval()
+    _randomize(tower, 0)
+    return tower
+
+
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_padded_steps_equal_eager(kind: str) -> None:
+    tower = _tower(kind)
+    graphs = VisionGraphs(tower, max_rows=4096, capture=False)
+    steps = [GRIDS[c] for c in ("one", "three", "video", "windows", "ragged")]
+    steps.append([[1, 14, 14]] + [[1, 2, 2]] * 9)  # many short segments after a long one
+    eager = [tower(*_inputs(g, seed=i)) for i, g in enumerate(steps)]
+    tower.graphs = graphs
+    for i, (grids, ref) in enumerate(zip(steps, eager, strict=True)):
+        _assert_close(tower(*_inputs(grids, seed=i)), ref)
+    assert graphs.num_replays == len(steps) and graphs.num_eager == 0
+
+
+@torch.no_grad()
+def test_a_bucket_serves_later_steps_from_its_buffers() -> None:
+    """Two steps of one bucket (the second with fewer rows and other segments of the same
+    bounds) share one graph's buffers; stale rows of the first never reach the second."""
+    tower = _tower("qwen2_5_vl")
+    graphs = VisionGraphs(tower, max_rows=4096, capture=False)
+    first, second = [[1, 16, 16], [1, 4, 8]], [[1, 16, 16], [1, 2, 8]]
+    refs = [tower(*_inputs(g, seed=5)) for g in (first, second)]
+    tower.graphs = graphs
+    for g, ref in zip((first, second), refs, strict=True):
+        _assert_close(tower(*_inputs(g, seed=5)), ref)
+    assert len(graphs.graphs) == 1 and graphs.num_replays == 2
+
+
+@torch.no_grad()
+def test_steps_past_the_limits_run_eagerly() -> None:
+    tower = _tower("qwen2_vl")
+    graphs = VisionGraphs(tower, max_rows=300, max_graphs=1, capture=False)
+    tower.graphs = graphs
+    big = _inputs([[1, 20, 20]])  # 400 rows > 300
+    _assert_close(tower(*big), _eager(tower, big))
+    assert graphs.num_replays == 0 and not graphs.graphs
+    tower(*_inputs([[1, 4, 4]]))  # the one graph
+    small = _inputs([[1, 2, 2]] * 40)  # 160 rows, other segments: no room for a graph
+    _assert_close(tower(*small), _eager(tower, small))
+    assert graphs.num_replays == 1 and graphs.num_eager == 1
+
+
+def _eager(tower, inputs) -> torch.Tensor:
+    graphs, tower.graphs = tower.graphs, None
+    try:
+        return tower(*inputs)
+    finally:
+        tower.graphs = graphs
+
+
+def test_buckets() -> None:
+    assert [bucket_rows(n) for n in (1, 256, 257, 320, 321, 1024, 1025, 5000)] == [
+        256, 256, 320, 320, 384, 1024, 1280, 5120]
+
+
+def test_the_layout_bounds_every_segment() -> None:
+    """Padding rows come in segments no longer than the longest real one's bound, the
+    cu_seqlens entries a power of two."""
+    tower = _tower("qwen2_5_vl")
+    inputs = tower.step_inputs([(1, 16, 16), (1, 4, 8)])  # 288 rows: 256 + 32
+    layout = padded_layout(inputs, 320)
+    sets = {name: (count, bound) for name, count, bound in layout.segments}
+    assert sets["frames"] == (4, 256)  # 2 frames + 1 padding segment of 32 -> 4 entries
+    assert sets["windows"] == (8, 64)  # 4 windows of 64 rows, 1 of 32, the padding's 1
+    ints = torch.zeros(layout.int_size, dtype=torch.int32)
+    pack_padded(inputs, layout, ints, None)
+    views = layout.views(ints, None)
+    assert views.segments["frames"].cu_seqlens.tolist() == [0, 256, 288, 320, 320]
+    assert views.gather[288:].tolist() == list(range(288, 320))
+    assert views.scatter[72:].tolist() == list(range(72, 80))
+
+
+def test_attach_gives_each_qwen_tower_its_graphs() -> None:
+    tower = _tower("qwen2_vl")
+    holder = torch.nn.Module()
+    holder.visual = tower
+    assert attach_vision_graphs(holder, 2048) == 1
+    assert isinstance(tower.graphs, VisionGraphs) and tower.graphs.max_rows == 2048
+
+
+def _resolve(device: str, **options):
+    config = EngineConfig.from_kwargs(model="tiny-qwen2-vl", **options)
+    return resolve_config(config, "offline", device, 80 * 2**30, triton=device == "cuda",
+                          dtype="bfloat16", max_image_tokens=1024, embedding_row_bytes=2048)
+
+
+def test_resolved_rows() -> None:
+    assert _resolve("cuda", vision_cuda_graph_max_rows=8192,
+                    vision_attention_backend="flash").resolved.vision_cuda_graph_max_rows == 8192
+    assert _resolve("cuda", vision_cuda_graph_max_rows=8192, vision_attention_backend="auto"
+                    ).resolved.vision_cuda_graph_max_rows == 8192  # auto: flash on CUDA
+    for device, options in (("cpu", {}), ("cuda", {"enforce_eager": True})):
+        assert _resolve(device, vision_cuda_graph_max_rows=8192,
+                        vision_attention_backend="flash", **options
+                        ).resolved.vision_cuda_graph_max_rows == 0
+    with pytest.raises(ValueError, match="needs vision_attention_backend flash or triton"):
+        _resolve("cuda", vision_cuda_graph_max_rows=8192)  # torch: SDPA plans on the host
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _resolve("cuda", vision_cuda_graph_max_rows=-1)

@@ -1,0 +1,150 @@
+"""CUDA graphs of the vision tower's step, one per bucket of patch rows and segments.
+
+A vision step launches hundreds of kernels (32 blocks of a Qwen tower, a dozen each); for a
+step of one or a few images the host's launching takes longer than the device's work. A step
+of at most ``max_rows`` patch rows replays a graph instead: its pixels and its host inputs
+(`models/vision/step_inputs.py`), padded to the bucket (`padded_layout`: rows rounded up to
+a quarter of their power of two, each segment set's count and longest segment's bound), are
+copied into the graph's buffers (the ints in one copy from a pinned buffer, two used in turn),
+and the graph is replayed; its output rows are copied out before another graph may run.
+Graphs are captured when their bucket is first met (the first step of a bucket pays the
+capture, about one eager step more), at most ``max_graphs`` of them; steps of other buckets,
+or larger, run eagerly. All graphs share one memory pool: only one runs at a time, and its
+output is copied out before the next replay.
+
+The tower's attention must take device ``cu_seqlens`` (the flash or triton vision attention
+backends); tensor parallelism over the tower's weights (collectives inside) is not captured.
+Without CUDA (``capture=False``) the same padded buffers run eagerly: the tests' check of the
+padding on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vlmserve.models.vision.common import VisionTowerBase
+from vlmserve.models.vision.step_inputs import (
+    PaddedLayout,
+    TowerTensors,
+    VisionInputs,
+    bucket_rows,
+    pack_padded,
+    padded_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    layout: PaddedLayout
+    pixels: torch.Tensor  # [rows, C*T*P*P] in the tower's dtype
+    ints: torch.Tensor  # device int32 [layout.int_size]
+    floats: torch.Tensor | None  # device float32 [rows * 4] (taps)
+    tensors: TowerTensors  # views of ints / floats
+    host: list[tuple[torch.Tensor, torch.Tensor | None]]  # pinned, used in turn
+    copied: list[torch.cuda.Event | None]
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None
+    turn: int = 0
+    replays: int = 0
+
+
+class VisionGraphs:
+    """Replays ``tower``'s steps of at most ``max_rows`` rows from CUDA graphs."""
+
+    def __init__(self, tower, max_rows: int, max_graphs: int = 32,
+                 capture: bool | None = None) -> None:
+        self.tower = tower
+        self.max_rows = max_rows
+        self.max_graphs = max_graphs
+        self.device = tower.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[PaddedLayout, _Graph] = {}
+        self.num_replays = 0  # steps replayed from a graph
+        self.num_eager = 0  # steps of at most max_rows run eagerly (no room for their graph)
+
+    def run(self, pixel_values: torch.Tensor, inputs: VisionInputs) -> torch.Tensor | None:
+        """The step's output rows, or None where it runs eagerly (too large, or no room
+        for another graph)."""
+        n = inputs.rows
+        if n == 0 or n > self.max_rows:
+            return None
+        rows = bucket_rows(n)
+        rows += -rows % inputs.unit
+        layout = padded_layout(inputs, rows)
+        g = self.graphs.get(layout)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.num_eager += 1
+                return None
+            g = self.graphs[layout] = self._buffers(layout, pixel_values)
+        self._fill(g, pixel_values, inputs)
+        if g.out is None or not self.capture:
+            self._capture(g)
+        else:
+            g.graph.replay()
+        g.replays += 1
+        self.num_replays += 1
+        return g.out[:n // inputs.unit].clone()
+
+    def _buffers(self, layout: PaddedLayout, pixel_values: torch.Tensor) -> _Graph:
+        dev, pin = self.device, self.device.type == "cuda"
+        floats = (torch.zeros(layout.rows * 4, dtype=torch.float32, device=dev)
+                  if layout.taps else None)
+        ints = torch.zeros(layout.int_size, dtype=torch.int32, device=dev)
+        host = [(torch.zeros(layout.int_size, dtype=torch.int32, pin_memory=pin),
+                 torch.zeros(layout.rows * 4, pin_memory=pin) if layout.taps else None)
+                for _ in range(2)]
+        pixels = torch.zeros(layout.rows, pixel_values.shape[1], dtype=self.tower.dtype,
+                             device=dev)
+        return _Graph(layout, pixels, ints, floats, layout.views(ints, floats), host,
+                      [None, None])
+
+    def _fill(self, g: _Graph, pixel_values: torch.Tensor, inputs: VisionInputs) -> None:
+        """The step's inputs into the graph's buffers (padding rows keep stale pixels: they
+        only meet each other)."""
+        i, g.turn = g.turn, 1 - g.turn
+        if g.copied[i] is not None:
+            g.copied[i].synchronize()
+        ints, floats = g.host[i]
+        pack_padded(inputs, g.layout, ints, floats)
+        g.ints.copy_(ints, non_blocking=True)
+        if floats is not None:
+            g.floats.copy_(floats, non_blocking=True)
+        if self.capture:
+            g.copied[i] = torch.cuda.Event()
+            g.copied[i].record()
+        g.pixels[:inputs.rows].copy_(pixel_values)
+
+    def _capture(self, g: _Graph) -> None:
+        """Without CUDA: one eager run over the buffers. On CUDA: two eager runs on a side
+        stream (Triton compiles), then the capture (which leaves the output in place)."""
+        if not self.capture:
+            g.out = self.tower.run(g.pixels, g.tensors)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.tower.run(g.pixels, g.tensors)
+        torch.cuda.current_stream().wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+            g.out = self.tower.run(g.pixels, g.tensors)
+        g.graph.replay()
+        logger.info("captured a vision CUDA graph of %d rows, segments %s (%d graphs)",
+                    g.layout.rows, g.layout.segments, len(self.graphs))
+
+
+def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int = 32) -> int:
+    """Give each Qwen vision tower of ``model`` its `VisionGraphs`; how many got one."""
+    towers = [m for m in model.modules() if isinstance(m, VisionTowerBase)
+              and type(m).step_inputs is not VisionTowerBase.step_inputs]
+    for tower in towers:
+        tower.graphs = VisionGraphs(tower, max_rows, max_graphs)
+    return len(towers)
