@@ -116,9 +116,10 @@ class ModelConfig:
         group="expert")
     vision_cuda_graph_max_rows: int = _opt(
         0, "Vision steps of at most this many patch rows replay CUDA graphs, one captured "
-        "per size bucket when first met, at most 32 (the Qwen towers on CUDA; the vision "
-        "attention backend flash or triton; not with --enforce-eager nor the tower's "
-        "weights split by --mm-encoder-tp-mode weights); 0: off.", group="expert")
+        "per size bucket when first met (CUDA; the Qwen towers with the vision attention "
+        "backend flash or triton, CLIP and SigLIP towers by batch size; not with "
+        "--enforce-eager nor the tower's weights split by --mm-encoder-tp-mode weights); "
+        "0: off.", group="expert")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "
         "through the model), so the first requests run at steady-state speed; default: on "
@@ -384,19 +385,15 @@ def auto_kernels(device_type: str, triton: bool, dtype: str | None) -> dict[str,
                                          and dtype in ("float16", "bfloat16") else "torch")}
 
 
-def _vision_graph_rows(config: EngineConfig, kernels: dict[str, str], cuda: bool) -> int:
+def _vision_graph_rows(config: EngineConfig, cuda: bool) -> int:
     """The rows under which vision steps replay CUDA graphs: the option's on CUDA, unless
-    eager or the tower's weights are split; refused with the torch vision attention."""
+    eager or the tower's weights are split (its collectives are not captured)."""
     rows = config.model_config.vision_cuda_graph_max_rows
     if rows < 0:
         raise ValueError(f"vision_cuda_graph_max_rows must be >= 0, got {rows}")
     if not rows or not cuda or config.model_config.enforce_eager or (
             config.tensor_parallel and config.parallel_config.mm_encoder_tp_mode == "weights"):
         return 0
-    if kernels["vision_attention_backend"] not in ("flash", "triton"):
-        raise ValueError("vision_cuda_graph_max_rows needs vision_attention_backend flash or "
-                         "triton (one launch over device cu_seqlens), not "
-                         f"{kernels['vision_attention_backend']}")
     return rows
 
 
@@ -486,6 +483,6 @@ def resolve_config(config: EngineConfig, role: str, device_type: str,
                             else None),
         cuda_graphs=(engine and cuda and not mc.enforce_eager
                      and kernels["attention_backend"] == "triton"),
-        vision_cuda_graph_max_rows=_vision_graph_rows(config, kernels, cuda))
+        vision_cuda_graph_max_rows=_vision_graph_rows(config, cuda))
     return dataclasses.replace(config, model_config=model, cache_config=cache,
                                scheduler_config=scheduler, resolved=resolved)

@@ -10,9 +10,10 @@ import torch
 
 from tests.models.test_vision import GRIDS, _assert_close, _inputs, _pair, _randomize
 from vlmserve.config import EngineConfig, resolve_config
+from vlmserve.layers.vision_attention import varlen_attention
 from vlmserve.models.vision.qwen3_vl import Qwen3VisionTransformer
 from vlmserve.models.vision.step_inputs import bucket_rows, pack_padded, padded_layout
-from vlmserve.worker.vision_graphs import VisionGraphs, attach_vision_graphs
+from vlmserve.worker.vision_graphs import BatchGraphs, VisionGraphs, attach_vision_graphs
 
 pytest.importorskip("transformers")
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig  # noqa: E402
@@ -105,12 +106,56 @@ def test_the_layout_bounds_every_segment() -> None:
     assert views.scatter[72:].tolist() == list(range(72, 80))
 
 
-def test_attach_gives_each_qwen_tower_its_graphs() -> None:
-    tower = _tower("qwen2_vl")
+def test_attach_gives_each_tower_its_graphs() -> None:
     holder = torch.nn.Module()
-    holder.visual = tower
-    assert attach_vision_graphs(holder, 2048) == 1
-    assert isinstance(tower.graphs, VisionGraphs) and tower.graphs.max_rows == 2048
+    holder.visual, holder.clip = _tower("qwen2_vl"), _clip()
+    with pytest.raises(ValueError, match="backend flash or triton"):
+        attach_vision_graphs(holder, 2048)  # SDPA's launches are planned on the host
+    holder.visual.set_attention_backend(_device_cu_attention)
+    assert attach_vision_graphs(holder, 2048) == 2
+    assert isinstance(holder.visual.graphs, VisionGraphs) and holder.visual.graphs.max_rows == 2048
+    assert isinstance(holder.clip.graphs, BatchGraphs) and holder.clip.graphs.max_batch == 2048 // 4
+
+
+def _device_cu_attention(q, k, v, cu_seqlens, max_seqlen):
+    """A varlen attention taking ``cu_seqlens`` alone, as flash and triton do."""
+    return varlen_attention(q, k, v, cu_seqlens)
+
+
+@torch.no_grad()
+def test_device_cu_attention_steps_equal_eager() -> None:
+    tower = _tower("qwen2_5_vl")
+    pixels, grid = _inputs(GRIDS["ragged"])
+    ref = tower(pixels, grid)
+    tower.set_attention_backend(_device_cu_attention)
+    tower.graphs = VisionGraphs(tower, max_rows=4096, capture=False)
+    _assert_close(tower(pixels, grid), ref)
+
+
+def _clip():
+    from transformers import CLIPVisionConfig
+
+    from vlmserve.models.vision.clip import CLIPVisionTower
+
+    cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14)
+    tower = CLIPVisionTower(cfg).eval()
+    _randomize(tower, 3)
+    return tower
+
+
+@torch.no_grad()
+def test_batches_of_one_size_images_replay_by_batch_size() -> None:
+    tower = _clip()
+    graphs = BatchGraphs(tower, max_batch=8, capture=False)
+    batches = [torch.randn(n, 3, 28, 28, generator=torch.Generator().manual_seed(n))
+               for n in (3, 1, 4, 9)]
+    refs = [tower(b) for b in batches]
+    tower.graphs = graphs
+    for b, ref in zip(batches, refs, strict=True):
+        _assert_close(tower(b), ref)
+    assert sorted(k[0] for k in graphs.graphs) == [1, 4]  # 3 and 4 share one; 9 > 8: eager
+    assert graphs.num_replays == 3
 
 
 def _resolve(device: str, **options):
@@ -120,15 +165,11 @@ def _resolve(device: str, **options):
 
 
 def test_resolved_rows() -> None:
-    assert _resolve("cuda", vision_cuda_graph_max_rows=8192,
-                    vision_attention_backend="flash").resolved.vision_cuda_graph_max_rows == 8192
-    assert _resolve("cuda", vision_cuda_graph_max_rows=8192, vision_attention_backend="auto"
-                    ).resolved.vision_cuda_graph_max_rows == 8192  # auto: flash on CUDA
+    assert _resolve("cuda", vision_cuda_graph_max_rows=8192
+                    ).resolved.vision_cuda_graph_max_rows == 8192
     for device, options in (("cpu", {}), ("cuda", {"enforce_eager": True})):
         assert _resolve(device, vision_cuda_graph_max_rows=8192,
                         vision_attention_backend="flash", **options
                         ).resolved.vision_cuda_graph_max_rows == 0
-    with pytest.raises(ValueError, match="needs vision_attention_backend flash or triton"):
-        _resolve("cuda", vision_cuda_graph_max_rows=8192)  # torch: SDPA plans on the host
     with pytest.raises(ValueError, match="must be >= 0"):
         _resolve("cuda", vision_cuda_graph_max_rows=-1)

@@ -15,7 +15,8 @@ output is copied out before the next replay.
 The tower's attention must take device ``cu_seqlens`` (the flash or triton vision attention
 backends); tensor parallelism over the tower's weights (collectives inside) is not captured.
 Without CUDA (``capture=False``) the same padded buffers run eagerly: the tests' check of the
-padding on the CPU.
+padding on the CPU. Towers whose images are all one size (CLIP, SigLIP: `BatchGraphs`) have a
+graph per power-of-two batch size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmserve.models.vision.clip import FixedSizeTower
 from vlmserve.models.vision.common import VisionTowerBase
 from vlmserve.models.vision.step_inputs import (
     PaddedLayout,
@@ -122,29 +124,84 @@ class VisionGraphs:
         g.pixels[:inputs.rows].copy_(pixel_values)
 
     def _capture(self, g: _Graph) -> None:
-        """Without CUDA: one eager run over the buffers. On CUDA: two eager runs on a side
-        stream (Triton compiles), then the capture (which leaves the output in place)."""
         if not self.capture:
             g.out = self.tower.run(g.pixels, g.tensors)
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.tower.run(g.pixels, g.tensors)
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-            g.out = self.tower.run(g.pixels, g.tensors)
-        g.graph.replay()
+        g.graph, g.out = _capture(lambda: self.tower.run(g.pixels, g.tensors), self.pool)
         logger.info("captured a vision CUDA graph of %d rows, segments %s (%d graphs)",
                     g.layout.rows, g.layout.segments, len(self.graphs))
 
 
+def _capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of ``fn`` and its output, computed: two eager runs on a side stream first
+    (Triton compiles; cuDNN and cuBLAS choose), then the capture, then one replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    graph.replay()
+    return graph, out
+
+
+class BatchGraphs:
+    """Replays a `FixedSizeTower`'s batches of at most ``max_batch`` images from CUDA
+    graphs, one per power-of-two batch size, captured when first met (padding images: the
+    stale pixels of earlier batches, each image computed alone). Without CUDA
+    (``capture=False``) the padded batch runs eagerly."""
+
+    def __init__(self, tower, max_batch: int, capture: bool | None = None) -> None:
+        self.tower = tower
+        self.max_batch = max_batch
+        cuda = next(tower.parameters()).device.type == "cuda"
+        self.capture = cuda if capture is None else capture
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # (batch, image shape, dtype) -> (pixels buffer, graph, output)
+        self.graphs: dict[tuple, tuple[torch.Tensor, torch.cuda.CUDAGraph | None,
+                                       torch.Tensor | None]] = {}
+        self.num_replays = 0
+
+    def run(self, pixel_values: torch.Tensor) -> torch.Tensor | None:
+        n = pixel_values.shape[0]
+        if n == 0 or n > self.max_batch:
+            return None
+        key = (1 << (n - 1).bit_length(), tuple(pixel_values.shape[1:]), pixel_values.dtype)
+        if key not in self.graphs:
+            self.graphs[key] = (pixel_values.new_zeros(key[0], *key[1]), None, None)
+        pixels, graph, out = self.graphs[key]
+        pixels[:n].copy_(pixel_values)
+        if not self.capture:
+            out = self.tower.run(pixels)
+        elif graph is None:
+            graph, out = _capture(lambda: self.tower.run(pixels), self.pool)
+            self.graphs[key] = (pixels, graph, out)
+            logger.info("captured a vision CUDA graph of %d images", key[0])
+        else:
+            graph.replay()
+        self.num_replays += 1
+        return out[:n].clone()
+
+
 def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int = 32) -> int:
-    """Give each Qwen vision tower of ``model`` its `VisionGraphs`; how many got one."""
-    towers = [m for m in model.modules() if isinstance(m, VisionTowerBase)
-              and type(m).step_inputs is not VisionTowerBase.step_inputs]
-    for tower in towers:
-        tower.graphs = VisionGraphs(tower, max_rows, max_graphs)
-    return len(towers)
+    """Give each vision tower of ``model`` its graphs (a Qwen tower `VisionGraphs`; a CLIP
+    or SigLIP tower `BatchGraphs` of batches up to ``max_rows`` patch rows); how many got
+    them."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, VisionTowerBase) and type(m).step_inputs is not \
+                VisionTowerBase.step_inputs:
+            if any(b.attn.attn_fn is None for b in m.blocks):
+                raise ValueError("vision CUDA graphs of a Qwen tower need the vision "
+                                 "attention backend flash or triton (one launch over device "
+                                 "cu_seqlens), not torch (SDPA launches planned on the host)")
+            m.graphs = VisionGraphs(m, max_rows, max_graphs)
+        elif isinstance(m, FixedSizeTower):
+            m.graphs = BatchGraphs(m, max(max_rows // m.tokens_per_image, 1))
+        else:
+            continue
+        count += 1
+    return count

@@ -103,7 +103,29 @@ def feature_layers(vision_feature_layer: int | Sequence[int], num_layers: int) -
     return out
 
 
-class CLIPVisionTower(nn.Module):
+class FixedSizeTower(nn.Module):
+    """A tower whose images are all one size (CLIP's, SigLIP's): a batch of them is one
+    fixed-shape ``run``, eager or replayed from a CUDA graph of its batch-size bucket
+    (`graphs`: a `worker/vision_graphs.BatchGraphs`)."""
+
+    graphs = None
+
+    @property
+    def tokens_per_image(self) -> int:
+        raise NotImplementedError
+
+    def run(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None:
+            out = self.graphs.run(pixel_values)
+            if out is not None:
+                return out
+        return self.run(pixel_values)
+
+
+class CLIPVisionTower(FixedSizeTower):
     """Hidden states of the CLIP ViT at ``feature_layers`` (concatenated on the feature dim),
     the class token kept (``keep_cls``) or dropped. Parameter names are the checkpoint's,
     relative to ``vision_tower.`` (``embeddings.*``, ``pre_layrnorm.*``, ``encoder.layers.*``).
@@ -126,7 +148,7 @@ class CLIPVisionTower(nn.Module):
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + int(self.keep_cls)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def run(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[B, C, H, W]`` -> ``[B, tokens_per_image, out_dim]``."""
         x = self.pre_layrnorm(self.embeddings(pixel_values))  # [B, S, dim]
         states = [x] if 0 in self.layers_out else []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vlmserve.layers.norm import LayerNorm
-from vlmserve.models.vision.clip import CLIPEncoderLayer, load_tower_weights
+from vlmserve.models.vision.clip import CLIPEncoderLayer, FixedSizeTower, load_tower_weights
 
 
 class SiglipEmbeddings(nn.Module):
@@ -32,7 +32,7 @@ class SiglipEmbeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
-class SiglipVisionTower(nn.Module):
+class SiglipVisionTower(FixedSizeTower):
     """Last hidden state of the SigLIP ViT, after ``post_layernorm``. Parameter names are the
     checkpoint's relative to ``vision_tower.vision_model.``."""
 
@@ -49,7 +49,11 @@ class SiglipVisionTower(nn.Module):
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    @property
+    def tokens_per_image(self) -> int:
+        return self.patches_per_side ** 2
+
+    def run(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[B, C, S, S]`` -> ``[B, patches, dim]``."""
         x = self.embeddings(pixel_values)
         for layer in self.encoder.layers:
