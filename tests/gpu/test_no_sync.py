@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
-                                   "tiny-qwen3-vl-moe"])
+                                   "tiny-qwen3-vl-moe", "tiny-qwen3.5"])
 def test_step_launch_never_waits_for_the_device(vlmserve_cache, model, offload):
     llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
               max_num_batched_tokens=64, mm_embedding_offload=offload)

@@ -171,3 +171,25 @@ def test_snapshots_inside_a_chunk_hold_the_states_there(layers):
     conv[3], ssm[3] = conv[4], ssm[4]  # resume at 16 from the snapshot
     rest = ours(x[16:], conv, ssm, build_linear_metadata([84], [3], [True], KERNEL, CPU))
     torch.testing.assert_close(rest, hf_out(hf, x)[16:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_builds_its_host_indices_once():
+    """What the layers would otherwise read back from the device is built with the step's
+    metadata: fla's chunk indices (each CHUNK tokens of each sequence), the starts on the
+    host, the single-token sequences' rows, and the passes of a step holding snapshots (the
+    chunk of 100 cut at 16 and 64: three passes, the decode and the 40 tokens in the first)."""
+    meta = build_linear_metadata([1, 130, 64, 65, 1], [0, 1, 2, 3, 4], [True] * 5, KERNEL, CPU)
+    assert meta.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [3, 0],
+                                           [3, 1], [4, 0]]
+    assert meta.query_start_loc_cpu.tolist() == [0, 1, 131, 195, 260, 261]
+    assert meta.single_rows.tolist() == [0, 260] and meta.single_seqs.tolist() == [0, 4]
+    assert build_linear_metadata([1, 1], [0, 1], [True] * 2, KERNEL, CPU).chunk_indices is None
+    meta = build_linear_metadata([100, 1, 40], [0, 1, 2], [False, True, False], KERNEL, CPU,
+                                 snapshots=[(0, 64, 5), (2, 20, 7), (0, 16, 4)])
+    passes = [(p.meta.query_lens_cpu, p.meta.state_slots_cpu, p.meta.has_initial_state_cpu,
+               None if p.copies is None else [c.tolist() for c in p.copies])
+              for p in meta.passes]
+    assert passes == [([16, 1, 20], [0, 1, 2], [False, True, False], [[2, 0], [7, 4]]),
+                      ([48, 20], [0, 2], [True, True], [[0], [5]]),
+                      ([36], [0], [True], None)]
+    assert meta.passes[0].rows.tolist() == [*range(16), 100, *range(101, 121)]

@@ -68,6 +68,16 @@ class LinearAttentionMetadata:
     conv_state_index: torch.Tensor | None = None
     conv_write_slots: torch.Tensor | None = None
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # the recurrence's passes when a chunk holds snapshots (`snapshot_passes`); the
+    # single-token sequences' token rows and sequence indices (the torch recurrence's)
+    passes: list[SnapshotPass] = field(default_factory=list)
+    single_rows: torch.Tensor | None = None
+    single_seqs: torch.Tensor | None = None
+    # with a sequence of several tokens: `query_start_loc` on the host, and each chunk of
+    # CHUNK tokens as (sequence, chunk within it) [chunks, 2] (fla's `chunk_indices`), so
+    # that fla's chunked kernel reads no length back from the device
+    query_start_loc_cpu: torch.Tensor | None = None
+    chunk_indices: torch.Tensor | None = None
     _decode_only: bool | None = field(default=None, repr=False)
 
     @property
@@ -75,6 +85,77 @@ class LinearAttentionMetadata:
         if self._decode_only is None:
             self._decode_only = all(n == 1 for n in self.query_lens_cpu)
         return self._decode_only
+
+
+@dataclass
+class SnapshotPass:
+    """One pass of the recurrence over a step whose chunks hold snapshots: the token
+    ``rows`` of every sequence's piece in it, their metadata, and the state copies
+    ``(src, dst)`` to snapshot slots after it (None: none)."""
+
+    rows: torch.Tensor
+    meta: LinearAttentionMetadata
+    copies: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _to_device(device: torch.device):
+    def dev(a, dtype=torch.int64) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
+    return dev
+
+
+def _rule_metadata(query_lens: list[int], state_slots: list[int],
+                   has_initial_state: list[bool], device: torch.device,
+                   **conv) -> LinearAttentionMetadata:
+    """The recurrence's metadata of sequences of ``query_lens`` tokens (copies to the
+    device that never wait for it)."""
+    dev = _to_device(device)
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    singles = [i for i, n in enumerate(query_lens) if n == 1]
+    chunked = {}
+    if len(singles) < len(query_lens):
+        counts = -(-np.asarray(query_lens, dtype=np.int64) // CHUNK)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        chunked = {"query_start_loc_cpu": torch.from_numpy(starts),
+                   "chunk_indices": dev(np.stack([np.repeat(np.arange(len(counts)), counts),
+                                                  np.arange(counts.sum()) - first], 1))}
+    return LinearAttentionMetadata(
+        query_start_loc=dev(starts), state_slots=dev(state_slots),
+        has_initial_state=dev(has_initial_state, torch.bool),
+        query_lens_cpu=list(query_lens), has_initial_state_cpu=list(has_initial_state),
+        state_slots_cpu=list(state_slots),
+        single_rows=dev(starts[singles]) if singles else None,
+        single_seqs=dev(singles) if singles else None, **chunked, **conv)
+
+
+def snapshot_passes(meta: LinearAttentionMetadata, device: torch.device
+                    ) -> list[SnapshotPass]:
+    """The recurrence's passes over a step whose chunks hold ``meta.snapshots``: each chunk
+    cut at its snapshots; pass j runs every sequence's j-th piece (from the state the previous
+    pass left at its slot), then copies the states asked for at the pieces' ends to their
+    snapshot slots."""
+    cuts: dict[int, list[int]] = {}
+    for i, n, _ in meta.snapshots:
+        cuts.setdefault(i, []).append(n)
+    lens_cpu = meta.query_lens_cpu
+    bounds = [[0, *sorted(set(cuts.get(i, ()))), n] for i, n in enumerate(lens_cpu)]
+    starts = np.concatenate([[0], np.cumsum(lens_cpu)]).astype(np.int64)
+    dev = _to_device(device)
+    passes = []
+    for j in range(max(len(b) for b in bounds) - 1):
+        members = [i for i, b in enumerate(bounds) if len(b) - 1 > j]
+        rows = np.concatenate([np.arange(starts[i] + bounds[i][j], starts[i] + bounds[i][j + 1])
+                               for i in members])
+        piece = _rule_metadata(
+            [bounds[i][j + 1] - bounds[i][j] for i in members],
+            [meta.state_slots_cpu[i] for i in members],
+            [meta.has_initial_state_cpu[i] if j == 0 else True for i in members], device)
+        done = [(meta.state_slots_cpu[i], slot) for i, n, slot in meta.snapshots
+                if len(bounds[i]) > j + 1 and n == bounds[i][j + 1]]
+        copies = tuple(dev(c) for c in zip(*done)) if done else None
+        passes.append(SnapshotPass(dev(rows), piece, copies))
+    return passes
 
 
 def conv_rows(query_lens: list[int], kernel: int,
@@ -111,21 +192,16 @@ def build_linear_metadata(query_lens: list[int], state_slots: list[int],
     and hold its past when ``has_initial_state[i]``; ``snapshots``: (sequence, tokens into
     its chunk, slot) inside chunks (see `LinearAttentionMetadata`)."""
     assert all(0 < n < query_lens[i] for i, n, _ in snapshots), snapshots
-    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=starts[1:])
     index, state_index = conv_rows(query_lens, kernel, [(i, n) for i, n, _ in snapshots])
-
-    def dev(a, dtype=torch.int64):
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
-
-    return LinearAttentionMetadata(
-        query_start_loc=dev(starts), state_slots=dev(state_slots),
-        has_initial_state=dev(has_initial_state, torch.bool),
-        query_lens_cpu=list(query_lens), has_initial_state_cpu=list(has_initial_state),
-        state_slots_cpu=list(state_slots), conv_index=dev(index),
+    dev = _to_device(device)
+    meta = _rule_metadata(
+        query_lens, state_slots, has_initial_state, device, conv_index=dev(index),
         conv_state_index=dev(state_index),
         conv_write_slots=dev(list(state_slots) + [slot for *_, slot in snapshots]),
         snapshots=list(snapshots))
+    if snapshots:  # once per step: every layer runs the same passes
+        meta.passes = snapshot_passes(meta, device)
+    return meta
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -248,11 +324,11 @@ def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
         return out
     out = v.new_empty(v.shape, dtype=torch.float32)
     starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
-    singles = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     final = torch.empty_like(init)
-    if singles:
-        rows = torch.tensor([starts[i] for i in singles], device=v.device)
-        seqs = torch.tensor(singles, device=v.device)
+    assert meta.single_rows is not None or 1 not in meta.query_lens_cpu, \
+        "metadata of single-token sequences without their rows: build_linear_metadata's"
+    if meta.single_rows is not None:
+        rows, seqs = meta.single_rows, meta.single_seqs
         o, s = delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], init[seqs])
         out[rows] = o
         final[seqs] = s
@@ -269,7 +345,8 @@ def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
                          meta: LinearAttentionMetadata) -> torch.Tensor:
     """The same on CUDA: decode-only steps by our one-kernel recurrence on the states in
     place (`triton_gdn.gdn_decode`, graph-capturable), others by flash-linear-attention's
-    chunked kernel over the step's sequences (`cu_seqlens`)."""
+    chunked kernel over the step's sequences (`cu_seqlens`, with its host copy and the chunk
+    indices built with the step's metadata: fla would read them back from the device)."""
     if meta.decode_only:
         from vlmserve.layers.triton_gdn import gdn_decode
 
@@ -283,45 +360,27 @@ def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
     o, final = chunk_gated_delta_rule(
         q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=meta.query_start_loc)
+        cu_seqlens=meta.query_start_loc, cu_seqlens_cpu=meta.query_start_loc_cpu,
+        chunk_indices=meta.chunk_indices)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     return o[0]
 
 
 def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor,
                               meta: LinearAttentionMetadata) -> torch.Tensor:
-    """`rule_fn` over the step, each chunk with snapshots inside it cut there: pass j runs
-    every sequence's j-th piece (from the state the previous pass left at its slot), and
-    after it the states asked for at the pieces' ends are copied to their snapshot slots."""
+    """`rule_fn` over the step; a step whose chunks hold snapshots by its passes
+    (`snapshot_passes`, built with the step's metadata: nothing here waits for the
+    device)."""
     if not meta.snapshots:
         return rule_fn(q, k, v, g, beta, ssm_state, meta)
-    cuts: dict[int, list[int]] = {}
-    for i, n, _ in meta.snapshots:
-        cuts.setdefault(i, []).append(n)
-    bounds = [[0, *sorted(set(cuts.get(i, ()))), n] for i, n in enumerate(meta.query_lens_cpu)]
-    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)]).tolist()
+    passes = meta.passes or snapshot_passes(meta, v.device)
     out = v.new_empty(v.shape, dtype=torch.float32)
-    device = v.device
-    for j in range(max(len(b) for b in bounds) - 1):
-        members = [i for i, b in enumerate(bounds) if len(b) - 1 > j]
-        lens = [bounds[i][j + 1] - bounds[i][j] for i in members]
-        rows = torch.tensor([t for i in members for t in range(starts[i] + bounds[i][j],
-                                                                 starts[i] + bounds[i][j + 1])],
-                            device=device)
-        slots = [meta.state_slots_cpu[i] for i in members]
-        init = [meta.has_initial_state_cpu[i] if j == 0 else True for i in members]
-        loc = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=loc[1:])
-        piece = LinearAttentionMetadata(
-            query_start_loc=torch.from_numpy(loc).to(device), state_slots=torch.tensor(
-                slots, device=device), has_initial_state=torch.tensor(init, device=device),
-            query_lens_cpu=lens, has_initial_state_cpu=init, state_slots_cpu=slots)
+    for p in passes:
+        rows = p.rows
         out[rows] = rule_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state,
-                            piece).float()
-        done = [(meta.state_slots_cpu[i], slot) for i, n, slot in meta.snapshots
-                if len(bounds[i]) > j + 1 and n == bounds[i][j + 1]]
-        if done:
-            src, dst = (torch.tensor(c, device=device) for c in zip(*done))
+                            p.meta).float()
+        if p.copies is not None:
+            src, dst = p.copies
             ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
     return out
 
