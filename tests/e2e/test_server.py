@@ -1080,7 +1080,8 @@ def test_a_video_of_more_rows_than_a_step_is_served(server: Server) -> None:
     within its context (1,024), so it is served, its prompt in chunks."""
     clip = make_smooth_mp4(6, 440, 420)
     url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
-    r = server.client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                     {"type": "text", "text": "What happens?"}]}])
+    r = server.client.chat.completions.create(
+        model="tiny", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}, messages=[
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": "What happens?"}]}])
     assert r.usage.completion_tokens == 2 and r.usage.prompt_tokens > 720

@@ -1,8 +1,8 @@
 """The Gated DeltaNet decode kernel (layers/triton_gdn.py) against the torch recurrence
 (`gated_deltanet.delta_rule_step`): outputs, the states written at their slots, the other
 slots untouched, a sequence without an initial state starting from zeros (whatever its slot
-held); grouped heads (more value heads than key heads) and strided q / k / v / beta views as
-the layer passes them."""
+held), the gates from their raw inputs; grouped heads (more value heads than key heads) and
+strided q / k / v / gate views as the layer passes them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from vlmserve.layers.gated_deltanet import (
     build_linear_metadata,
     delta_rule_step,
     depthwise_conv_torch,
+    gate_values,
 )
 from vlmserve.layers.triton_gdn import conv_decode, gdn_decode
 
@@ -34,8 +35,11 @@ def test_decode_equals_the_torch_step_in_place(B, Hk, Hv, K, V) -> None:
     q = qkv[:, :Hk * K].view(B, Hk, K)
     k = qkv[:, Hk * K:2 * Hk * K].view(B, Hk, K)
     v = qkv[:, 2 * Hk * K:].view(B, Hv, V)
-    g = -randn(B, Hv).abs()
-    beta = randn(B, Hv + 3).sigmoid()[:, :Hv]  # rows apart, as a split's
+    ab = randn(B, 2 * Hv + 3) * 8  # the raw gates, rows apart, as the projection's split
+    a, b = ab[:, :Hv], ab[:, Hv:2 * Hv]
+    a[0, 0] = 30.0  # past softplus's threshold
+    A_log, dt_bias = randn(Hv), randn(Hv)
+    g, beta = gate_values(a, b, A_log, dt_bias)
     pool = randn(B + 3, Hv, K, V)
     slots = torch.tensor([B + 2, 0, 3, 1][:B], device=DEVICE)
     init = torch.tensor([True, False, True, True][:B], device=DEVICE)
@@ -43,7 +47,7 @@ def test_decode_equals_the_torch_step_in_place(B, Hk, Hv, K, V) -> None:
     want_out, want_states = delta_rule_step(
         q, k, v, g, beta, torch.where(init[:, None, None, None], pool[slots], 0.0))
     state = pool.clone()
-    out = gdn_decode(q, k, v, g, beta, state, slots, init)
+    out = gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, init)
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, want_out, **tol)
     torch.testing.assert_close(state[slots], want_states, **tol)

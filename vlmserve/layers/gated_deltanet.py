@@ -251,6 +251,31 @@ def depthwise_conv_torch(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out if bias is None else out + bias.float()
 
 
+def gate_values(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32) and ``beta =
+    sigmoid(b)`` (in b's dtype) of ``a``, ``b [T, Hv]``, as transformers computes them."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+@dataclass
+class Gates:
+    """A step's raw gate inputs ``a``, ``b [T, Hv]`` (views of the input projection) and the
+    layer's ``A_log``, ``dt_bias [Hv]``: a recurrence computes the gates (`gate_values`), or
+    its kernel does."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return gate_values(self.a, self.b, self.A_log, self.dt_bias)
+
+    def take(self, rows: torch.Tensor) -> Gates:
+        return Gates(self.a[rows], self.b[rows], self.A_log, self.dt_bias)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -310,11 +335,12 @@ def delta_rule_step(q, k, v, g, beta, state: torch.Tensor
     return (state * q[..., None]).sum(-2), state
 
 
-def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
+def gated_delta_rule_torch(q, k, v, gates: Gates, ssm_state: torch.Tensor,
                            meta: LinearAttentionMetadata) -> torch.Tensor:
     """The step's sequences (flat ``[T, heads, dim]``) through the recurrence from their
     states (read and written at their slots) -> ``[T, Hv, Dv]`` float32. Single-token
     sequences go as one batch, each longer one by the chunked form."""
+    g, beta = gates.values()
     slots = meta.state_slots
     init = torch.where(meta.has_initial_state[:, None, None, None],
                        ssm_state.index_select(0, slots), 0)
@@ -341,19 +367,21 @@ def gated_delta_rule_torch(q, k, v, g, beta, ssm_state: torch.Tensor,
     return out
 
 
-def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
+def gated_delta_rule_fla(q, k, v, gates: Gates, ssm_state: torch.Tensor,
                          meta: LinearAttentionMetadata) -> torch.Tensor:
     """The same on CUDA: decode-only steps by our one-kernel recurrence on the states in
-    place (`triton_gdn.gdn_decode`, graph-capturable), others by flash-linear-attention's
-    chunked kernel over the step's sequences (`cu_seqlens`, with its host copy and the chunk
-    indices built with the step's metadata: fla would read them back from the device)."""
+    place, the gates computed there too (`triton_gdn.gdn_decode`, graph-capturable), others
+    by flash-linear-attention's chunked kernel over the step's sequences (`cu_seqlens`, with
+    its host copy and the chunk indices built with the step's metadata: fla would read them
+    back from the device)."""
     if meta.decode_only:
         from vlmserve.layers.triton_gdn import gdn_decode
 
-        return gdn_decode(q, k, v, g, beta, ssm_state, meta.state_slots,
-                          meta.has_initial_state)
+        return gdn_decode(q, k, v, gates.a, gates.b, gates.A_log, gates.dt_bias, ssm_state,
+                          meta.state_slots, meta.has_initial_state)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    g, beta = gates.values()
     slots = meta.state_slots
     init = torch.where(meta.has_initial_state[:, None, None, None],
                        ssm_state.index_select(0, slots), 0)
@@ -366,18 +394,18 @@ def gated_delta_rule_fla(q, k, v, g, beta, ssm_state: torch.Tensor,
     return o[0]
 
 
-def delta_rule_with_snapshots(rule_fn, q, k, v, g, beta, ssm_state: torch.Tensor,
+def delta_rule_with_snapshots(rule_fn, q, k, v, gates: Gates, ssm_state: torch.Tensor,
                               meta: LinearAttentionMetadata) -> torch.Tensor:
     """`rule_fn` over the step; a step whose chunks hold snapshots by its passes
     (`snapshot_passes`, built with the step's metadata: nothing here waits for the
     device)."""
     if not meta.snapshots:
-        return rule_fn(q, k, v, g, beta, ssm_state, meta)
+        return rule_fn(q, k, v, gates, ssm_state, meta)
     passes = meta.passes or snapshot_passes(meta, v.device)
     out = v.new_empty(v.shape, dtype=torch.float32)
     for p in passes:
         rows = p.rows
-        out[rows] = rule_fn(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state,
+        out[rows] = rule_fn(q[rows], k[rows], v[rows], gates.take(rows), ssm_state,
                             p.meta).float()
         if p.copies is not None:
             src, dst = p.copies
@@ -460,12 +488,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = proj.split([self.conv_dim, value, self.v_heads, self.v_heads], dim=-1)
         qkv = causal_conv(qkv, self.conv1d.weight[:, 0], conv_state, meta)
         q, k, v = qkv.split([key, key, value], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = delta_rule_with_snapshots(
             self.rule_fn, q.reshape(T, self.k_heads, self.k_dim),
             k.reshape(T, self.k_heads, self.k_dim), v.reshape(T, self.v_heads, self.v_dim),
-            g, beta, ssm_state, meta)
+            Gates(a, b, self.A_log, self.dt_bias), ssm_state, meta)
         o = self.norm(o.to(proj.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return o.reshape(T, -1)
 

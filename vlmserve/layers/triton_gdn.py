@@ -2,7 +2,8 @@
 place at the sequences' slots (`layers/gated_deltanet.py` calls them on CUDA):
 
 - `gdn_decode`: the gated delta rule for one token of each of B sequences, per (sequence,
-  value head, block of value columns) program: q and k L2-normalised (q scaled), the slot's
+  value head, block of value columns) program: the gates from their raw inputs, q and k
+  L2-normalised (q scaled), the slot's
   state ``S [k_dim, v_dim]`` decayed by ``exp(g)``, corrected by ``k (beta (v - S^T k))^T``
   and read by q. Same contract as `gated_deltanet.delta_rule_step` over ``ssm_state[slots]``
   written back (fla's fused recurrence takes a dense batch of states: a gather and a scatter
@@ -20,11 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, init_ptr,
-                       out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
-                       stride_vh, stride_gb, stride_betab, scale, eps, HV: tl.constexpr,
-                       REP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):
+def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr, state_ptr,
+                       slot_ptr, init_ptr, out_ptr, stride_qb, stride_qh, stride_kb,
+                       stride_kh, stride_vb, stride_vh, stride_ab, stride_bb, scale, eps,
+                       HV: tl.constexpr, REP: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -38,8 +39,13 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols, mask=col_ok,
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * stride_betab + h).to(tl.float32)
+    # the gates (`gated_deltanet.gate_values`): g = -exp(A_log) * softplus(a + dt_bias) in
+    # float32 (softplus linear past 20, as torch's), beta = sigmoid(b) rounded to b's dtype
+    x = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dt_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+    raw = tl.load(b_ptr + b * stride_bb + h)
+    beta = tl.sigmoid(raw.to(tl.float32)).to(raw.dtype).to(tl.float32)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     ptrs = state_ptr + ((slot * HV + h) * K + rows[:, None]) * V + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
@@ -52,25 +58,28 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     tl.store(ptrs, state, mask=ok)
 
 
-def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-               has_initial_state: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """q, k ``[B, Hk, Dk]``, v ``[B, Hv, Dv]``, g, beta ``[B, Hv]``; ``ssm_state [slots, Hv,
-    Dk, Dv]`` float32 (contiguous), updated in place at ``slots [B]`` (read as zeros where
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               ssm_state: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
+               eps: float = 1e-6) -> torch.Tensor:
+    """q, k ``[B, Hk, Dk]``, v ``[B, Hv, Dv]``, the raw gates a, b ``[B, Hv]`` and the
+    layer's ``A_log``, ``dt_bias [Hv]`` (the gates computed in the kernel as
+    `gated_deltanet.gate_values` computes them); ``ssm_state [slots, Hv, Dk, Dv]`` float32
+    (contiguous), updated in place at ``slots [B]`` (read as zeros where
     ``has_initial_state [B]`` is False) -> ``[B, Hv, Dv]`` float32."""
     B, Hk, K = q.shape
     Hv, V = v.shape[1], v.shape[2]
     assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous()
-    assert all(t.stride(-1) == 1 for t in (q, k, v, g, beta))
+    assert all(t.stride(-1) == 1 for t in (q, k, v, a, b, A_log, dt_bias))
     out = torch.empty(B, Hv, V, dtype=torch.float32, device=v.device)
     if B == 0:
         return out
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))
     _gdn_decode_kernel[(B, Hv, triton.cdiv(V, BV))](
-        q, k, v, g, beta, ssm_state, slots, has_initial_state, out,
+        q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_initial_state, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), K ** -0.5, eps, HV=Hv, REP=Hv // Hk, K=K, V=V, BK=BK,
+        a.stride(0), b.stride(0), K ** -0.5, eps, HV=Hv, REP=Hv // Hk, K=K, V=V, BK=BK,
         BV=BV)
     return out
 
