@@ -260,3 +260,17 @@ def test_vision_rotary_and_quick_gelu(dtype, tokens):
     torch.testing.assert_close(k, ref_k, **TOL[dtype])
     x = 3 * _randn(tokens, 300, dtype=dtype)
     torch.testing.assert_close(triton_ops.quick_gelu(x), fused.quick_gelu(x), **TOL[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_gated_rms_norm(dtype, tokens):
+    """The linear-attention layers' output norm: float32 rule outputs [T, H, D], the gate z
+    a split of the projection (rows apart)."""
+    heads, dim = 4, (128 if ON_GPU else 16)
+    x = _randn(tokens, heads, dim, dtype=torch.float32, seed=1)
+    z = _randn(tokens, heads * dim + 24, dtype=dtype, seed=2)[:, 8:8 + heads * dim]
+    w = 1 + 0.1 * _randn(dim, dtype=dtype, seed=3)
+    got = triton_ops.gated_rms_norm(x, z, w, 1e-6)
+    torch.testing.assert_close(got, fused.gated_rms_norm(x, z, w, 1e-6), **TOL[dtype])
+    assert got.dtype == dtype and got.shape == (tokens, heads * dim)

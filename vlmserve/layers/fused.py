@@ -51,6 +51,18 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return layer_norm(s, weight, bias, eps), s
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """``rms_norm(x) * weight * silu(z)`` per head (a linear-attention layer's output norm):
+    ``x [T, H, D]`` (rounded to z's dtype first), ``z [T, H * D]``, ``weight [D]`` ->
+    ``[T, H * D]`` in z's dtype, float32 inside as transformers computes it."""
+    T, dim = x.shape[0], weight.shape[0]
+    xf = x.to(z.dtype).reshape(-1, dim).float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(z.dtype)
+    return (y * F.silu(z.reshape(-1, dim).float())).to(z.dtype).reshape(T, -1)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -140,6 +152,7 @@ class FusedOps:
             impl = None
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "layer_norm": layer_norm,
                "add_layer_norm": add_layer_norm, "silu_mul": silu_mul,
+               "gated_rms_norm": gated_rms_norm,
                "rotary_qk_cache": rotary_qk_cache,
                "rotary_qk_float32": rotary_qk_float32, "quick_gelu": quick_gelu,
                "linear": fp8_linear}  # F.linear, an FP8 weight read back first

@@ -437,18 +437,18 @@ def get_linear_attention_backend(name: str, device: torch.device):
 
 
 class GatedRMSNorm(nn.Module):
-    """``rms_norm(x) * weight * silu(z)`` over each value head (float32 inside)."""
+    """``rms_norm(x) * weight * silu(z)`` over each value head (`fused.gated_rms_norm`: float32
+    inside; one kernel with the Triton ops)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(z.dtype)
-        return (y * F.silu(z.float())).to(z.dtype)
+        """``x [T, heads, dim]``, ``z [T, heads * dim]`` -> ``[T, heads * dim]``."""
+        return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -492,8 +492,7 @@ class GatedDeltaNet(nn.Module):
             self.rule_fn, q.reshape(T, self.k_heads, self.k_dim),
             k.reshape(T, self.k_heads, self.k_dim), v.reshape(T, self.v_heads, self.v_dim),
             Gates(a, b, self.A_log, self.dt_bias), ssm_state, meta)
-        o = self.norm(o.to(proj.dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
-        return o.reshape(T, -1)
+        return self.norm(o, z)  # o in proj's dtype first, as transformers has it
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 meta: LinearAttentionMetadata) -> torch.Tensor:

@@ -132,3 +132,33 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
         out, x.stride(0), weight.stride(0), out.stride(0), C, KW=KW,
         HAS_BIAS=bias is not None, SILU=silu, BC=BC)
     return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_z, eps, H: tl.constexpr,
+                           D: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # a (token, head) row
+    cols = tl.arange(0, BD)
+    ok = cols < D
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + r * D + cols, mask=ok, other=0.0).to(dt).to(tl.float32)
+    n = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (w * n.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + (r // H) * stride_z + (r % H) * D + cols, mask=ok,
+                other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * D + cols, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=ok)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """`fused.gated_rms_norm` in one kernel: ``x [T, H, D]`` contiguous (any float dtype,
+    rounded to z's first), ``z [T, H * D]`` (rows may be apart: a split of the input
+    projection), ``weight [D]`` -> ``[T, H * D]`` in z's dtype."""
+    T, H, D = x.shape
+    assert x.is_contiguous() and z.stride(1) == 1 and z.shape == (T, H * D)
+    out = torch.empty(T, H * D, dtype=z.dtype, device=z.device)
+    if T:
+        _gated_rms_norm_kernel[(T * H,)](x, z, weight, out, z.stride(0), eps, H=H, D=D,
+                                         BD=triton.next_power_of_2(D))
+    return out

@@ -481,3 +481,7 @@ def _launch_rotary(q, k, v, cos, sin, kv_cache, slots, kv_scales=None) -> None:
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "linear", "quick_gelu", "rms_norm",
            "rms_norm_linear", "rms_norm_qkv_rope", "rotary_qk", "rotary_qk_cache",
            "rotary_qk_float32", "silu_mul"]
+
+
+# the output norm of the linear-attention layers, beside their other kernels
+from vlmserve.layers.triton_gdn import gated_rms_norm  # noqa: E402, F401
