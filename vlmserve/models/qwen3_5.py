@@ -98,10 +98,11 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, cache, meta: AttentionMetadata):
         """``cache``: the paged KV tensor (full attention) or the (conv, recurrent) state
         pools (linear attention)."""
-        if self.kind == LINEAR:
-            norm = self.input_layernorm
-            h, residual = (norm(x), x) if residual is None else norm(x, residual)
-            x = self.linear_attn(h, cache[0], cache[1], meta.linear)
+        if self.kind == LINEAR:  # the norm and the input projection: one GEMV for a token
+            attn, norm = self.linear_attn, self.input_layernorm
+            proj, residual = attn.ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                      attn.in_proj.w)
+            x = attn.out_proj(attn.mix(proj, cache[0], cache[1], meta.linear))
         else:
             x, residual = self.self_attn(x, residual, self.input_layernorm, cos, sin, cache,
                                          meta)
