@@ -173,3 +173,19 @@ def test_resolved_rows() -> None:
                         ).resolved.vision_cuda_graph_max_rows == 0
     with pytest.raises(ValueError, match="must be >= 0"):
         _resolve("cuda", vision_cuda_graph_max_rows=-1)
+
+
+@torch.no_grad()
+def test_a_failed_capture_leaves_the_tower_eager(monkeypatch) -> None:
+    tower = _tower("qwen2_vl")
+    graphs = VisionGraphs(tower, max_rows=4096, capture=False)
+    pixels, grid = _inputs(GRIDS["three"])
+    ref = tower(pixels, grid)
+    tower.graphs = graphs
+
+    def broken(g):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(graphs, "_capture", broken)
+    for _ in range(2):
+        _assert_close(tower(pixels, grid), ref)
+    assert graphs.max_rows == 0 and not graphs.graphs and graphs.num_replays == 0

@@ -87,7 +87,14 @@ class VisionGraphs:
             g = self.graphs[layout] = self._buffers(layout, pixel_values)
         self._fill(g, pixel_values, inputs)
         if g.out is None or not self.capture:
-            self._capture(g)
+            try:
+                self._capture(g)
+            except Exception:  # eager from now on, this step too
+                logger.exception("a vision CUDA graph could not be captured: vision steps "
+                                 "run eagerly from now on")
+                self.graphs.pop(layout)
+                self.max_rows = 0
+                return None
         else:
             g.graph.replay()
         g.replays += 1
