@@ -118,8 +118,9 @@ class ModelConfig:
         0, "Vision steps of at most this many patch rows replay CUDA graphs, one captured "
         "per size bucket when first met (CUDA; the Qwen towers with the vision attention "
         "backend flash or triton, CLIP and SigLIP towers by batch size; not with "
-        "--enforce-eager nor the tower's weights split by --mm-encoder-tp-mode weights); "
-        "0: off.", group="expert")
+        "--enforce-eager nor the tower's weights split by --mm-encoder-tp-mode weights; "
+        "their memory is taken as they are captured, beside gpu_memory_utilization's "
+        "share); 0: off.", group="expert")
     kernel_warmup: bool | None = _opt(
         None, "At start-up, compile every kernel variant a step can launch (fake requests "
         "through the model), so the first requests run at steady-state speed; default: on "
