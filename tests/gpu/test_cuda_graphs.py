@@ -18,12 +18,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_cuda_graphs_match_eager(vlmserve_cache, model):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
+    # fla's chunked prefill against the torch recurrence: on the tiny Qwen3.5-MoE the tokens
+    # part at the 9th of a prompt (H100, float32; every variant on fla agrees, and so do both
+    # on the torch recurrence whatever the fused ops): a difference in the layers' last bits
+    # that moves a near-tied expert choice. test_gated_deltanet_fla.py compares the two
+    # layers with a tolerance; here the MoE's reference keeps fla
+    linear = {} if model == "tiny-qwen3.5-moe" else {"linear_attention_backend": "torch"}
     for name, kw in {"graphs": {}, "sync": {"async_scheduling": False},
                      "eager": {"enforce_eager": True},
                      "compiled": {"fused_ops": "compile"},
                      "torch": {"attention_backend": "torch"},
                      "reference": {"attention_backend": "torch", "fused_ops": "eager",
-                                   "enforce_eager": True, "linear_attention_backend": "torch"}
+                                   "enforce_eager": True, **linear}
                      }.items():
         llm = LLM(model, dtype="float32", device="cuda", max_num_seqs=8,
                   max_num_batched_tokens=64, **{"attention_backend": "triton", **kw})

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-_INT32_MAX = 2**31 - 1
-_INT32_MIN = -(2**31)
-_KEY_NEG_INF = -2139095041  # _key(-inf): the smallest key a logit has
+_INT32_MAX = tl.constexpr(2**31 - 1)
+_INT32_MIN = tl.constexpr(-(2**31))
+_KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf): the smallest key a logit has
 
 
 @triton.jit
