@@ -28,6 +28,8 @@
 #   serve   : `vlmserve serve` + `vlmserve bench serve` (TTFT/TPOT/ITL vs concurrency)
 #   coldstart: the first 64 W1 requests of fresh processes (cold Triton cache, warm, no warm-up)
 #   warmtests: the warm-up's GPU test and the attention / CUDA graph tests
+#   vgraphs : vision-step CUDA graphs: host launch vs device time, then served with and
+#             without them (serveours at 16/64/192, step traces)
 #   servesbs: `vlmserve serve` vs vLLM's server (peers kit): concurrency 16/64/192, Poisson 8/16
 #   multiturn: 64 conversations x 4 turns (2 images first), prefix caching: vlmserve serve,
 #             then vLLM's server (peers kit); MT_SIDE=ours|vllm runs one of them
@@ -85,6 +87,16 @@ step() {  # step NAME SECONDS CMD...
   return $rc
 }
 B="python -m vlmserve.benchmarks"
+serve_variant() {  # serve_variant NAME [SERVER ARGS...]: serveours (RUNS, default 16/64/192)
+  # with the step trace and these server arguments; results under $OUT/ours_NAME
+  local name=$1; shift
+  VLMSERVE_STEP_TRACE=$OUT/trace_$name.jsonl RUNS=${RUNS:-inf@16,inf@64,inf@192} \
+    VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens 8192 --api-server-count 4 $*" \
+    bash "$0" serveours
+  mv "$OUT/ours" "$OUT/ours_$name"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_$name.log"
+  mv "$OUT/ours_server.log" "$OUT/ours_server_$name.log"
+  python benchmarks/step_trace.py "$OUT/trace_$name.jsonl" > "$OUT/trace_$name.txt"
+}
 kit_deps() {  # the peers kit's wheels (.peer/p4) and those it lacks (aiohttp, pybase64:
   # benchmarks/kit_wheels.sh, carried as .cache/kitwheels, or copied to /tmp/kitwheels)
   # (or the server's wheels alone, benchmarks/server_wheels.sh's .whl, carried)
@@ -248,13 +260,15 @@ vattn)  # the vision attention backends: host launch vs device time on served mi
   kit_deps
   step vision_attn 120 python benchmarks/vision_attn.py --out "$OUT/vision_attn.json"
   for vb in ${VBACKENDS:-torch flash}; do
-    VLMSERVE_STEP_TRACE=$OUT/trace_$vb.jsonl RUNS=${RUNS:-inf@16,inf@64,inf@192} \
-      VLMSERVE_ARGS="--max-num-seqs 512 --max-num-batched-tokens 8192 --api-server-count 4
-      --vision-attention-backend $vb" bash "$0" serveours
-    mv "$OUT/ours" "$OUT/ours_$vb"; mv "$OUT/serve_ours.log" "$OUT/serve_ours_$vb.log"
-    mv "$OUT/ours_server.log" "$OUT/ours_server_$vb.log"
-    python benchmarks/step_trace.py "$OUT/trace_$vb.jsonl" > "$OUT/trace_$vb.txt"
+    serve_variant "$vb" --vision-attention-backend "$vb"
   done ;;
+vgraphs)  # vision-step CUDA graphs: a step's host launch vs device time eager and replayed,
+  # then serveours at 16/64/192 with the step trace: the default (SDPA, eager) against flash
+  # with graphs of up to 8,192 rows; .whl and .cache carried
+  kit_deps
+  step vision_graphs 120 python benchmarks/vision_graphs.py --out "$OUT/vision_graphs.json"
+  serve_variant eager
+  serve_variant graphs --vision-attention-backend flash --vision-cuda-graph-max-rows 8192 ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
   # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4);
   # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it)
