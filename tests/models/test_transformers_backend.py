@@ -30,6 +30,8 @@ from tests.models.hf_tiny import (
     plain_prompt,
 )
 from vlmserve import LLM, SamplingParams
+from vlmserve.layers.vision_attention import varlen_attention
+from vlmserve.models.transformers_backend import VISION_ATTENTION_NAME
 
 MAX_TOKENS = 6
 DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")
@@ -43,6 +45,12 @@ NATIVE = frozenset({"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-q
                     "llava", "llava_next"})
 _NO_TORCHVISION = pytest.mark.skipif(not HAS_TORCHVISION, reason="its processor needs "
                                      "torchvision")
+
+
+# those whose vision tower transformers runs on a varlen path: the engine's varlen attention
+# runs it (one call a layer for every image and window)
+VARLEN_VISION = frozenset({"tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
+                           "tiny-qwen3-vl-moe", "glm4v", "hunyuan_vl", "paddleocr_vl"})
 
 
 # models whose processor refuses a prompt without an image (a classifier, an OCR model)
@@ -168,7 +176,19 @@ def _check(name: str, path: str, ref: Reference, impl: str, seen: dict) -> None:
         budget = max(longest // 4, 8)
     chunked = LLM(path, model_impl=impl, dtype="float32", device=DEVICE,
                   max_num_batched_tokens=budget, max_num_seqs=2)
+    calls = []
+    if impl == "transformers":  # the vision towers on the engine's varlen attention
+        model = chunked.engine.core.executor.runner.model
+        varlen = {m.config._attn_implementation == VISION_ATTENTION_NAME
+                  for m in model.hf.modules() if hasattr(m, "config")}
+        assert (True in varlen) == (name in VARLEN_VISION), name
+
+        def counted(q, k, v, cu_seqlens, max_seqlen, scale=None):  # as flash and triton
+            calls.append(max_seqlen)
+            return varlen_attention(q, k, v, cu_seqlens, scale=scale)
+        model.set_vision_attention_backend(counted)
     assert _run(chunked, prompts) == expected, f"{name_impl}: chunked at {budget}"
+    assert bool(calls) == (impl == "transformers" and name in VARLEN_VISION), name
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[_NO_TORCHVISION] if n in NEEDS_TORCHVISION

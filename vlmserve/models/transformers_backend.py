@@ -9,7 +9,11 @@ attention over the step's flat tokens (every request of a continuous batch, pref
 and decodes together), so continuous batching, chunked prefill, prefix caching and
 preemption work as for a native model. Its vision part runs through the model's own
 ``get_image_features``, with the tensors its processor made for each image
-(`models/transformers_processing.py`); positions come from the model's own rules: token
+(`models/transformers_processing.py`); a tower whose transformers code has a varlen path
+for its attention (the Qwen towers, GLM-4V's, ...) runs it through the engine's vision
+attention backend (`vision_attention`: every image and window of a forward in one call,
+where transformers' default makes a call per image after reading the lengths back from the
+device); positions come from the model's own rules: token
 indices, or its ``get_rope_index`` for multi-axis rotary positions. A model whose text model
 adds DeepStack features of its images to the hidden states of its first layers (Qwen3-VL)
 gets them as its native class does: each image row carries them beside its embedding.
@@ -60,6 +64,7 @@ from vlmserve.layers.attention import (
 )
 from vlmserve.layers.gated_deltanet import depthwise_conv
 from vlmserve.layers.positions import MRopePositions, TokenPositions
+from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
 from vlmserve.models.transformers_families import (
     check_supported,
     deepstack_layers,
@@ -140,10 +145,54 @@ def short_conv(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwa
     return module.out_proj(c * y.to(x.dtype))[None]
 
 
+# the vision towers' attention where transformers has a varlen path for it (a name with
+# "flash" in it is what makes transformers take that path: every image and window of a
+# forward in one call, with `cu_seqlens`, instead of an attention call per image)
+VISION_ATTENTION_NAME = "vlmserve_flash_varlen"
+
+
+def vision_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A vision tower's attention through the engine's vision attention backend: packed
+    segments (``cu_seq_lens_q``, ``query [1, heads, N, dim]``) in one varlen call; a dense
+    batch (no ``cu_seq_lens_q``) as transformers' SDPA -> ``[B, N, heads, dim]``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim]
+    fn = getattr(module, "vlmserve_varlen", None)
+    if fn is not None:  # flash or triton: device cu_seqlens, a bound on every segment
+        out = fn(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scale=scaling)
+        return out[None], None
+    plans = getattr(module, "vlmserve_plans", None)
+    if plans is None or plans[0] is not cu:  # planned once a forward (the layers share cu)
+        plans = (cu, build_varlen_plan(cu.cpu(), device=q.device))
+        module.vlmserve_plans = plans
+    return varlen_attention(q, k, v, cu, scale=scaling, plan=plans[1])[None], None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    AttentionInterface.register(VISION_ATTENTION_NAME, vision_attention)
+
+
+def _varlen_vision_attention(model: nn.Module, hf_config) -> None:
+    """A vision tower whose transformers code has a varlen path for its attention takes
+    the engine's (`vision_attention`). Set on the loaded model's vision configs: at load,
+    transformers would look for a name with "flash" among its kernels."""
+    if "cu_seq_lens_q=cu_seqlens" not in inspect.getsource(inspect.getmodule(type(model))):
+        return
+    kinds = tuple({type(getattr(hf_config, name)) for name in getattr(hf_config, "sub_configs", {})
+                   if "vision" in name and getattr(hf_config, name, None) is not None})
+    for config in {id(m.config): m.config for m in model.modules()
+                   if isinstance(getattr(m, "config", None), kinds)}.values():
+        config._attn_implementation = VISION_ATTENTION_NAME
 
 
 def _rows(out: torch.Tensor | Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -257,6 +306,7 @@ class TransformersVLM(nn.Module):
         attn = {"text_config": ATTENTION_NAME, "": ATTENTION_NAME}
         model = hf_cls.from_pretrained(str(path), config=hf_config, dtype=dtype,
                                        attn_implementation=attn, local_files_only=True)
+        _varlen_vision_attention(model, hf_config)
         return cls(model.to(device).eval())
 
     @classmethod
@@ -293,7 +343,11 @@ class TransformersVLM(nn.Module):
         """Unused: a short convolution has no recurrence."""
 
     def set_vision_attention_backend(self, fn) -> None:
-        """Unused: the vision part runs transformers' own attention."""
+        """A vision tower on the engine's varlen attention (`vision_attention`) runs ``fn``
+        (flash, triton), or the grouped SDPA for None; other towers keep transformers'."""
+        for module in self.hf.modules():
+            if hasattr(module, "is_causal"):  # attention modules (the text's ignore it)
+                module.vlmserve_varlen = fn
 
     def set_fused_ops(self, ops) -> None:
         """Unused: the model's own modules run as transformers wrote them."""
