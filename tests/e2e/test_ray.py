@@ -157,14 +157,17 @@ def test_replicas_answer_with_images_as_vlmserve_does(endpoint: str) -> None:
     assert s["encoder_handles_opened"] >= 6  # the four chats' six images
 
 
-async def _long_stream(url: str, messages: list[dict], n: int, i: int, seen: list
-                       ) -> tuple[str, list[str]]:
-    """A streamed chat of `n` tokens: (its replica's pid, its events' data)."""
+async def _long_stream(url: str, messages: list[dict], n: int, i: int, seen: list,
+                       pids: dict | None = None) -> tuple[str, list[str]]:
+    """A streamed chat of `n` tokens: (its replica's pid, its events' data); `seen[i]` counts
+    its events as they come, `pids[i]` is its replica's pid once it answers."""
     body = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             pid = r.headers["x-vlmserve-pid"]
+            if pids is not None:
+                pids[i] = int(pid)
             events = []
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -187,15 +190,19 @@ def test_a_killed_replica_fails_only_its_streams_and_ray_restarts_it(endpoint: s
     seen = [0] * len(chats)
 
     async def main() -> list:
-        tasks = []
+        tasks, stream_pids = [], {}
         for i, chat in enumerate(chats):
             # 2,000 tokens: far more than a replica makes before the kill (at most 4 x 67
             # blocks on a replica, within its 320)
-            tasks.append(asyncio.create_task(_long_stream(endpoint, chat, 2000, i, seen)))
+            tasks.append(asyncio.create_task(
+                _long_stream(endpoint, chat, 2000, i, seen, stream_pids)))
             while seen[i] == 0:  # routed and begun before the next
                 assert not tasks[i].done(), tasks[i].result()
                 await asyncio.sleep(0.01)
-        victim = max(pids)
+        # the victim: the replica of the stream furthest from its end (on a loaded machine
+        # the first streams may have been made whole while the last ones were routed)
+        victim = stream_pids[min((i for i, t in enumerate(tasks) if not t.done()),
+                                 key=lambda i: seen[i])]
         running = [not t.done() for t in tasks]  # a stream that already ended is not touched
         os.kill(victim, signal.SIGKILL)
         return victim, running, await asyncio.wait_for(asyncio.gather(*tasks), 300)
