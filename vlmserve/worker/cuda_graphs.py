@@ -11,6 +11,7 @@ requests decode on graphs too. Steps with prefill chunks run eagerly.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -18,6 +19,22 @@ from vlmserve.layers.attention import AttentionMetadata
 from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, conv_rows
 
 logger = logging.getLogger(__name__)
+
+
+def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A graph of ``fn`` in ``pool`` and its output (computed once the graph is replayed):
+    two eager runs on a side stream first (Triton compiles; cuDNN and cuBLAS choose), then
+    the capture (``error_mode``: torch's ``capture_error_mode``)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
+        out = fn()
+    return graph, out
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -154,16 +171,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             fn = self._forward_fn(bs, kv_caches)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = fn()
-            self.graphs[bs] = (graph, out)
+            self.graphs[bs] = capture_graph(fn, pool)
             # the graph reads tensors the forward's closure made (the linear layers' gather
             # indices): keep them alive, or their memory is reused under the graph
             self.forwards[bs] = fn

@@ -36,6 +36,7 @@ from vlmserve.models.vision.step_inputs import (
     pack_padded,
     padded_layout,
 )
+from vlmserve.worker.cuda_graphs import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -134,25 +135,11 @@ class VisionGraphs:
         if not self.capture:
             g.out = self.tower.run(g.pixels, g.tensors)
             return
-        g.graph, g.out = _capture(lambda: self.tower.run(g.pixels, g.tensors), self.pool)
+        g.graph, g.out = capture_graph(lambda: self.tower.run(g.pixels, g.tensors), self.pool,
+                                       "thread_local")
+        g.graph.replay()
         logger.info("captured a vision CUDA graph of %d rows, segments %s (%d graphs)",
                     g.layout.rows, g.layout.segments, len(self.graphs))
-
-
-def _capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A graph of ``fn`` and its output, computed: two eager runs on a side stream first
-    (Triton compiles; cuDNN and cuBLAS choose), then the capture, then one replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
-    graph.replay()
-    return graph, out
 
 
 class BatchGraphs:
@@ -184,7 +171,9 @@ class BatchGraphs:
         if not self.capture:
             out = self.tower.run(pixels)
         elif graph is None:
-            graph, out = _capture(lambda: self.tower.run(pixels), self.pool)
+            graph, out = capture_graph(lambda: self.tower.run(pixels), self.pool,
+                                       "thread_local")
+            graph.replay()
             self.graphs[key] = (pixels, graph, out)
             logger.info("captured a vision CUDA graph of %d images", key[0])
         else:
