@@ -10,11 +10,11 @@ import torch
 
 from vlmserve.layers.gated_deltanet import (
     GatedDeltaNet,
-    build_linear_metadata,
     fla_available,
     gated_delta_rule_fla,
     gated_delta_rule_torch,
 )
+from vlmserve.layers.linear_metadata import build_linear_metadata
 
 CUDA = torch.device("cuda")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(CUDA),

@@ -10,12 +10,8 @@ import pytest
 import torch
 
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
-from vlmserve.layers.gated_deltanet import (
-    build_linear_metadata,
-    delta_rule_step,
-    depthwise_conv_torch,
-    gate_values,
-)
+from vlmserve.layers.gated_deltanet import delta_rule_step, depthwise_conv_torch, gate_values
+from vlmserve.layers.linear_metadata import build_linear_metadata
 from vlmserve.layers.triton_gdn import conv_decode, gdn_decode
 
 SHAPES = [(4, 2, 4, 128, 128), (3, 16, 16, 128, 128)] if ON_GPU else [(4, 2, 4, 16, 8),

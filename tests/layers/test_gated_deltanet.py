@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlmserve.layers.gated_deltanet import GatedDeltaNet, build_linear_metadata, conv_rows
+from vlmserve.layers.gated_deltanet import GatedDeltaNet
+from vlmserve.layers.linear_metadata import build_linear_metadata, conv_rows
 
 HIDDEN, KH, VH, KD, VD, KERNEL = 32, 2, 4, 8, 8, 4
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from vlmserve.layers.attention import build_attention_metadata
-from vlmserve.layers.gated_deltanet import build_linear_metadata
+from vlmserve.layers.linear_metadata import build_linear_metadata
 from vlmserve.models.builtin import resolve_model
 from vlmserve.models.loader import load_hf_config, load_model
 

@@ -13,6 +13,7 @@ from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.layers.vision_attention import varlen_attention
 from vlmserve.models.vision.qwen3_vl import Qwen3VisionTransformer
 from vlmserve.models.vision.step_inputs import bucket_rows, pack_padded, padded_layout
+from vlmserve.worker import vision_graphs
 from vlmserve.worker.vision_graphs import BatchGraphs, VisionGraphs, attach_vision_graphs
 
 pytest.importorskip("transformers")
@@ -182,10 +183,11 @@ def test_a_failed_capture_leaves_the_tower_eager(monkeypatch) -> None:
     pixels, grid = _inputs(GRIDS["three"])
     ref = tower(pixels, grid)
     tower.graphs = graphs
+    graphs.capture = True  # as on CUDA, where the capture below fails
 
-    def broken(g):
+    def broken(fn, pool, error_mode):
         raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(graphs, "_capture", broken)
+    monkeypatch.setattr(vision_graphs, "capture_graph", broken)
     for _ in range(2):
         _assert_close(tower(pixels, grid), ref)
     assert graphs.max_rows == 0 and not graphs.graphs and graphs.num_replays == 0

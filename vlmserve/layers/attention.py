@@ -53,7 +53,7 @@ class AttentionMetadata:
     # the other KV groups' metadata (models with several attention kinds: `for_group`)
     groups: list[AttentionMetadata] | None = None
     # the step's sequences as linear-attention layers read them (their state slots): a
-    # `layers.gated_deltanet.LinearAttentionMetadata`, in models that have such layers
+    # `layers.linear_metadata.LinearAttentionMetadata`, in models that have such layers
     linear: Any = None
     _groups: dict[Window | None, list[AttentionGroup]] = field(default_factory=dict)
     _spans: torch.Tensor | None = None

@@ -164,15 +164,24 @@ def vision_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim]
-    fn = getattr(module, "vlmserve_varlen", None)
-    if fn is not None:  # flash or triton: device cu_seqlens, a bound on every segment
-        out = fn(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scale=scaling)
+    vision: _VisionAttention = getattr(module, "vlmserve_vision", None) or _VisionAttention()
+    if vision.fn is not None:  # flash or triton: device cu_seqlens, a bound on every segment
+        out = vision.fn(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]),
+                        scale=scaling)
         return out[None], None
-    plans = getattr(module, "vlmserve_plans", None)
-    if plans is None or plans[0] is not cu:  # planned once a forward (the layers share cu)
-        plans = (cu, build_varlen_plan(cu.cpu(), device=q.device))
-        module.vlmserve_plans = plans
-    return varlen_attention(q, k, v, cu, scale=scaling, plan=plans[1])[None], None
+    if vision.cu is not cu:  # planned once a forward: its layers share cu (and this object)
+        vision.cu, vision.plan = cu, build_varlen_plan(cu.cpu(), device=q.device)
+    return varlen_attention(q, k, v, cu, scale=scaling, plan=vision.plan)[None], None
+
+
+@dataclasses.dataclass
+class _VisionAttention:
+    """What a model's vision attention modules share: the engine's varlen function (None:
+    the grouped SDPA) and the grouped SDPA's plan for the forward's ``cu_seqlens``."""
+
+    fn: Any = None
+    cu: torch.Tensor | None = None
+    plan: Any = None
 
 
 def _register() -> None:
@@ -345,9 +354,10 @@ class TransformersVLM(nn.Module):
     def set_vision_attention_backend(self, fn) -> None:
         """A vision tower on the engine's varlen attention (`vision_attention`) runs ``fn``
         (flash, triton), or the grouped SDPA for None; other towers keep transformers'."""
+        shared = _VisionAttention(fn)
         for module in self.hf.modules():
             if hasattr(module, "is_causal"):  # attention modules (the text's ignore it)
-                module.vlmserve_varlen = fn
+                module.vlmserve_vision = shared
 
     def set_fused_ops(self, ops) -> None:
         """Unused: the model's own modules run as transformers wrote them."""

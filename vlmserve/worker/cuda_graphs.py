@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vlmserve.layers.attention import AttentionMetadata
-from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, conv_rows
+from vlmserve.layers.linear_metadata import LinearAttentionMetadata, conv_rows
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.layers.gated_deltanet import LinearAttentionMetadata, build_linear_metadata
+from vlmserve.layers.linear_metadata import LinearAttentionMetadata, build_linear_metadata
 
 #: the layer kinds of `VisionLanguageModel.layer_kinds` that hold states instead of KV
 LINEAR = "linear"

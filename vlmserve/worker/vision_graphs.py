@@ -7,8 +7,8 @@ of at most ``max_rows`` patch rows replays a graph instead: its pixels and its h
 a quarter of their power of two, each segment set's count and longest segment's bound), are
 copied into the graph's buffers (the ints in one copy from a pinned buffer, two used in turn),
 and the graph is replayed; its output rows are copied out before another graph may run.
-Graphs are captured when their bucket is first met (the first step of a bucket pays the
-capture, about one eager step more), at most ``max_graphs`` of them; steps of other buckets,
+Graphs are captured when their bucket is first met (that step runs twice eagerly, then is
+captured and replayed), at most ``max_graphs`` of them; steps of other buckets,
 or larger, run eagerly. All graphs share one memory pool: only one runs at a time, and its
 output is copied out before the next replay.
 
@@ -53,7 +53,6 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None
     turn: int = 0
-    replays: int = 0
 
 
 class VisionGraphs:
@@ -87,18 +86,19 @@ class VisionGraphs:
                 return None
             g = self.graphs[layout] = self._buffers(layout, pixel_values)
         self._fill(g, pixel_values, inputs)
-        if g.out is None or not self.capture:
-            try:
-                self._capture(g)
-            except Exception:  # eager from now on, this step too
-                logger.exception("a vision CUDA graph could not be captured: vision steps "
-                                 "run eagerly from now on")
+        if not self.capture:
+            g.out = self.tower.run(g.pixels, g.tensors)
+        elif g.graph is None:
+            captured = _capture(lambda: self.tower.run(g.pixels, g.tensors), self.pool)
+            if captured is None:  # eager from now on, this step too
                 self.graphs.pop(layout)
                 self.max_rows = 0
                 return None
+            g.graph, g.out = captured
+            logger.info("captured a vision CUDA graph of %d rows, segments %s (%d graphs)",
+                        layout.rows, layout.segments, len(self.graphs))
         else:
             g.graph.replay()
-        g.replays += 1
         self.num_replays += 1
         return g.out[:n // inputs.unit].clone()
 
@@ -126,20 +126,24 @@ class VisionGraphs:
         g.ints.copy_(ints, non_blocking=True)
         if floats is not None:
             g.floats.copy_(floats, non_blocking=True)
-        if self.capture:
+        if self.device.type == "cuda":
             g.copied[i] = torch.cuda.Event()
             g.copied[i].record()
         g.pixels[:inputs.rows].copy_(pixel_values)
 
-    def _capture(self, g: _Graph) -> None:
-        if not self.capture:
-            g.out = self.tower.run(g.pixels, g.tensors)
-            return
-        g.graph, g.out = capture_graph(lambda: self.tower.run(g.pixels, g.tensors), self.pool,
-                                       "thread_local")
-        g.graph.replay()
-        logger.info("captured a vision CUDA graph of %d rows, segments %s (%d graphs)",
-                    g.layout.rows, g.layout.segments, len(self.graphs))
+
+
+def _capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    """A graph of ``fn`` and its output, computed (a replay after the capture); None, logged,
+    where the capture fails (the tower then runs eagerly)."""
+    try:
+        graph, out = capture_graph(fn, pool, "thread_local")
+    except Exception:
+        logger.exception("a vision CUDA graph could not be captured: vision steps run "
+                         "eagerly from now on")
+        return None
+    graph.replay()
+    return graph, out
 
 
 class BatchGraphs:
@@ -171,9 +175,12 @@ class BatchGraphs:
         if not self.capture:
             out = self.tower.run(pixels)
         elif graph is None:
-            graph, out = capture_graph(lambda: self.tower.run(pixels), self.pool,
-                                       "thread_local")
-            graph.replay()
+            captured = _capture(lambda: self.tower.run(pixels), self.pool)
+            if captured is None:  # eager from now on, this batch too
+                del self.graphs[key]
+                self.max_batch = 0
+                return None
+            graph, out = captured
             self.graphs[key] = (pixels, graph, out)
             logger.info("captured a vision CUDA graph of %d images", key[0])
         else:
@@ -188,8 +195,7 @@ def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int 
     them."""
     count = 0
     for m in model.modules():
-        if isinstance(m, VisionTowerBase) and type(m).step_inputs is not \
-                VisionTowerBase.step_inputs:
+        if isinstance(m, VisionTowerBase):
             if any(b.attn.attn_fn is None for b in m.blocks):
                 raise ValueError("vision CUDA graphs of a Qwen tower need the vision "
                                  "attention backend flash or triton (one launch over device "
