@@ -1,7 +1,7 @@
 """The Triton experts (`triton_moe.fused_moe`) against `moe_reference` (transformers' expert
 by expert loop): the same sums for decode- and prefill-sized inputs, experts that get no
-token, and one token; the block plan covers every pair once (CUDA, or CPU through
-`TRITON_INTERPRET=1`)."""
+token, and one token, through the sorted block plan and through the few-pairs kernel; the
+block plan covers every pair once (CUDA, or CPU through `TRITON_INTERPRET=1`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from tests.gpu.triton_target import DEVICE, ON_GPU  # first: skips without triton
+from vlmserve.layers import triton_moe
 from vlmserve.layers.fused import silu_mul
 from vlmserve.layers.moe import moe_reference, route
-from vlmserve.layers.triton_moe import align_to_blocks, fused_moe
+from vlmserve.layers.triton_moe import FEW_PAIRS, align_to_blocks, fused_moe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # (tokens, hidden, inter, experts, top_k)
-SHAPES = ([(1, 2048, 768, 128, 8), (64, 2048, 768, 128, 8), (700, 2048, 768, 128, 8)]
-          if ON_GPU else [(1, 64, 48, 8, 2), (5, 64, 48, 8, 2), (40, 32, 24, 6, 3)])
+# (at most FEW_PAIRS pairs take the few-pairs kernel, more the sorted block plan)
+SHAPES = ([(1, 2048, 768, 128, 8), (8, 2048, 768, 128, 8), (64, 2048, 768, 128, 8),
+           (700, 2048, 768, 128, 8)]
+          if ON_GPU else [(1, 64, 48, 8, 2), (5, 64, 48, 8, 2), (21, 32, 24, 6, 3),
+                          (40, 32, 24, 6, 3)])
 
 
 def _inputs(t, hidden, inter, experts, top_k, dtype):
@@ -60,11 +64,13 @@ def test_block_plan_covers_each_pair_once_within_its_experts_blocks(block_m):
         assert (flat[block] == block_expert[b]).all()
 
 
-def test_each_ranks_experts_sum_to_all_of_them():
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[-1]])
+def test_each_ranks_experts_sum_to_all_of_them(shape):
     """Expert parallelism: two ranks each hold half the experts; the picks of the other
-    half map to id E (held elsewhere) and add nothing; the two sums add up to the whole."""
+    half map to id E (held elsewhere) and add nothing; the two sums add up to the whole
+    (few pairs, and the block plan)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
-    x, gate_up, down, weights, ids = _inputs(*SHAPES[-1], dtype)
+    x, gate_up, down, weights, ids = _inputs(*shape, dtype)
     want = moe_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)
     half = gate_up.shape[0] // 2
     got, ref = torch.zeros_like(want), torch.zeros_like(want)
@@ -79,3 +85,18 @@ def test_each_ranks_experts_sum_to_all_of_them():
     tol = 3e-2 if ON_GPU else 1e-4
     for sums in (got, ref):
         torch.testing.assert_close(sums, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_the_few_pairs_kernel_and_the_block_plan_give_the_same_sums(monkeypatch):
+    """The same decode-sized step (tokens sharing experts) through both paths: the few-pairs
+    kernel's program of an expert's first pair covers all of that expert's pairs."""
+    t, hidden, inter, experts, top_k = (8, 256, 128, 16, 8) if ON_GPU else (6, 32, 24, 4, 2)
+    assert t * top_k <= FEW_PAIRS
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, gate_up, down, weights, ids = _inputs(t, hidden, inter, experts, top_k, dtype)
+    assert ids.unique().numel() < ids.numel()  # some expert has several pairs
+    few = fused_moe(x, gate_up, down, weights, ids, silu_mul).float()
+    monkeypatch.setattr(triton_moe, "FEW_PAIRS", 0)
+    planned = fused_moe(x, gate_up, down, weights, ids, silu_mul).float()
+    tol = 3e-2 if ON_GPU else 1e-5
+    torch.testing.assert_close(few, planned, rtol=tol, atol=tol * planned.abs().max().item())

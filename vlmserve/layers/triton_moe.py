@@ -7,10 +7,17 @@ block of one expert's rows by a column tile of that expert's weight, reading eac
 weight once per block of its tokens. The first GEMM gathers the tokens' rows (gate and up
 columns together), SiLU-and-mul follows, the second multiplies by the down projection and by
 the pair's routing weight; the k picks of a token are summed last.
+
+A step of few pairs (decode at small batches: at most `FEW_PAIRS`) skips the sorting, a dozen
+small kernels that cost more than the GEMMs there: `_moe_few_kernel` has a program per pair
+and column tile, and the program of an expert's first pair multiplies all of that expert's
+pairs (their rows picked by a mask over the step's ids), so each picked expert's weight tile is
+still read once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -52,6 +59,47 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, total_ptr
         acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+# at most this many (token, pick) pairs take `_moe_few_kernel` (8 tokens at top-8)
+FEW_PAIRS = 64
+
+
+@triton.jit
+def _moe_few_kernel(a_ptr, w_ptr, c_ptr, ids_ptr, scale_ptr, N, K, num_pairs, num_experts,
+                    rows_per_a, stride_am, stride_we, stride_wn, stride_cm,
+                    MUL_SCALE: tl.constexpr, P_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """c[pair, n] = a[pair // rows_per_a] @ w[ids[pair]][n, :]^T (times scale[pair]) for the
+    column tile `program_id(1)` of every pair whose expert is that of pair `program_id(0)`,
+    where that pair is the expert's first (the others' programs return at once); a pick of
+    expert `num_experts` (held elsewhere) is skipped."""
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pid)
+    if expert >= num_experts:
+        return
+    p = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=num_experts)
+    mine = ids == expert
+    if tl.min(tl.where(mine, p, P_PAD), axis=0) != pid:
+        return
+    row = (p // rows_per_a).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    a_rows = a_ptr + row[:, None] * stride_am
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([P_PAD, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(a_rows + rk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    if MUL_SCALE:
+        acc *= tl.load(scale_ptr + p, mask=mine, other=0.0).to(tl.float32)[:, None]
+    out = c_ptr + p.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mine[:, None] & n_ok[None, :])
 
 
 def align_to_blocks(ids: torch.Tensor, num_experts: int, block_m: int
@@ -104,6 +152,21 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
     return c
 
 
+def _few_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_a: int,
+              scale: torch.Tensor | None = None, zeroed: bool = False,
+              block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """`_moe_few_kernel` over the pairs of ``ids`` [P] (at most `FEW_PAIRS`). Untuned tiles."""
+    p, n, k = ids.numel(), w.shape[1], w.shape[2]
+    c = (torch.zeros if zeroed else torch.empty)(p, n, dtype=a.dtype, device=a.device)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _moe_few_kernel[(p, triton.cdiv(n, block_n))](
+        a, w, c, ids, scale if scale is not None else c, n, k, p, w.shape[0], rows_per_a,
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0), MUL_SCALE=scale is not None,
+        P_PAD=max(16, triton.next_power_of_2(p)), BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision)
+    return c
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor,
               silu_mul: Callable[[torch.Tensor], torch.Tensor], elsewhere: bool = False
@@ -115,11 +178,14 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if t == 0:
         return torch.zeros_like(x)
     num_experts, p = gate_up.shape[0], t * top_k
-    tiles = _tiles(p, num_experts)
-    pairs, block_expert, total = align_to_blocks(ids, num_experts + elsewhere, tiles[0])
-    x = x.contiguous()
-    h = _grouped_gemm(x, gate_up.contiguous(), pairs, block_expert, total, p, top_k, tiles)
-    act = silu_mul(h)
-    y = _grouped_gemm(act.contiguous(), down.contiguous(), pairs, block_expert, total, p, 1,
-                      tiles, scale=weights.reshape(-1).contiguous(), zeroed=elsewhere)
+    if p <= FEW_PAIRS:
+        gemm = functools.partial(_few_gemm, ids=ids.reshape(-1).contiguous())
+    else:
+        tiles = _tiles(p, num_experts)
+        pairs, block_expert, total = align_to_blocks(ids, num_experts + elsewhere, tiles[0])
+        gemm = functools.partial(_grouped_gemm, pairs=pairs, block_expert=block_expert,
+                                 total=total, num_pairs=p, tiles=tiles)
+    h = gemm(x.contiguous(), gate_up.contiguous(), rows_per_a=top_k)
+    y = gemm(silu_mul(h).contiguous(), down.contiguous(), rows_per_a=1,
+             scale=weights.reshape(-1).contiguous(), zeroed=elsewhere)
     return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
