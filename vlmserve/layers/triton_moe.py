@@ -26,6 +26,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _rows_times_tile(a_rows, w_cols, c_ptr, scale_ptr, pair, valid, rn, n_ok, K, stride_cm,
+                     MUL_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """c[pair, rn] = (the ``valid`` rows of ``a_rows``) @ (the column tile ``w_cols``)^T,
+    times scale[pair] with MUL_SCALE: the shared body of both kernels."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(a_rows + rk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    if MUL_SCALE:
+        acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, total_ptr, scale_ptr,
                      N, K, num_pairs, num_experts, rows_per_a, stride_am, stride_we, stride_wn,
                      stride_cm,
@@ -48,17 +67,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_expert_ptr, total_ptr
     n_ok = rn < N
     a_rows = a_ptr + row[:, None] * stride_am
     w_cols = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(a_rows + rk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
-    if MUL_SCALE:
-        acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    out = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    _rows_times_tile(a_rows, w_cols, c_ptr, scale_ptr, pair, valid, rn, n_ok, K, stride_cm,
+                     MUL_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 
 
 # at most this many (token, pick) pairs take `_moe_few_kernel` (8 tokens at top-8)
@@ -89,17 +99,8 @@ def _moe_few_kernel(a_ptr, w_ptr, c_ptr, ids_ptr, scale_ptr, N, K, num_pairs, nu
     n_ok = rn < N
     a_rows = a_ptr + row[:, None] * stride_am
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros([P_PAD, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(a_rows + rk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
-    if MUL_SCALE:
-        acc *= tl.load(scale_ptr + p, mask=mine, other=0.0).to(tl.float32)[:, None]
-    out = c_ptr + p.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mine[:, None] & n_ok[None, :])
+    _rows_times_tile(a_rows, w_cols, c_ptr, scale_ptr, p, mine, rn, n_ok, K, stride_cm,
+                     MUL_SCALE, P_PAD, BLOCK_N, BLOCK_K, PRECISION)
 
 
 def align_to_blocks(ids: torch.Tensor, num_experts: int, block_m: int
