@@ -787,6 +787,7 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
         # the server's own view of the same requests, from its metrics endpoint
         assert 0 < r["server_mean_ttft_ms"] <= max(r["ttfts_ms"])
         assert 0 < r["server_mean_itl_ms"] and 0 < r["server_mean_step_ms"]
+        assert 0 < r["server_mean_frontend_ms"] < r["server_mean_ttft_ms"]
         # the bucket of the server's 99th-percentile gap and step bounds their means
         assert r["server_p99_itl_le_ms"] >= r["server_mean_itl_ms"]
         assert r["server_p99_step_le_ms"] >= r["server_mean_step_ms"]

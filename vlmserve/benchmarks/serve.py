@@ -53,13 +53,16 @@ def make_messages(args) -> list[list[dict]]:
 
 _SERVER_HISTOGRAMS = {"ttft": "vlmserve_time_to_first_token_seconds",
                       "itl": "vlmserve_inter_token_latency_seconds",
-                      "step": "vlmserve_engine_step_seconds"}
+                      "step": "vlmserve_engine_step_seconds",
+                      # arrival to hand-over to the core: HTTP, image decoding and resizing,
+                      # template, tokenization (the front end's part of the TTFT)
+                      "frontend": "vlmserve_request_frontend_seconds"}
 
 
 def _server_histograms(base_url: str) -> dict[str, dict[str, float]] | None:
-    """The server's own TTFT, inter-token and engine-step histograms (its front ends' clocks)
-    from its Prometheus endpoint: per histogram its sum, count and cumulative bucket counts
-    by upper bound; None when it has none (another server)."""
+    """The server's own TTFT, inter-token, engine-step and front-end histograms (its front
+    ends' clocks) from its Prometheus endpoint: per histogram its sum, count and cumulative
+    bucket counts by upper bound; None when it has none (another server)."""
     import urllib.request
 
     try:
