@@ -43,7 +43,10 @@ def _holds_a_socket(pid: int) -> bool:
 def _inner_pytest(folder: Path, test: str) -> subprocess.Popen:
     (folder / "conftest.py").write_text(CONFTEST)
     (folder / "test_inner.py").write_text(textwrap.dedent(test))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repository first, the test processes' path kept (tests/site: transformers' image
+    # processors import torchvision, which loads there only through its shim)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
          str(folder), str(folder / "test_inner.py")], cwd=folder, env=env,
