@@ -40,16 +40,21 @@ def kill_group(proc: subprocess.Popen) -> None:
     _LIVE.pop(proc.pid, None)
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies aside)."""
+def group_size(pgid: int) -> int:
+    """How many processes of group ``pgid`` run (zombies aside)."""
+    n = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+        n += fields[2] == str(pgid) and fields[0] != "Z"
+    return n
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies aside)."""
+    return group_size(pgid) > 0
 
 
 def live() -> set[int]:
