@@ -38,10 +38,13 @@ def _inner_pytest(folder: Path, test: str) -> subprocess.Popen:
     # processors import torchvision, which loads there only through its shim)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
+    # Ctrl-C's default action in the run, even where this test run ignores SIGINT (a job
+    # started in the background by a shell without job control inherits SIG_IGN)
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
          str(folder), str(folder / "test_inner.py")], cwd=folder, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_ctrl_c_while_a_server_starts_leaves_nothing_running(vlmserve_cache: Path,
