@@ -21,8 +21,10 @@
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DISABLE_IMPORT_WARNING=1
 dir=$OUT/replicas; mkdir -p "$dir"
-export PYTHONPATH=$PWD:/tmp/raydeps:/tmp/deps
-ck=${CKPT:-/tmp/q2vl2b}  # CKPT and SERVER_ARGS (e.g. --device cpu --dtype float32): a dry run elsewhere
+export PYTHONPATH=$PWD:/tmp/raydeps:/tmp/deps${PYTHONPATH:+:$PYTHONPATH}
+# CKPT, SERVER_ARGS (e.g. --device cpu --dtype float32) and BENCH_ARGS (e.g. --num-requests 8
+# --image-sizes 56): a dry run elsewhere
+ck=${CKPT:-/tmp/q2vl2b}
 up() {  # up PORT PID: until /health answers, while PID lives
   for _ in $(seq 1 600); do
     curl -sf "localhost:$1/health" > /dev/null && return 0
@@ -32,6 +34,7 @@ up() {  # up PORT PID: until /health answers, while PID lives
 measure() {  # measure PORT TAG
   python3 -m vlmserve.benchmarks.serve --base-url "http://127.0.0.1:$1" --num-requests 192 \
     --output-len 128 --warmup-requests 16 --runs "${RUNS:-inf@64}" --out-dir "$dir/serve_$2" \
+    ${BENCH_ARGS:-} \
     > "$dir/serve_$2.log" 2>&1
   python3 - "$dir/serve_$2/serve.json" "$2" <<'PY'
 import json, sys
@@ -75,8 +78,8 @@ serve.run(build_app({
     "model": sys.argv[1], "engine": engine, "routing": sys.argv[2],
     "server": {"preprocess_workers": 2, "log_level": "warning"},
     "llm": {"num_replicas": 2, "max_ongoing_requests": 256,
-            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.5}},
-    "ingress": {"ray_actor_options": {"num_cpus": 1}}}), name="vlmserve", route_prefix="/")
+            "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.5}},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.25}}}), name="vlmserve", route_prefix="/")
 print("deployed", flush=True)
 threading.Event().wait()
 PY
