@@ -78,6 +78,7 @@ from vlmserve.models.transformers_families import (
     suppresses_image_codes,
     text_config,
 )
+from vlmserve.models.transformers_fused import fuse_rms_norms
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
     unpack_meta,
@@ -239,6 +240,7 @@ class TransformersVLM(nn.Module):
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
+        self.num_fused_norms = 0  # RMSNorms on the engine's ops (`set_fused_ops`)
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
             tc, "attn_logit_softcapping", None)
         inner = getattr(hf_model, "model", hf_model)
@@ -360,7 +362,9 @@ class TransformersVLM(nn.Module):
                 module.vlmserve_vision = shared
 
     def set_fused_ops(self, ops) -> None:
-        """Unused: the model's own modules run as transformers wrote them."""
+        """The model's canonical RMSNorms run ``ops.rms_norm`` (`transformers_fused`);
+        everything else as transformers wrote it."""
+        self.num_fused_norms = fuse_rms_norms(self.hf, ops)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The model's own token embedding (scaled where the model scales it); an image
