@@ -4,8 +4,9 @@ A model's RMSNorm modules whose ``forward`` is transformers' canonical one, the 
 ``LlamaRMSNorm.forward`` (statistics in float32, the cast back, then the weight: Qwen2/3,
 Qwen3-VL, Mistral, Idefics3, GLM-4V, InternViT and the many others copied from it), run the
 engine's ``rms_norm`` (`layers/fused.FusedOps`: one Triton kernel on CUDA where transformers
-launches six; the same arithmetic on the CPU). A norm written otherwise (Gemma's ``1 +
-weight``, Qwen3.5's, Llama 4's) runs as transformers wrote it: the code, not the name, decides.
+launches seven or eight; the same arithmetic on the CPU). A norm written otherwise (Gemma's
+``1 + weight``, Qwen3.5's, Llama 4's) runs as transformers wrote it: the code, not the name,
+decides.
 """
 
 from __future__ import annotations
