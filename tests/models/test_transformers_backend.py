@@ -31,7 +31,7 @@ from tests.models.hf_tiny import (
 )
 from vlmserve import LLM, SamplingParams
 from vlmserve.layers.vision_attention import varlen_attention
-from vlmserve.models.transformers_backend import VISION_ATTENTION_NAME
+from vlmserve.models.transformers_fused import VISION_ATTENTION_NAME
 
 MAX_TOKENS = 6
 DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")

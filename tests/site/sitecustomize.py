@@ -42,24 +42,16 @@ def declare_missing_torchvision_ops():
 
 class _TorchvisionOps:
     """A finder that finds nothing: on the first look-up of torchvision it declares the
-    missing ops, and it stays on ``sys.meta_path`` holding them. Another thread's look-up
-    meanwhile waits for the declaration (a thread may import torchvision while another only
-    asks whether it is there, as transformers does); the declaring thread's own look-ups
-    pass through."""
+    missing ops, and it stays on ``sys.meta_path`` holding them."""
 
     def __init__(self) -> None:
-        import threading
-
-        self.lock = threading.RLock()
         self.looked = False
         self.library = None
 
     def find_spec(self, name, path=None, target=None):
-        if name == "torchvision":
-            with self.lock:
-                if not self.looked:
-                    self.looked = True
-                    self.library = declare_missing_torchvision_ops()
+        if name == "torchvision" and not self.looked:
+            self.looked = True
+            self.library = declare_missing_torchvision_ops()
         return None
 
 

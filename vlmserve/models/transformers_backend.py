@@ -11,9 +11,8 @@ preemption work as for a native model. Its vision part runs through the model's 
 ``get_image_features``, with the tensors its processor made for each image
 (`models/transformers_processing.py`); a tower whose transformers code has a varlen path
 for its attention (the Qwen towers, GLM-4V's, ...) runs it through the engine's vision
-attention backend (`vision_attention`: every image and window of a forward in one call,
-where transformers' default makes a call per image after reading the lengths back from the
-device); positions come from the model's own rules: token
+attention backend (`models/transformers_fused.py`, which also puts the canonical RMSNorms on
+the engine's fused kernel); positions come from the model's own rules: token
 indices, or its ``get_rope_index`` for multi-axis rotary positions. A model whose text model
 adds DeepStack features of its images to the hidden states of its first layers (Qwen3-VL)
 gets them as its native class does: each image row carries them beside its embedding.
@@ -64,7 +63,6 @@ from vlmserve.layers.attention import (
 )
 from vlmserve.layers.gated_deltanet import depthwise_conv
 from vlmserve.layers.positions import MRopePositions, TokenPositions
-from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
 from vlmserve.models.transformers_families import (
     check_supported,
     deepstack_layers,
@@ -78,7 +76,13 @@ from vlmserve.models.transformers_families import (
     suppresses_image_codes,
     text_config,
 )
-from vlmserve.models.transformers_fused import fuse_rms_norms
+from vlmserve.models.transformers_fused import (
+    VISION_ATTENTION_NAME,
+    fuse_rms_norms,
+    set_vision_attention,
+    use_varlen_vision_attention,
+    vision_attention,
+)
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
     unpack_meta,
@@ -146,63 +150,11 @@ def short_conv(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwa
     return module.out_proj(c * y.to(x.dtype))[None]
 
 
-# the vision towers' attention where transformers has a varlen path for it (a name with
-# "flash" in it is what makes transformers take that path: every image and window of a
-# forward in one call, with `cu_seqlens`, instead of an attention call per image)
-VISION_ATTENTION_NAME = "vlmserve_flash_varlen"
-
-
-def vision_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
-                     dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """A vision tower's attention through the engine's vision attention backend: packed
-    segments (``cu_seq_lens_q``, ``query [1, heads, N, dim]``) in one varlen call; a dense
-    batch (no ``cu_seq_lens_q``) as transformers' SDPA -> ``[B, N, heads, dim]``."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim]
-    vision: _VisionAttention = getattr(module, "vlmserve_vision", None) or _VisionAttention()
-    if vision.fn is not None:  # flash or triton: device cu_seqlens, a bound on every segment
-        out = vision.fn(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]),
-                        scale=scaling)
-        return out[None], None
-    if vision.cu is not cu:  # planned once a forward: its layers share cu (and this object)
-        vision.cu, vision.plan = cu, build_varlen_plan(cu.cpu(), device=q.device)
-    return varlen_attention(q, k, v, cu, scale=scaling, plan=vision.plan)[None], None
-
-
-@dataclasses.dataclass
-class _VisionAttention:
-    """What a model's vision attention modules share: the engine's varlen function (None:
-    the grouped SDPA) and the grouped SDPA's plan for the forward's ``cu_seqlens``."""
-
-    fn: Any = None
-    cu: torch.Tensor | None = None
-    plan: Any = None
-
-
 def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
     AttentionInterface.register(VISION_ATTENTION_NAME, vision_attention)
-
-
-def _varlen_vision_attention(model: nn.Module, hf_config) -> None:
-    """A vision tower whose transformers code has a varlen path for its attention takes
-    the engine's (`vision_attention`). Set on the loaded model's vision configs: at load,
-    transformers would look for a name with "flash" among its kernels."""
-    if "cu_seq_lens_q=cu_seqlens" not in inspect.getsource(inspect.getmodule(type(model))):
-        return
-    kinds = tuple({type(getattr(hf_config, name)) for name in getattr(hf_config, "sub_configs", {})
-                   if "vision" in name and getattr(hf_config, name, None) is not None})
-    for config in {id(m.config): m.config for m in model.modules()
-                   if isinstance(getattr(m, "config", None), kinds)}.values():
-        config._attn_implementation = VISION_ATTENTION_NAME
 
 
 def _rows(out: torch.Tensor | Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -317,7 +269,7 @@ class TransformersVLM(nn.Module):
         attn = {"text_config": ATTENTION_NAME, "": ATTENTION_NAME}
         model = hf_cls.from_pretrained(str(path), config=hf_config, dtype=dtype,
                                        attn_implementation=attn, local_files_only=True)
-        _varlen_vision_attention(model, hf_config)
+        use_varlen_vision_attention(model, hf_config)
         return cls(model.to(device).eval())
 
     @classmethod
@@ -354,12 +306,9 @@ class TransformersVLM(nn.Module):
         """Unused: a short convolution has no recurrence."""
 
     def set_vision_attention_backend(self, fn) -> None:
-        """A vision tower on the engine's varlen attention (`vision_attention`) runs ``fn``
-        (flash, triton), or the grouped SDPA for None; other towers keep transformers'."""
-        shared = _VisionAttention(fn)
-        for module in self.hf.modules():
-            if hasattr(module, "is_causal"):  # attention modules (the text's ignore it)
-                module.vlmserve_vision = shared
+        """A vision tower on the engine's varlen attention runs ``fn`` (flash, triton), or
+        the grouped SDPA for None (`transformers_fused.set_vision_attention`)."""
+        set_vision_attention(self.hf, fn)
 
     def set_fused_ops(self, ops) -> None:
         """The model's canonical RMSNorms run ``ops.rms_norm`` (`transformers_fused`);

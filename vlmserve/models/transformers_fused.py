@@ -1,4 +1,5 @@
-"""The engine's fused ops inside a transformers model (the transformers backend).
+"""The engine's kernels inside a transformers model (the transformers backend): its
+canonical RMSNorms on the fused ops, its vision towers' attention on the vision backend.
 
 A model's RMSNorm modules whose ``forward`` is transformers' canonical one, the very code of
 ``LlamaRMSNorm.forward`` (statistics in float32, the cast back, then the weight: Qwen2/3,
@@ -7,14 +8,24 @@ engine's ``rms_norm`` (`layers/fused.FusedOps`: one Triton kernel on CUDA where 
 launches seven or eight; the same arithmetic on the CPU). A norm written otherwise (Gemma's
 ``1 + weight``, Qwen3.5's, Llama 4's) runs as transformers wrote it: the code, not the name,
 decides.
+
+A vision tower whose transformers code has a varlen path for its attention (the Qwen towers,
+GLM-4V's, ...) runs it through the engine's vision attention backend (`vision_attention`:
+every image and window of a forward in one call, where transformers' default makes a call per
+image after reading the lengths back from the device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
+
+from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
 
 
 def _code(fn) -> tuple | None:
@@ -48,3 +59,64 @@ def fuse_rms_norms(model: nn.Module, ops) -> int:
             module.forward = functools.partial(_rms_norm, module, ops)
             count += 1
     return count
+
+
+# the vision towers' attention where transformers has a varlen path for it (a name with
+# "flash" in it is what makes transformers take that path: every image and window of a
+# forward in one call, with `cu_seqlens`, instead of an attention call per image)
+VISION_ATTENTION_NAME = "vlmserve_flash_varlen"
+
+
+def vision_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A vision tower's attention through the engine's vision attention backend: packed
+    segments (``cu_seq_lens_q``, ``query [1, heads, N, dim]``) in one varlen call; a dense
+    batch (no ``cu_seq_lens_q``) as transformers' SDPA -> ``[B, N, heads, dim]``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim]
+    vision: _VisionAttention = getattr(module, "vlmserve_vision", None) or _VisionAttention()
+    if vision.fn is not None:  # flash or triton: device cu_seqlens, a bound on every segment
+        out = vision.fn(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]),
+                        scale=scaling)
+        return out[None], None
+    if vision.cu is not cu:  # planned once a forward: its layers share cu (and this object)
+        vision.cu, vision.plan = cu, build_varlen_plan(cu.cpu(), device=q.device)
+    return varlen_attention(q, k, v, cu, scale=scaling, plan=vision.plan)[None], None
+
+
+@dataclasses.dataclass
+class _VisionAttention:
+    """What a model's vision attention modules share: the engine's varlen function (None:
+    the grouped SDPA) and the grouped SDPA's plan for the forward's ``cu_seqlens``."""
+
+    fn: Any = None
+    cu: torch.Tensor | None = None
+    plan: Any = None
+
+
+def use_varlen_vision_attention(model: nn.Module, hf_config) -> None:
+    """A vision tower whose transformers code has a varlen path for its attention takes
+    the engine's (`vision_attention`). Set on the loaded model's vision configs: at load,
+    transformers would look for a name with "flash" among its kernels."""
+    if "cu_seq_lens_q=cu_seqlens" not in inspect.getsource(inspect.getmodule(type(model))):
+        return
+    kinds = tuple({type(getattr(hf_config, name)) for name in getattr(hf_config, "sub_configs", {})
+                   if "vision" in name and getattr(hf_config, name, None) is not None})
+    for config in {id(m.config): m.config for m in model.modules()
+                   if isinstance(getattr(m, "config", None), kinds)}.values():
+        config._attn_implementation = VISION_ATTENTION_NAME
+
+
+def set_vision_attention(model: nn.Module, fn) -> None:
+    """``model``'s vision attention modules run ``fn`` (flash, triton), or the grouped SDPA
+    for None; towers without a varlen path keep transformers' attention."""
+    shared = _VisionAttention(fn)
+    for module in model.modules():
+        if hasattr(module, "is_causal"):  # attention modules (the text's ignore it)
+            module.vlmserve_vision = shared
