@@ -50,3 +50,31 @@ def test_step_launch_never_waits_for_the_device(vlmserve_cache, model, offload):
     outs = llm.generate(prompts, [params] * 4 + sampled, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert checked["images"] == 12 and checked["mixed"] > 0, checked
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_transformers_backend_towers_never_wait_for_the_device(vlmserve_cache, model):
+    """The transformers backend's vision part of a Qwen model: its grids read on the host
+    (`models/transformers_grids.py`), the tower's launch never waits for the device, and the
+    tower keeps them there (no fallback to device grids)."""
+    llm = LLM(model, dtype="float32", device="cuda", model_impl="transformers",
+              max_num_seqs=8, max_num_batched_tokens=512)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(mixed_prompts(llm), params, use_tqdm=False)  # every shape met once, unchecked
+    model_ = llm.engine.executor.runner.model
+    encode, calls = model_.encode_images, []
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return encode(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+
+    model_.encode_images = strict
+    prompts = [chat_prompt(llm, f"Picture {i}.", [make_image(56 + 28 * (i % 3), 84, 700 + i)])
+               for i in range(6)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert calls and model_.host_grids

@@ -189,6 +189,8 @@ def _check(name: str, path: str, ref: Reference, impl: str, seen: dict) -> None:
         model.set_vision_attention_backend(counted)
     assert _run(chunked, prompts) == expected, f"{name_impl}: chunked at {budget}"
     assert bool(calls) == (impl == "transformers" and name in VARLEN_VISION), name
+    if impl == "transformers":  # their grids read on the host throughout (no fallback)
+        assert model.host_grids == (name in VARLEN_VISION), name
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[_NO_TORCHVISION] if n in NEEDS_TORCHVISION

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,14 @@ from vlmserve.models.transformers_fused import (
     use_varlen_vision_attention,
     vision_attention,
 )
+from vlmserve.models.transformers_grids import host_grids, wrap_vision_helpers
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
     unpack_meta,
     unpack_tensors,
 )
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vlmserve"
 
@@ -255,6 +259,9 @@ class TransformersVLM(nn.Module):
         self._features = getattr(hf_model, "get_image_features", None) or \
             inner.get_image_features
         self._feature_args = set(inspect.signature(self._features).parameters)
+        # the tower reads its grids on the host (`transformers_grids`) until a forward shows
+        # it cannot (it mixed them with device tensors): then on the device
+        self.host_grids = wrap_vision_helpers(hf_model)
 
     # ---- building ------------------------------------------------------------------------
 
@@ -410,27 +417,31 @@ class TransformersVLM(nn.Module):
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             rows = self._features_of([tensors[i] for i in members],
-                                     [layouts[i].num_image_tokens for i in members])
+                                     [layouts[i].num_image_tokens for i in members],
+                                     pixel_values.device)
             for i, r in zip(members, rows, strict=True):
                 features[i] = r
         return torch.cat([self._span_rows(layout, f)
                           for layout, f in zip(layouts, features, strict=True)])
 
-    def _features_of(self, tensors: list[dict[str, torch.Tensor]], counts: list[int]
-                     ) -> list[torch.Tensor]:
+    def _features_of(self, tensors: list[dict[str, torch.Tensor]], counts: list[int],
+                     pixel_device: torch.device) -> list[torch.Tensor]:
         """``get_image_features`` of images whose tensors concatenate on their first axis
         -> each image's feature rows (``counts`` of them)."""
         dtype = self.embedding.weight.dtype
-        kwargs = {}
+        kwargs, hosted = {}, set()
         for key in tensors[0]:
             if key not in self._feature_args:
                 continue
             value = torch.cat([t[key] for t in tensors])
             kwargs[key] = value.to(dtype) if value.is_floating_point() else value
+            if value.device != pixel_device:
+                hosted.add(key)
         if "batch_num_images" in kwargs:  # images all alone in their prompts, or all not
             n, several = len(tensors), bool(kwargs["batch_num_images"][0] > 1)
             kwargs["batch_num_images"] = torch.tensor([max(n, 2)] if several else [1] * n)
-        out = self._features(**kwargs)
+            hosted.discard("batch_num_images")  # read on the host, as transformers makes it
+        out = self._run_features(kwargs, hosted, pixel_device)
         deep = getattr(out, "deepstack_features", None)
         if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
             out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
@@ -443,6 +454,23 @@ class TransformersVLM(nn.Module):
                                f"{flat.shape[0]} rows for images of {counts} image tokens")
         return list(flat.split(counts))
 
+    def _run_features(self, kwargs: dict[str, torch.Tensor], hosted: set[str],
+                      device: torch.device) -> Any:
+        """``get_image_features(**kwargs)``, the ``hosted`` tensors (grids, sizes) read on
+        the host where the tower allows it, else moved to ``device`` first."""
+        if self.host_grids:
+            try:
+                with host_grids(device):
+                    return self._features(**kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # a host grid met a device tensor
+                self.host_grids = False
+                logger.info("%s: its vision tower reads its grids on the device (%s)",
+                            self.config.model_type, str(e).splitlines()[0])
+        moved = {k: v.to(device, non_blocking=True) for k, v in kwargs.items() if k in hosted}
+        return self._features(**{**kwargs, **moved})
+
     def _span_rows(self, layout, features: torch.Tensor) -> torch.Tensor:
         """An image's span: its feature rows at its image tokens, the embeddings of its
         text tokens (markers between an image's tiles) at theirs."""
@@ -450,7 +478,7 @@ class TransformersVLM(nn.Module):
             return features.to(self.embedding.weight.dtype)
         length = layout.num_image_tokens + len(layout.text_tokens)
         device = features.device
-        pos, ids = (torch.tensor(v, dtype=torch.int64, device=device)
+        pos, ids = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
                     for v in zip(*layout.text_tokens, strict=True))
         # (a text token's DeepStack columns, if any, are zeros: nothing is added there)
         rows = features.new_zeros(length, features.shape[1], dtype=self.embedding.weight.dtype)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
+from vlmserve.models.transformers_grids import host_copy
 
 
 def _code(fn) -> tuple | None:
@@ -86,7 +87,7 @@ def vision_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                         scale=scaling)
         return out[None], None
     if vision.cu is not cu:  # planned once a forward: its layers share cu (and this object)
-        vision.cu, vision.plan = cu, build_varlen_plan(cu.cpu(), device=q.device)
+        vision.cu, vision.plan = cu, build_varlen_plan(host_copy(cu), device=q.device)
     return varlen_attention(q, k, v, cu, scale=scaling, plan=vision.plan)[None], None
 
 

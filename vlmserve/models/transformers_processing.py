@@ -16,7 +16,8 @@ The image's tensors (the HF image processor's output for that image alone: ``pix
 and what the model's ``get_image_features`` reads besides, e.g. ``image_sizes``) travel as
 one uint8 tensor of their bytes (`ImageInput.pixels`: one copy to the device, like the native
 models' pixels), their layout and the span's text tokens in ``encoder_meta`` (`pack_image`,
-`unpack_meta`).
+`unpack_meta`); its small integer tensors (a grid, a size) travel as values in
+``encoder_meta`` instead, so that the tower reads them on the host.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import inspect
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,9 @@ _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_tok
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8)
 _ALIGN = 8  # every tensor's bytes start on a multiple of this (a view as int64 needs it)
+# integer tensors of at most this many values (an image's grid, its size) travel as values in
+# ``encoder_meta``, not as bytes: the tower reads them on the host (`models/transformers_grids`)
+_HOST_VALUES = 64
 
 
 def image_token_id_of(hf_config) -> int | None:
@@ -78,6 +82,8 @@ class ImageLayout:
     num_image_tokens: int
     text_tokens: tuple[tuple[int, int], ...]
     tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    # the small integer tensors (grids, sizes), by name: their values, on the host
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +111,10 @@ def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_toke
         if t.dtype not in _DTYPES:
             raise ValueError(f"the image processor gives {key!r} as {t.dtype}")
         meta += [TENSOR_KEYS.index(key), _DTYPES.index(t.dtype), t.dim(), *t.shape]
+        if t.dtype in (torch.int64, torch.int32) and t.numel() <= _HOST_VALUES:
+            meta += [1, *t.reshape(-1).tolist()]
+            continue
+        meta.append(0)
         raw = t.contiguous().view(-1).view(torch.uint8)
         pad = _padded(raw.numel()) - raw.numel()
         parts.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
@@ -116,16 +126,22 @@ def unpack_meta(meta: Sequence[int]) -> ImageLayout:
     it = iter(meta)
     num_image, num_text = next(it), next(it)
     text = tuple((next(it), next(it)) for _ in range(num_text))
-    tensors = []
+    tensors, host = [], {}
     for _ in range(next(it)):
-        key, dtype, ndim = next(it), next(it), next(it)
-        tensors.append((TENSOR_KEYS[key], _DTYPES[dtype], tuple(next(it) for _ in range(ndim))))
-    return ImageLayout(num_image, text, tuple(tensors))
+        key, dtype, ndim = TENSOR_KEYS[next(it)], _DTYPES[next(it)], next(it)
+        shape = tuple(next(it) for _ in range(ndim))
+        if next(it):
+            host[key] = torch.tensor([next(it) for _ in range(math.prod(shape))],
+                                     dtype=dtype).view(shape)
+        else:
+            tensors.append((key, dtype, shape))
+    return ImageLayout(num_image, text, tuple(tensors), host)
 
 
 def unpack_tensors(data: torch.Tensor, layout: ImageLayout) -> dict[str, torch.Tensor]:
-    """An image's tensors, as views of its bytes ``data`` (uint8, where they are)."""
-    out, at = {}, 0
+    """An image's tensors: views of its bytes ``data`` (uint8, where they are), and its
+    small integer tensors on the host."""
+    out, at = dict(layout.host), 0
     for key, dtype, shape in layout.tensors:
         n = math.prod(shape) * dtype.itemsize
         out[key] = data[at:at + n].view(dtype).view(shape)
