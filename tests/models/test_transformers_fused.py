@@ -1,16 +1,19 @@
 """`models/transformers_fused.py`: a transformers model's RMSNorms whose forward is
 transformers' canonical one run the engine's `rms_norm`, with the same output to the bit on
-the CPU; norms written otherwise (Gemma's) keep transformers' forward."""
+the CPU; norms written otherwise (Gemma's) keep transformers' forward. So for the canonical
+rotary, inside the engine's forward (`rotary_ops`) only; the Triton kernel's path through it
+in the interpreter."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import transformers as tf
 
 from vlmserve.layers.fused import EAGER_OPS
-from vlmserve.models.transformers_fused import fuse_rms_norms
+from vlmserve.models.transformers_fused import fuse_rms_norms, fuse_rotary, rotary_ops
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -25,6 +28,10 @@ class _Recording:
     def rms_norm(self, x, weight, eps):
         self.calls += 1
         return EAGER_OPS.rms_norm(x, weight, eps)
+
+    def rotary_qk_float32(self, q, k, cos, sin):
+        self.calls += 1
+        return EAGER_OPS.rotary_qk_float32(q, k, cos, sin)
 
 
 def _model(cls, config):
@@ -65,3 +72,41 @@ def test_another_dtype_than_the_weights_takes_transformers_forward():
     x = torch.randn(3, TINY["hidden_size"], dtype=torch.bfloat16)
     want = type(norm).forward(norm, x)
     assert torch.equal(norm(x), want) and want.dtype == torch.float32 and ops.calls == 0
+
+
+def _logits(model, ids, ops=None):
+    with torch.no_grad(), rotary_ops(ops):
+        return model(ids).logits
+
+
+def test_canonical_rotary_runs_the_engines_op_inside_its_forward_bit_for_bit():
+    model = _model(tf.Qwen2ForCausalLM, tf.Qwen2Config(**TINY))
+    assert fuse_rotary(model) == 1 and fuse_rotary(model) == 1  # routed once, found again
+    ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(2))
+    ops = _Recording()
+    want = _logits(model, ids)  # outside: transformers' own (any other caller of the module)
+    assert ops.calls == 0
+    assert torch.equal(_logits(model, ids, ops), want)
+    assert ops.calls == TINY["num_hidden_layers"]
+    torch.testing.assert_close(_logits(model, ids.repeat(2, 1), ops)[1], want[0])  # batch 2:
+    # transformers' own
+    assert ops.calls == TINY["num_hidden_layers"]
+
+
+def test_a_rotary_written_otherwise_keeps_its_own():
+    model = _model(tf.CohereForCausalLM, tf.CohereConfig(**TINY))  # interleaved pairs
+    assert fuse_rotary(model) == 0
+
+
+def test_the_triton_rotary_through_the_routed_function(monkeypatch):
+    """The Triton kernel (the interpreter on the CPU) on the views the routed function hands
+    it: q and k rotated in place, within float32 rounding of transformers'."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from vlmserve.layers import triton_ops
+
+    model = _model(tf.Qwen2ForCausalLM, tf.Qwen2Config(**TINY))
+    fuse_rotary(model)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    want = _logits(model, ids)
+    torch.testing.assert_close(_logits(model, ids, triton_ops), want, rtol=1e-5, atol=1e-5)

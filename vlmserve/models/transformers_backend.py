@@ -80,6 +80,8 @@ from vlmserve.models.transformers_families import (
 from vlmserve.models.transformers_fused import (
     VISION_ATTENTION_NAME,
     fuse_rms_norms,
+    fuse_rotary,
+    rotary_ops,
     set_vision_attention,
     use_varlen_vision_attention,
     vision_attention,
@@ -196,7 +198,9 @@ class TransformersVLM(nn.Module):
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
-        self.num_fused_norms = 0  # RMSNorms on the engine's ops (`set_fused_ops`)
+        # RMSNorms and modules' rotaries on the engine's ops (`set_fused_ops`)
+        self.num_fused_norms = self.num_fused_rotaries = 0
+        self.fused_ops = None
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
             tc, "attn_logit_softcapping", None)
         inner = getattr(hf_model, "model", hf_model)
@@ -318,9 +322,12 @@ class TransformersVLM(nn.Module):
         set_vision_attention(self.hf, fn)
 
     def set_fused_ops(self, ops) -> None:
-        """The model's canonical RMSNorms run ``ops.rms_norm`` (`transformers_fused`);
-        everything else as transformers wrote it."""
+        """The model's canonical RMSNorms run ``ops.rms_norm``, its canonical rotary
+        ``ops.rotary_qk_float32`` (`transformers_fused`); everything else as transformers
+        wrote it."""
         self.num_fused_norms = fuse_rms_norms(self.hf, ops)
+        self.num_fused_rotaries = fuse_rotary(self.hf)
+        self.fused_ops = ops
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The model's own token embedding (scaled where the model scales it); an image
@@ -366,8 +373,9 @@ class TransformersVLM(nn.Module):
             # the text model adds them in token order
             extra = {"visual_pos_masks": mask[None],
                      "deepstack_visual_embeds": list(deep[torch.argsort(dest)].unbind(1))}
-        out = self.text_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
-                              use_cache=False, return_dict=True, **extra)
+        with rotary_ops(self.fused_ops):
+            out = self.text_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
+                                  use_cache=False, return_dict=True, **extra)
         return out.last_hidden_state[0]
 
     def _per_layer_inputs(self, num_tokens: int) -> torch.Tensor:

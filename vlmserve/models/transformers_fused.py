@@ -1,5 +1,6 @@
 """The engine's kernels inside a transformers model (the transformers backend): its
-canonical RMSNorms on the fused ops, its vision towers' attention on the vision backend.
+canonical RMSNorms and rotary on the fused ops, its vision towers' attention on the vision
+backend.
 
 A model's RMSNorm modules whose ``forward`` is transformers' canonical one, the very code of
 ``LlamaRMSNorm.forward`` (statistics in float32, the cast back, then the weight: Qwen2/3,
@@ -7,7 +8,10 @@ Qwen3-VL, Mistral, Idefics3, GLM-4V, InternViT and the many others copied from i
 engine's ``rms_norm`` (`layers/fused.FusedOps`: one Triton kernel on CUDA where transformers
 launches seven or eight; the same arithmetic on the CPU). A norm written otherwise (Gemma's
 ``1 + weight``, Qwen3.5's, Llama 4's) runs as transformers wrote it: the code, not the name,
-decides.
+decides. So for the rotary of the text model's attention: where its module applies it with
+Llama's ``apply_rotary_pos_emb`` (the same code), the engine's forward runs the fused
+``rotary_qk_float32`` instead (`fuse_rotary`, `rotary_ops`: one kernel for q and k on CUDA
+where transformers launches about ten; to the bit on the CPU).
 
 A vision tower whose transformers code has a varlen path for its attention (the Qwen towers,
 GLM-4V's, ...) runs it through the engine's vision attention backend (`vision_attention`:
@@ -17,9 +21,12 @@ image after reading the lengths back from the device).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,6 +67,60 @@ def fuse_rms_norms(model: nn.Module, ops) -> int:
             module.forward = functools.partial(_rms_norm, module, ops)
             count += 1
     return count
+
+
+# the text model's rotary where transformers applies it with the canonical function (Llama's
+# `apply_rotary_pos_emb`, copied into Qwen2/3, Qwen2-VL, Mistral, InternVL, ...): the fused
+# ops of the engine's forward running (None: transformers' own, as for any other caller)
+_ROTARY_OPS: contextvars.ContextVar[Any] = contextvars.ContextVar("vlmserve_rotary_ops",
+                                                                 default=None)
+
+
+@functools.cache
+def _canonical_rotary() -> tuple | None:
+    from transformers.models.llama import modeling_llama
+
+    return _code(modeling_llama.apply_rotary_pos_emb)
+
+
+def _rotary(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        """q [1, heads, T, D], k [1, kv heads, T, D], cos and sin [1, T, D] (halves equal)
+        -> rotated q and k through the engine's ``rotary_qk_float32`` (one kernel for both
+        on CUDA, computed in float32: the native models' rounding; to the bit on float32)."""
+        ops = _ROTARY_OPS.get()
+        if ops is None or unsqueeze_dim != 1 or q.shape[0] != 1 or cos.dim() != 3:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        rq, rk = ops.rotary_qk_float32(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                       cos[0], sin[0])
+        return rq.transpose(0, 1)[None], rk.transpose(0, 1)[None]
+    apply_rotary_pos_emb.vlmserve_original = original
+    return apply_rotary_pos_emb
+
+
+def fuse_rotary(model: nn.Module) -> int:
+    """Route the canonical ``apply_rotary_pos_emb`` of ``model``'s modules (the globals of its
+    classes' modules) through the fused ops inside `rotary_ops`; returns how many modules
+    call it."""
+    count = 0
+    for module in {inspect.getmodule(type(m)) for m in model.modules()}:
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if hasattr(fn, "vlmserve_original"):
+            count += 1
+        elif fn is not None and _code(fn) == _canonical_rotary():
+            module.apply_rotary_pos_emb = _rotary(fn)
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def rotary_ops(ops) -> Iterator[None]:
+    """Inside: the routed rotaries run ``ops.rotary_qk_float32`` (None: transformers')."""
+    token = _ROTARY_OPS.set(ops)
+    try:
+        yield
+    finally:
+        _ROTARY_OPS.reset(token)
 
 
 # the vision towers' attention where transformers has a varlen path for it (a name with
