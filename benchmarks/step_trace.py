@@ -2,7 +2,8 @@
 split into bursts at idle gaps, each step's time taken as the gap between its read-back and
 the previous one (the device's time for it when the loop keeps the device busy), what the
 long steps carried, and (newer traces) the host's launch time and the device's time, the
-vision tower's share of both, and the caching allocator's retries.
+vision tower's share of both, the core thread's CPU time in its launches, and the caching
+allocator's retries.
 
     python benchmarks/step_trace.py trace.jsonl [--long-ms 10]
 """
@@ -28,8 +29,8 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
     done = np.array([s["done"] for s in burst])
     dt = np.diff(done) * 1e3  # step i+1's time
     rest = burst[1:]
-    keys = ["decodes", "prompt_tokens", "images", "image_rows", "launch_ms", "device_ms",
-            "vision_launch_ms", "vision_ms"]
+    keys = ["decodes", "prompt_tokens", "images", "image_rows", "launch_ms", "launch_cpu_ms",
+            "device_ms", "vision_launch_ms", "vision_launch_cpu_ms", "vision_ms"]
     col = {k: np.array([s.get(k) or 0.0 for s in rest], dtype=float) for k in keys}
     with_dec = col["decodes"] > 0
     long = dt > long_ms
@@ -53,9 +54,13 @@ def summarize(burst: list[dict], long_ms: float) -> dict:
         # the host's time launching steps, and the device's from each step's first event to
         # its last (CUDA; host stalls inside a launch included)
         "launch_ms_sum": round(float(col["launch_ms"].sum()), 1),
+        # the core thread's CPU time in those launches (newer traces): the rest it waited
+        # (for the device, or for a CPU that other processes held)
+        "launch_cpu_ms_sum": round(float(col["launch_cpu_ms"].sum()), 1),
         "device_ms_sum": round(float(col["device_ms"].sum()), 1),
         # of those, the vision tower's (host launch; device from the step's start to its end)
         "vision_launch_ms_sum": round(float(col["vision_launch_ms"].sum()), 1),
+        "vision_launch_cpu_ms_sum": round(float(col["vision_launch_cpu_ms"].sum()), 1),
         "vision_ms_sum": round(float(col["vision_ms"].sum()), 1),
         # steps with images whose host launch took at least 90% of their device time: the
         # device waited for the host (or the host blocked on a full launch queue)

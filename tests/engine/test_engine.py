@@ -418,6 +418,11 @@ def test_step_trace_records_every_step(vlmserve_cache, tmp_path, monkeypatch):
     # the tower's launch is timed in the steps that encode, and only there
     assert all((s["vision_launch_ms"] is not None) == (s["images"] > 0) for s in steps)
     assert all(s["vision_launch_ms"] <= s["launch_ms"] for s in steps if s["images"])
+    # and the core thread's CPU time in them: within their wall time (plus the clocks' grain)
+    assert all(0 <= s["launch_cpu_ms"] <= s["launch_ms"] + 1 for s in steps)
+    assert all((s["vision_launch_cpu_ms"] is not None) == (s["images"] > 0) for s in steps)
+    assert all(s["vision_launch_cpu_ms"] <= s["vision_launch_ms"] + 1
+               for s in steps if s["images"])
 
 
 def test_offline_llm_needs_no_serving_packages(vlmserve_cache) -> None:

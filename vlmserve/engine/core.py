@@ -64,22 +64,29 @@ class StepTrace:
     """One JSON line per step read back, for finding where latency goes
     (``VLMSERVE_STEP_TRACE=path``; off otherwise): perf_counter seconds when the host had
     launched the step and when its tokens were read back, the host's milliseconds launching
-    it, on CUDA the device's milliseconds from its first to its last event (gaps where the
-    device waited for the host's launches included) and of those the vision tower's (from the
-    first event to the tower's end) with the host's milliseconds launching the tower, the
-    caching allocator's retries so far, its decodes, prompt tokens, and the images (and their
-    rows) its encoder ran."""
+    it (wall, and the core thread's CPU time: less means it waited), on CUDA the device's
+    milliseconds from its first to its last event (gaps where the device waited for the
+    host's launches included) and of those the vision tower's (from the first event to the
+    tower's end) with the host's milliseconds launching the tower (wall and CPU), the caching
+    allocator's retries so far, its decodes, prompt tokens, and the images (and their rows)
+    its encoder ran."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the core's life
         self._launched: dict[int, tuple[float, float]] = {}
 
-    def launched(self, so: SchedulerOutput, began: float) -> None:
-        now = time.perf_counter()
-        self._launched[id(so)] = (now, 1e3 * (now - began))
+    @staticmethod
+    def clocks() -> tuple[float, float]:
+        """(wall, this thread's CPU) seconds: a launch whose CPU time falls short of its
+        wall time waited (for the device, a lock, or a CPU other processes held)."""
+        return time.perf_counter(), time.thread_time()
+
+    def launched(self, so: SchedulerOutput, began: tuple[float, float]) -> None:
+        now, cpu = self.clocks()
+        self._launched[id(so)] = (now, 1e3 * (now - began[0]), 1e3 * (cpu - began[1]))
 
     def read_back(self, so: SchedulerOutput, result: StepResult) -> None:
-        launch, launch_ms = self._launched.pop(id(so), (None, None))
+        launch, launch_ms, launch_cpu_ms = self._launched.pop(id(so), (None, None, None))
         device_ms = None if result.start is None else result.start.elapsed_time(result.event)
         vision_ms = (None if result.encoded is None
                      else result.start.elapsed_time(result.encoded))
@@ -87,7 +94,9 @@ class StepTrace:
         decodes = sum(1 for k in n if k == 1)
         self._file.write(json.dumps({
             "launch": launch, "done": time.perf_counter(), "launch_ms": launch_ms,
-            "device_ms": device_ms, "vision_launch_ms": result.encode_launch_ms,
+            "launch_cpu_ms": launch_cpu_ms, "device_ms": device_ms,
+            "vision_launch_ms": result.encode_launch_ms,
+            "vision_launch_cpu_ms": result.encode_launch_cpu_ms,
             "vision_ms": vision_ms, "alloc_retries": self._alloc_retries(),
             "decodes": decodes, "prompt_tokens": sum(n) - decodes,
             "images": len(so.encoder_inputs),
@@ -300,7 +309,7 @@ class EngineCore:
             self._last_progress = time.monotonic()
             self.num_computed_tokens += sum(so.num_scheduled_tokens.values())
         updated: list[Request] = failed
-        began = time.perf_counter() if self._trace is not None else 0.0
+        began = StepTrace.clocks() if self._trace is not None else None
         try:
             self._in_flight.append((so, self.executor.execute_model(so)))
             if self._trace is not None:

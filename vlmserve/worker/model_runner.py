@@ -96,6 +96,7 @@ class StepResult:
         # milliseconds launching the tower: what the step trace splits a step by
         self.encoded: torch.cuda.Event | None = None
         self.encode_launch_ms: float | None = None
+        self.encode_launch_cpu_ms: float | None = None
 
     def ready(self) -> bool:
         """Whether the device has finished the step (`get` would not wait)."""
@@ -272,16 +273,18 @@ class ModelRunner:
         self._update_states(so)
         self.store.begin_step()
         try:
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             self.encoder.run(so.encoder_inputs)
             encoded = (self.timeline.mark() if start is not None and so.encoder_inputs
                        else None)
             launch_ms = 1e3 * (time.perf_counter() - began) if so.encoder_inputs else None
+            cpu_ms = 1e3 * (time.thread_time() - began_cpu) if so.encoder_inputs else None
             self.store.prefetch(so.prefetch)  # overlaps with this step's compute
             result = self._run_lm(so)
         finally:
             self.store.end_step()
         result.encoded, result.encode_launch_ms = encoded, launch_ms
+        result.encode_launch_cpu_ms = cpu_ms
         if start is not None:  # one event ends the step, for the timeline and the read-back
             result.event = self.timeline.add(start)
             result.start = start
