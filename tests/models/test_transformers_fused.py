@@ -13,7 +13,12 @@ import torch
 import transformers as tf
 
 from vlmserve.layers.fused import EAGER_OPS
-from vlmserve.models.transformers_fused import fuse_rms_norms, fuse_rotary, rotary_ops
+from vlmserve.models.transformers_fused import (
+    fuse_rms_norms,
+    fuse_rotary,
+    join_projections,
+    rotary_ops,
+)
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -110,3 +115,45 @@ def test_the_triton_rotary_through_the_routed_function(monkeypatch):
     ids = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
     want = _logits(model, ids)
     torch.testing.assert_close(_logits(model, ids, triton_ops), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sibling_projections_run_as_one_gemm_and_the_canonical_mlp_as_the_engines():
+    model = _model(tf.Qwen2ForCausalLM, tf.Qwen2Config(**TINY))  # q/k/v with biases
+    reference = copy.deepcopy(model)
+    ops = _Recording()
+    ops.silu_mul = lambda x: (ops.__dict__.__setitem__("calls", ops.calls + 1)
+                              or EAGER_OPS.silu_mul(x))
+    layers = TINY["num_hidden_layers"]
+    params = sum(p.numel() for p in model.parameters())
+    assert join_projections(model, ops) == 2 * layers
+    assert join_projections(model, ops) == 2 * layers  # again: the same joins
+    assert sum(p.numel() for p in model.parameters()) == params  # views, no copy
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == \
+        attn.q_proj.weight.untyped_storage().data_ptr()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert ops.calls == layers  # the MLPs through silu_mul
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a sibling called on another input computes its own
+    x, y = torch.randn(3, TINY["hidden_size"]), torch.randn(3, TINY["hidden_size"])
+    ref_attn = reference.model.layers[0].self_attn
+    with torch.no_grad():
+        assert torch.allclose(attn.q_proj(x), ref_attn.q_proj(x), atol=1e-6)
+        assert torch.allclose(attn.k_proj(y), ref_attn.k_proj(y), atol=1e-6)
+        assert torch.allclose(attn.v_proj(y), ref_attn.v_proj(y), atol=1e-6)
+        assert attn.v_proj.forward.func.__self__._input is None  # the last one let it go
+
+
+def test_a_gelu_mlp_keeps_its_forward_with_its_projections_joined():
+    config = tf.GemmaConfig(**TINY, hidden_activation="gelu_pytorch_tanh")
+    model = _model(tf.GemmaForCausalLM, config)
+    reference = copy.deepcopy(model)
+    ops = _Recording()
+    assert join_projections(model, ops) == 2 * TINY["num_hidden_layers"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert ops.calls == 0

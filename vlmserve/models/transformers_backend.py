@@ -81,6 +81,7 @@ from vlmserve.models.transformers_fused import (
     VISION_ATTENTION_NAME,
     fuse_rms_norms,
     fuse_rotary,
+    join_projections,
     rotary_ops,
     set_vision_attention,
     use_varlen_vision_attention,
@@ -199,7 +200,7 @@ class TransformersVLM(nn.Module):
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
         # RMSNorms and modules' rotaries on the engine's ops (`set_fused_ops`)
-        self.num_fused_norms = self.num_fused_rotaries = 0
+        self.num_fused_norms = self.num_fused_rotaries = self.num_joined = 0
         self.fused_ops = None
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
             tc, "attn_logit_softcapping", None)
@@ -323,10 +324,12 @@ class TransformersVLM(nn.Module):
 
     def set_fused_ops(self, ops) -> None:
         """The model's canonical RMSNorms run ``ops.rms_norm``, its canonical rotary
-        ``ops.rotary_qk_float32`` (`transformers_fused`); everything else as transformers
-        wrote it."""
+        ``ops.rotary_qk_float32``, its sibling projections one GEMM and its canonical SiLU
+        MLPs ``ops.silu_mul`` (`transformers_fused`); everything else as transformers wrote
+        it."""
         self.num_fused_norms = fuse_rms_norms(self.hf, ops)
         self.num_fused_rotaries = fuse_rotary(self.hf)
+        self.num_joined = join_projections(self.hf, ops)
         self.fused_ops = ops
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

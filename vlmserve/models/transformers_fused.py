@@ -11,7 +11,9 @@ launches seven or eight; the same arithmetic on the CPU). A norm written otherwi
 decides. So for the rotary of the text model's attention: where its module applies it with
 Llama's ``apply_rotary_pos_emb`` (the same code), the engine's forward runs the fused
 ``rotary_qk_float32`` instead (`fuse_rotary`, `rotary_ops`: one kernel for q and k on CUDA
-where transformers launches about ten; to the bit on the CPU).
+where transformers launches about ten; to the bit on the CPU). Sibling projections of one
+input (q/k/v, gate/up) run as one GEMM (`join_projections`), and a gated MLP with SiLU written
+as Llama's runs the engine's ``silu_mul`` on it, the native models' path.
 
 A vision tower whose transformers code has a varlen path for its attention (the Qwen towers,
 GLM-4V's, ...) runs it through the engine's vision attention backend (`vision_attention`:
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.layers.vision_attention import build_varlen_plan, varlen_attention
@@ -66,6 +69,86 @@ def fuse_rms_norms(model: nn.Module, ops) -> int:
         if _code(type(module).forward) == _canonical():
             module.forward = functools.partial(_rms_norm, module, ops)
             count += 1
+    return count
+
+
+# projections of one input that transformers runs as separate GEMMs: one GEMM over their
+# weights laid end to end (each module's weight a view of its rows: no copy), its output split
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Joined:
+    """Sibling linear layers' one GEMM: the first call with an input computes every part,
+    each sibling takes its own (a call with another input computes again; the last sibling's
+    call lets the input and the parts go)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.weight = torch.cat([m.weight.detach() for m in linears])
+        self.bias = (torch.cat([m.bias.detach() for m in linears])
+                     if linears[0].bias is not None else None)
+        self.sizes = [m.out_features for m in linears]
+        at = 0
+        for m, n in zip(linears, self.sizes, strict=True):  # views of the joined tensors
+            m.weight = nn.Parameter(self.weight[at:at + n], requires_grad=False)
+            if self.bias is not None:
+                m.bias = nn.Parameter(self.bias[at:at + n], requires_grad=False)
+            at += n
+        self._input: torch.Tensor | None = None  # held: no other tensor takes its id
+        self._parts: tuple[torch.Tensor, ...] = ()
+
+    def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:
+            self._input = x
+            self._parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        out = self._parts[i]
+        if i == len(self.sizes) - 1:  # the last sibling: let the input and output go
+            self._input, self._parts = None, ()
+        return out
+
+
+def _joinable(linears: list[Any]) -> bool:
+    first = linears[0]
+    return all(type(m) is nn.Linear and m.in_features == first.in_features
+               and m.weight.dtype == first.weight.dtype and m.weight.device == first.weight.device
+               and (m.bias is None) == (first.bias is None) for m in linears)
+
+
+@functools.cache
+def _canonical_mlp() -> tuple | None:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return _code(LlamaMLP.forward)
+
+
+def _gated_mlp(module: nn.Module, joined: _Joined, ops, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(ops.silu_mul(F.linear(x, joined.weight, joined.bias)))
+
+
+def join_projections(model: nn.Module, ops) -> int:
+    """Run each module's sibling projections (q/k/v, gate/up) of one input as one GEMM; a
+    module whose forward is transformers' canonical gated MLP with SiLU (Llama's code) runs
+    ``down_proj(ops.silu_mul(gate_up(x)))``, the native models' path. Returns how many
+    modules were joined."""
+    count = 0
+    for module in model.modules():
+        for names in _SIBLINGS:
+            linears = [getattr(module, n, None) for n in names]
+            done = getattr(module, "vlmserve_joined", {})
+            if names in done:  # joined before (other ops now)
+                joined = done[names]
+            elif any(m is None for m in linears) or not _joinable(linears):
+                continue
+            else:
+                joined = _Joined(linears)
+                module.vlmserve_joined = {**done, names: joined}
+            count += 1
+            act = getattr(module, "act_fn", None)
+            if (names[0] == "gate_proj" and _code(type(module).forward) == _canonical_mlp()
+                    and type(act).__name__ in ("SiLU", "SiLUActivation")):
+                module.forward = functools.partial(_gated_mlp, module, joined, ops)
+                continue
+            for i, m in enumerate(linears):
+                m.forward = functools.partial(joined.part, i)
     return count
 
 
