@@ -199,7 +199,7 @@ class TransformersVLM(nn.Module):
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
-        # RMSNorms and modules' rotaries on the engine's ops (`set_fused_ops`)
+        # RMSNorms, rotaries and joined projections on the engine's ops (`set_fused_ops`)
         self.num_fused_norms = self.num_fused_rotaries = self.num_joined = 0
         self.fused_ops = None
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(

@@ -39,8 +39,8 @@ def _to_device(value: Any, device: torch.device, hosts: _Hosts) -> Any:
         moved = value.to(device, non_blocking=True)
         hosts[id(moved)] = moved, value
         return moved
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device, hosts) for v in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device, hosts) for v in value)
     return value
 
 
