@@ -14,6 +14,7 @@ import transformers as tf
 
 from vlmserve.layers.fused import EAGER_OPS
 from vlmserve.models.transformers_fused import (
+    fuse_quick_gelus,
     fuse_rms_norms,
     fuse_rotary,
     join_projections,
@@ -157,3 +158,47 @@ def test_a_gelu_mlp_keeps_its_forward_with_its_projections_joined():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits,
                                    rtol=1e-5, atol=1e-5)
     assert ops.calls == 0
+
+
+def test_the_vision_tower_rotary_and_quick_gelu_run_the_engines_ops_bit_for_bit():
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+
+    config = tf.Qwen2VLConfig(vision_config=dict(depth=2, embed_dim=32, num_heads=4,
+                                                 mlp_ratio=2, hidden_act="quick_gelu"))
+    torch.manual_seed(0)
+    tower = m.Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config).eval()
+    reference = copy.deepcopy(tower)
+    ops = _Recording()
+    ops.quick_gelu = lambda x: (ops.__dict__.__setitem__("calls", ops.calls + 1)
+                                or EAGER_OPS.quick_gelu(x))
+    assert fuse_rotary(tower) >= 1 and fuse_quick_gelus(tower, ops) == 2
+    grid = torch.tensor([[1, 4, 6]])
+    pixels = torch.randn(24, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = reference(pixels, grid_thw=grid).last_hidden_state
+        calls = ops.calls  # the GELUs run ours always; the rotary only inside rotary_ops
+        with rotary_ops(ops):
+            got = tower(pixels, grid_thw=grid).last_hidden_state
+    assert ops.calls == calls + 2 * 2  # two layers: a rotary and a GELU each
+    assert torch.equal(got, want)
+
+
+def test_a_rotary_whose_cos_halves_differ_keeps_transformers_function():
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+
+    tower = tf.Qwen2VLConfig(vision_config=dict(depth=1, embed_dim=32, num_heads=4))
+    fuse_rotary(m.Qwen2VisionTransformerPretrainedModel._from_config(tower.vision_config))
+    routed = m.apply_rotary_pos_emb_vision.__self__
+    q, k = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)  # halves that differ
+    state = routed.halves_agree
+    try:
+        routed.halves_agree = None
+        ops = _Recording()
+        with rotary_ops(ops):
+            got = m.apply_rotary_pos_emb_vision(q, k, cos, sin)
+        assert ops.calls == 0 and routed.halves_agree is False
+        want = routed.original(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        routed.halves_agree = state

@@ -79,6 +79,7 @@ from vlmserve.models.transformers_families import (
 )
 from vlmserve.models.transformers_fused import (
     VISION_ATTENTION_NAME,
+    fuse_quick_gelus,
     fuse_rms_norms,
     fuse_rotary,
     join_projections,
@@ -200,7 +201,7 @@ class TransformersVLM(nn.Module):
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
         # RMSNorms, rotaries and joined projections on the engine's ops (`set_fused_ops`)
-        self.num_fused_norms = self.num_fused_rotaries = self.num_joined = 0
+        self.num_fused_norms = self.num_fused_rotaries = self.num_joined = self.num_fused_gelus = 0
         self.fused_ops = None
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
             tc, "attn_logit_softcapping", None)
@@ -323,13 +324,14 @@ class TransformersVLM(nn.Module):
         set_vision_attention(self.hf, fn)
 
     def set_fused_ops(self, ops) -> None:
-        """The model's canonical RMSNorms run ``ops.rms_norm``, its canonical rotary
-        ``ops.rotary_qk_float32``, its sibling projections one GEMM and its canonical SiLU
-        MLPs ``ops.silu_mul`` (`transformers_fused`); everything else as transformers wrote
-        it."""
+        """The model's canonical RMSNorms run ``ops.rms_norm``, its canonical rotaries (text
+        and vision) ``ops.rotary_qk_float32``, its sibling projections one GEMM, its
+        canonical SiLU MLPs ``ops.silu_mul`` and its QuickGELUs ``ops.quick_gelu``
+        (`transformers_fused`); everything else as transformers wrote it."""
         self.num_fused_norms = fuse_rms_norms(self.hf, ops)
         self.num_fused_rotaries = fuse_rotary(self.hf)
         self.num_joined = join_projections(self.hf, ops)
+        self.num_fused_gelus = fuse_quick_gelus(self.hf, ops)
         self.fused_ops = ops
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -471,7 +473,7 @@ class TransformersVLM(nn.Module):
         the host where the tower allows it, else moved to ``device`` first."""
         if self.host_grids:
             try:
-                with host_grids(device):
+                with host_grids(device), rotary_ops(self.fused_ops):
                     return self._features(**kwargs)
             except torch.OutOfMemoryError:
                 raise
@@ -480,7 +482,8 @@ class TransformersVLM(nn.Module):
                 logger.info("%s: its vision tower reads its grids on the device (%s)",
                             self.config.model_type, str(e).splitlines()[0])
         moved = {k: v.to(device, non_blocking=True) for k, v in kwargs.items() if k in hosted}
-        return self._features(**{**kwargs, **moved})
+        with rotary_ops(self.fused_ops):
+            return self._features(**{**kwargs, **moved})
 
     def _span_rows(self, layout, features: torch.Tensor) -> torch.Tensor:
         """An image's span: its feature rows at its image tokens, the embeddings of its

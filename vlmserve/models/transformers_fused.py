@@ -8,10 +8,11 @@ Qwen3-VL, Mistral, Idefics3, GLM-4V, InternViT and the many others copied from i
 engine's ``rms_norm`` (`layers/fused.FusedOps`: one Triton kernel on CUDA where transformers
 launches seven or eight; the same arithmetic on the CPU). A norm written otherwise (Gemma's
 ``1 + weight``, Qwen3.5's, Llama 4's) runs as transformers wrote it: the code, not the name,
-decides. So for the rotary of the text model's attention: where its module applies it with
-Llama's ``apply_rotary_pos_emb`` (the same code), the engine's forward runs the fused
-``rotary_qk_float32`` instead (`fuse_rotary`, `rotary_ops`: one kernel for q and k on CUDA
-where transformers launches about ten; to the bit on the CPU). Sibling projections of one
+decides. So for the rotaries: where a module applies one with Llama's
+``apply_rotary_pos_emb`` or Qwen2-VL's ``apply_rotary_pos_emb_vision`` (the same code), the
+engine's forward and tower run the fused ``rotary_qk_float32`` instead (`fuse_rotary`,
+`rotary_ops`: one kernel for q and k on CUDA where transformers launches about ten; to the bit
+on the CPU), and for QuickGELU (`fuse_quick_gelus`). Sibling projections of one
 input (q/k/v, gate/up) run as one GEMM (`join_projections`), and a gated MLP with SiLU written
 as Llama's runs the engine's ``silu_mul`` on it, the native models' path.
 
@@ -152,47 +153,73 @@ def join_projections(model: nn.Module, ops) -> int:
     return count
 
 
-# the text model's rotary where transformers applies it with the canonical function (Llama's
-# `apply_rotary_pos_emb`, copied into Qwen2/3, Qwen2-VL, Mistral, InternVL, ...): the fused
-# ops of the engine's forward running (None: transformers' own, as for any other caller)
+# the rotary where transformers applies it with a canonical function (Llama's
+# `apply_rotary_pos_emb`, copied into Qwen2/3, Qwen2-VL, Mistral, InternVL, ...; Qwen2-VL's
+# `apply_rotary_pos_emb_vision`, copied into the Qwen towers, GLM-4V's, ...): the fused ops of
+# the engine's forward running (None: transformers' own, as for any other caller)
 _ROTARY_OPS: contextvars.ContextVar[Any] = contextvars.ContextVar("vlmserve_rotary_ops",
                                                                  default=None)
 
 
 @functools.cache
-def _canonical_rotary() -> tuple | None:
+def _canonical_rotaries() -> dict[str, tuple | None]:
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
 
-    return _code(modeling_llama.apply_rotary_pos_emb)
+    return {"apply_rotary_pos_emb": _code(modeling_llama.apply_rotary_pos_emb),
+            "apply_rotary_pos_emb_vision": _code(modeling_qwen2_vl.apply_rotary_pos_emb_vision)}
 
 
-def _rotary(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        """q [1, heads, T, D], k [1, kv heads, T, D], cos and sin [1, T, D] (halves equal)
-        -> rotated q and k through the engine's ``rotary_qk_float32`` (one kernel for both
-        on CUDA, computed in float32: the native models' rounding; to the bit on float32)."""
+class _Routed:
+    """A canonical rotary through ``ops.rotary_qk_float32`` (q [T, heads, D], cos [T, D];
+    one kernel for q and k on CUDA, float32 inside and one rounding: to the bit of
+    transformers' on float32). The kernel reads the first half of cos and sin: the first
+    call outside a graph capture checks that their halves agree (one read back, once), and
+    a model whose halves differ keeps transformers' function."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.halves_agree: bool | None = None
+
+    def usable(self, cos: torch.Tensor) -> bool:
+        if self.halves_agree is None:
+            if cos.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            half = cos.shape[-1] // 2
+            self.halves_agree = bool(torch.equal(cos[..., :half], cos[..., half:]))
+        return self.halves_agree
+
+    def text(self, q, k, cos, sin, unsqueeze_dim=1):
+        """q [1, heads, T, D], k [1, kv heads, T, D], cos and sin [1, T, D]."""
         ops = _ROTARY_OPS.get()
-        if ops is None or unsqueeze_dim != 1 or q.shape[0] != 1 or cos.dim() != 3:
-            return original(q, k, cos, sin, unsqueeze_dim)
+        if (ops is None or unsqueeze_dim != 1 or q.shape[0] != 1 or cos.dim() != 3
+                or not self.usable(cos)):
+            return self.original(q, k, cos, sin, unsqueeze_dim)
         rq, rk = ops.rotary_qk_float32(q[0].transpose(0, 1), k[0].transpose(0, 1),
                                        cos[0], sin[0])
         return rq.transpose(0, 1)[None], rk.transpose(0, 1)[None]
-    apply_rotary_pos_emb.vlmserve_original = original
-    return apply_rotary_pos_emb
+
+    def vision(self, q, k, cos, sin):
+        """q [T, heads, D], k [T, heads, D], cos and sin [T, D]."""
+        ops = _ROTARY_OPS.get()
+        if ops is None or q.dim() != 3 or cos.dim() != 2 or not self.usable(cos):
+            return self.original(q, k, cos, sin)
+        return ops.rotary_qk_float32(q, k, cos, sin)
 
 
 def fuse_rotary(model: nn.Module) -> int:
-    """Route the canonical ``apply_rotary_pos_emb`` of ``model``'s modules (the globals of its
-    classes' modules) through the fused ops inside `rotary_ops`; returns how many modules
-    call it."""
+    """Route the canonical rotaries of ``model``'s modules (the globals of its classes'
+    modules) through the fused ops inside `rotary_ops`; returns how many functions."""
     count = 0
     for module in {inspect.getmodule(type(m)) for m in model.modules()}:
-        fn = getattr(module, "apply_rotary_pos_emb", None)
-        if hasattr(fn, "vlmserve_original"):
-            count += 1
-        elif fn is not None and _code(fn) == _canonical_rotary():
-            module.apply_rotary_pos_emb = _rotary(fn)
-            count += 1
+        for name, code in _canonical_rotaries().items():
+            fn = getattr(module, name, None)
+            if hasattr(fn, "__self__") and isinstance(fn.__self__, _Routed):
+                count += 1
+            elif fn is not None and _code(fn) == code:
+                routed = _Routed(fn)
+                setattr(module, name, routed.vision if name.endswith("vision") else routed.text)
+                count += 1
     return count
 
 
@@ -204,6 +231,25 @@ def rotary_ops(ops) -> Iterator[None]:
         yield
     finally:
         _ROTARY_OPS.reset(token)
+
+
+@functools.cache
+def _canonical_quick_gelu() -> tuple | None:
+    from transformers.activations import QuickGELUActivation
+
+    return _code(QuickGELUActivation.forward)
+
+
+def fuse_quick_gelus(model: nn.Module, ops) -> int:
+    """``x * sigmoid(1.702 x)`` modules (transformers' QuickGELU: CLIP's, the Qwen2-VL
+    tower's) run ``ops.quick_gelu`` (one kernel on CUDA where transformers launches three);
+    returns how many."""
+    count = 0
+    for module in model.modules():
+        if _code(type(module).forward) == _canonical_quick_gelu():
+            module.forward = ops.quick_gelu
+            count += 1
+    return count
 
 
 # the vision towers' attention where transformers has a varlen path for it (a name with
