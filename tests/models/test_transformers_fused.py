@@ -80,6 +80,10 @@ def test_another_dtype_than_the_weights_takes_transformers_forward():
     assert torch.equal(norm(x), want) and want.dtype == torch.float32 and ops.calls == 0
 
 
+def proj_name(attn, proj) -> str:
+    return next(n for n, m in attn.named_children() if m is proj)
+
+
 def _logits(model, ids, ops=None):
     with torch.no_grad(), rotary_ops(ops):
         return model(ids).logits
@@ -144,7 +148,11 @@ def test_sibling_projections_run_as_one_gemm_and_the_canonical_mlp_as_the_engine
         assert torch.allclose(attn.q_proj(x), ref_attn.q_proj(x), atol=1e-6)
         assert torch.allclose(attn.k_proj(y), ref_attn.k_proj(y), atol=1e-6)
         assert torch.allclose(attn.v_proj(y), ref_attn.v_proj(y), atol=1e-6)
-        assert attn.v_proj.forward.func.__self__._input is None  # the last one let it go
+        joined = attn.v_proj.forward.func.__self__
+        for proj in (attn.v_proj, attn.k_proj, attn.q_proj):  # in any order
+            assert torch.allclose(proj(x), getattr(ref_attn, proj_name(attn, proj))(x),
+                                  atol=1e-6)
+        assert joined._input is None  # every sibling served: let go
 
 
 def test_a_gelu_mlp_keeps_its_forward_with_its_projections_joined():

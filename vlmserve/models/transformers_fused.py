@@ -80,8 +80,8 @@ _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 class _Joined:
     """Sibling linear layers' one GEMM: the first call with an input computes every part,
-    each sibling takes its own (a call with another input computes again; the last sibling's
-    call lets the input and the parts go)."""
+    each sibling takes its own (a call with another input computes again; once every sibling
+    has taken its part, the input and the parts are let go)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.weight = torch.cat([m.weight.detach() for m in linears])
@@ -96,13 +96,15 @@ class _Joined:
             at += n
         self._input: torch.Tensor | None = None  # held: no other tensor takes its id
         self._parts: tuple[torch.Tensor, ...] = ()
+        self._taken: set[int] = set()
 
     def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if self._input is not x:
-            self._input = x
+        if self._input is not x or i in self._taken:
+            self._input, self._taken = x, set()
             self._parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         out = self._parts[i]
-        if i == len(self.sizes) - 1:  # the last sibling: let the input and output go
+        self._taken.add(i)
+        if len(self._taken) == len(self.sizes):  # every sibling served: let them go
             self._input, self._parts = None, ()
         return out
 
