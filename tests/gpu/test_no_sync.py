@@ -77,4 +77,4 @@ def test_transformers_backend_towers_never_wait_for_the_device(vlmserve_cache, m
                for i in range(6)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-    assert calls and model_.host_grids
+    assert calls and model_.grids.on

@@ -190,7 +190,7 @@ def _check(name: str, path: str, ref: Reference, impl: str, seen: dict) -> None:
     assert _run(chunked, prompts) == expected, f"{name_impl}: chunked at {budget}"
     assert bool(calls) == (impl == "transformers" and name in VARLEN_VISION), name
     if impl == "transformers":  # their grids read on the host throughout (no fallback)
-        assert model.host_grids == (name in VARLEN_VISION), name
+        assert model.grids.on == (name in VARLEN_VISION), name
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[_NO_TORCHVISION] if n in NEEDS_TORCHVISION

@@ -36,10 +36,7 @@ def test_small_integer_tensors_travel_as_values_in_the_meta():
 
 
 @pytest.fixture(scope="module")
-def qwen_backend(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("VLMSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+def qwen_backend(vlmserve_cache):
     return LLM("tiny-qwen2-vl", dtype="float32", device="cpu", model_impl="transformers",
                max_num_seqs=4)
 
@@ -50,7 +47,7 @@ def test_helpers_compute_on_the_host_and_hand_the_device_their_results(qwen_back
     from transformers.vision_utils import get_vision_position_ids
 
     model = qwen_backend.engine.executor.runner.model
-    assert model.host_grids and wrap_vision_helpers(model.hf)  # wrapped once, found again
+    assert model.grids.on and wrap_vision_helpers(model.hf)  # wrapped once, found again
     grid = torch.tensor([[1, 4, 6], [2, 2, 2]])
     want = get_vision_position_ids(grid, 2)
     assert torch.equal(m.get_vision_position_ids(grid, 2), want)  # outside: as written
@@ -76,18 +73,18 @@ def test_a_tower_that_cannot_take_host_grids_falls_back_unchanged(qwen_backend):
     features, grids_seen = model._features, []
 
     def mixing(**kwargs):
-        grids_seen.append(model.host_grids)
-        if model.host_grids:  # as a tower mixing a host grid with device tensors does
+        grids_seen.append(model.grids.on)
+        if model.grids.on:  # as a tower mixing a host grid with device tensors does
             raise RuntimeError("Expected all tensors to be on the same device")
         return features(**kwargs)
 
     model._features = mixing
     try:
         got = model.encode_images(pixels, metas)
-        assert grids_seen == [True, False] and not model.host_grids
+        assert grids_seen == [True, False] and not model.grids.on
         assert torch.equal(got, want)
         assert torch.equal(model.encode_images(pixels, metas), want)  # device grids from then on
         assert grids_seen == [True, False, False]
     finally:
         model._features = features
-        model.host_grids = True
+        model.grids.on = True

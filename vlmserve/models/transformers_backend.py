@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,23 +78,18 @@ from vlmserve.models.transformers_families import (
 )
 from vlmserve.models.transformers_fused import (
     VISION_ATTENTION_NAME,
-    fuse_quick_gelus,
-    fuse_rms_norms,
-    fuse_rotary,
-    join_projections,
     rotary_ops,
     set_vision_attention,
+    use_engine_ops,
     use_varlen_vision_attention,
     vision_attention,
 )
-from vlmserve.models.transformers_grids import host_grids, wrap_vision_helpers
+from vlmserve.models.transformers_grids import HostGrids
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
     unpack_meta,
     unpack_tensors,
 )
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vlmserve"
 
@@ -200,9 +194,7 @@ class TransformersVLM(nn.Module):
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
         # windowed layers run the reference attention, whose masks are built on the host per
         # step: no decode graph can hold them
-        # RMSNorms, rotaries and joined projections on the engine's ops (`set_fused_ops`)
-        self.num_fused_norms = self.num_fused_rotaries = self.num_joined = self.num_fused_gelus = 0
-        self.fused_ops = None
+        self.fused_ops = None  # the engine's ops inside the model (`set_fused_ops`)
         self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
             tc, "attn_logit_softcapping", None)
         inner = getattr(hf_model, "model", hf_model)
@@ -265,9 +257,7 @@ class TransformersVLM(nn.Module):
         self._features = getattr(hf_model, "get_image_features", None) or \
             inner.get_image_features
         self._feature_args = set(inspect.signature(self._features).parameters)
-        # the tower reads its grids on the host (`transformers_grids`) until a forward shows
-        # it cannot (it mixed them with device tensors): then on the device
-        self.host_grids = wrap_vision_helpers(hf_model)
+        self.grids = HostGrids(hf_model)  # its tower's grids on the host where it allows
 
     # ---- building ------------------------------------------------------------------------
 
@@ -328,10 +318,7 @@ class TransformersVLM(nn.Module):
         and vision) ``ops.rotary_qk_float32``, its sibling projections one GEMM, its
         canonical SiLU MLPs ``ops.silu_mul`` and its QuickGELUs ``ops.quick_gelu``
         (`transformers_fused`); everything else as transformers wrote it."""
-        self.num_fused_norms = fuse_rms_norms(self.hf, ops)
-        self.num_fused_rotaries = fuse_rotary(self.hf)
-        self.num_joined = join_projections(self.hf, ops)
-        self.num_fused_gelus = fuse_quick_gelus(self.hf, ops)
+        use_engine_ops(self.hf, ops)
         self.fused_ops = ops
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -454,7 +441,8 @@ class TransformersVLM(nn.Module):
             n, several = len(tensors), bool(kwargs["batch_num_images"][0] > 1)
             kwargs["batch_num_images"] = torch.tensor([max(n, 2)] if several else [1] * n)
             hosted.discard("batch_num_images")  # read on the host, as transformers makes it
-        out = self._run_features(kwargs, hosted, pixel_device)
+        with rotary_ops(self.fused_ops):
+            out = self.grids.call(self._features, kwargs, hosted, pixel_device)
         deep = getattr(out, "deepstack_features", None)
         if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
             out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
@@ -466,24 +454,6 @@ class TransformersVLM(nn.Module):
             raise RuntimeError(f"{self.config.model_type}: get_image_features gave "
                                f"{flat.shape[0]} rows for images of {counts} image tokens")
         return list(flat.split(counts))
-
-    def _run_features(self, kwargs: dict[str, torch.Tensor], hosted: set[str],
-                      device: torch.device) -> Any:
-        """``get_image_features(**kwargs)``, the ``hosted`` tensors (grids, sizes) read on
-        the host where the tower allows it, else moved to ``device`` first."""
-        if self.host_grids:
-            try:
-                with host_grids(device), rotary_ops(self.fused_ops):
-                    return self._features(**kwargs)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as e:  # a host grid met a device tensor
-                self.host_grids = False
-                logger.info("%s: its vision tower reads its grids on the device (%s)",
-                            self.config.model_type, str(e).splitlines()[0])
-        moved = {k: v.to(device, non_blocking=True) for k, v in kwargs.items() if k in hosted}
-        with rotary_ops(self.fused_ops):
-            return self._features(**{**kwargs, **moved})
 
     def _span_rows(self, layout, features: torch.Tensor) -> torch.Tensor:
         """An image's span: its feature rows at its image tokens, the embeddings of its

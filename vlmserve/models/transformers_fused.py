@@ -63,14 +63,20 @@ def _rms_norm(module: nn.Module, ops, hidden_states: torch.Tensor) -> torch.Tens
     return ops.rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
-def fuse_rms_norms(model: nn.Module, ops) -> int:
-    """Route ``model``'s canonical RMSNorms through ``ops.rms_norm``; returns how many."""
+def _route(model: nn.Module, canonical: tuple | None, forward) -> int:
+    """Each module of ``model`` whose forward has the ``canonical`` code runs
+    ``forward(module)`` instead; returns how many."""
     count = 0
     for module in model.modules():
-        if _code(type(module).forward) == _canonical():
-            module.forward = functools.partial(_rms_norm, module, ops)
+        if _code(type(module).forward) == canonical:
+            module.forward = forward(module)
             count += 1
     return count
+
+
+def fuse_rms_norms(model: nn.Module, ops) -> int:
+    """Route ``model``'s canonical RMSNorms through ``ops.rms_norm``; returns how many."""
+    return _route(model, _canonical(), lambda m: functools.partial(_rms_norm, m, ops))
 
 
 # projections of one input that transformers runs as separate GEMMs: one GEMM over their
@@ -246,12 +252,14 @@ def fuse_quick_gelus(model: nn.Module, ops) -> int:
     """``x * sigmoid(1.702 x)`` modules (transformers' QuickGELU: CLIP's, the Qwen2-VL
     tower's) run ``ops.quick_gelu`` (one kernel on CUDA where transformers launches three);
     returns how many."""
-    count = 0
-    for module in model.modules():
-        if _code(type(module).forward) == _canonical_quick_gelu():
-            module.forward = ops.quick_gelu
-            count += 1
-    return count
+    return _route(model, _canonical_quick_gelu(), lambda m: ops.quick_gelu)
+
+
+def use_engine_ops(model: nn.Module, ops) -> dict[str, int]:
+    """Everything above on ``model``: how many norms, rotary functions, joined modules and
+    QuickGELUs run the engine's ``ops`` (the rotaries inside `rotary_ops`)."""
+    return {"rms_norms": fuse_rms_norms(model, ops), "rotaries": fuse_rotary(model),
+            "joined": join_projections(model, ops), "quick_gelus": fuse_quick_gelus(model, ops)}
 
 
 # the vision towers' attention where transformers has a varlen path for it (a name with

@@ -1,5 +1,5 @@
 """Image grids read on the host in a transformers model's vision tower (the transformers
-backend), so that the tower's launch never waits for the device.
+backend), so that the tower's launch need not wait for the device.
 
 transformers' Qwen towers and some thirty others (GLM-4V, PaddleOCR-VL, Hunyuan-VL, ...)
 compute what they need beside the pixels (rotary positions, attention segments, window
@@ -11,7 +11,7 @@ Here the grids stay on the host: `wrap_vision_helpers` puts the helpers' results
 ``get_max_seqlen``'s input) on the device only once they are computed, inside `host_grids`.
 
 A model whose tower mixes a host grid with device tensors elsewhere raises on its first
-forward; the backend then gives it device grids from then on (`TransformersVLM`).
+forward; `HostGrids` then gives it device grids from then on.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # the device the helpers' results go to (None: outside `host_grids`, they run as written), and
 # by id each device tensor they made in this forward with its host tensor (both kept alive:
@@ -104,3 +107,27 @@ def host_grids(device: torch.device) -> Iterator[None]:
         yield
     finally:
         _TARGET.reset(token)
+
+
+class HostGrids:
+    """How a model's tower is called: its small integer tensors (``hosted``: grids, sizes) on
+    the host where its modules call transformers' vision helpers (`on`), until a call shows
+    that it mixes them with device tensors; else moved to the device first."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.on = wrap_vision_helpers(model)
+
+    def call(self, fn, kwargs: dict[str, torch.Tensor], hosted: set[str],
+             device: torch.device) -> Any:
+        if self.on:
+            try:
+                with host_grids(device):
+                    return fn(**kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # a host grid met a device tensor
+                self.on = False
+                logger.info("a vision tower reads its grids on the device from now on (%s)",
+                            str(e).splitlines()[0])
+        moved = {k: v.to(device, non_blocking=True) for k, v in kwargs.items() if k in hosted}
+        return fn(**{**kwargs, **moved})

@@ -273,12 +273,13 @@ class ModelRunner:
         self._update_states(so)
         self.store.begin_step()
         try:
-            began, began_cpu = time.perf_counter(), time.thread_time()
-            self.encoder.run(so.encoder_inputs)
-            encoded = (self.timeline.mark() if start is not None and so.encoder_inputs
-                       else None)
-            launch_ms = 1e3 * (time.perf_counter() - began) if so.encoder_inputs else None
-            cpu_ms = 1e3 * (time.thread_time() - began_cpu) if so.encoder_inputs else None
+            encoded = launch_ms = cpu_ms = None
+            if so.encoder_inputs:  # the tower's launch timed (wall and this thread's CPU)
+                began, began_cpu = time.perf_counter(), time.thread_time()
+                self.encoder.run(so.encoder_inputs)
+                encoded = self.timeline.mark() if start is not None else None
+                launch_ms = 1e3 * (time.perf_counter() - began)
+                cpu_ms = 1e3 * (time.thread_time() - began_cpu)
             self.store.prefetch(so.prefetch)  # overlaps with this step's compute
             result = self._run_lm(so)
         finally:
