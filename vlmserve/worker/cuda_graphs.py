@@ -24,16 +24,25 @@ logger = logging.getLogger(__name__)
 def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
     """A graph of ``fn`` in ``pool`` and its output (computed once the graph is replayed):
     two eager runs on a side stream first (Triton compiles; cuDNN and cuBLAS choose), then
-    the capture (``error_mode``: torch's ``capture_error_mode``)."""
+    the capture on that stream (``error_mode``: torch's ``capture_error_mode``).
+
+    Not `torch.cuda.graph`: it synchronizes the device and empties the caching allocators
+    (device and pinned host) before every capture, so that a graph captured while serving
+    (a vision bucket met for the first time) would stall the step loop and make every later
+    allocation a fresh cudaMalloc or cudaHostAlloc. The capture itself runs no work, so the
+    side stream's pending warm-up runs need no wait."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
+        graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
-        out = fn()
     return graph, out
 
 
