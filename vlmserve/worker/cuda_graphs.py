@@ -178,6 +178,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.forwards: dict[int, object] = {}
         pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()  # once, at start-up: the graphs' pool may take what is cached
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             fn = self._forward_fn(bs, kv_caches)
             self.graphs[bs] = capture_graph(fn, pool)
