@@ -58,6 +58,21 @@ def resolve_device(name: str, rank: int | None = None) -> torch.device:
     return device
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor built for this step, on ``device`` without waiting for its stream: on
+    CUDA it is copied from pinned memory (torch's caching host allocator, whose block is
+    reused only once the copy is done). From pageable memory the driver stages the copy and
+    "may synchronize with the stream" (CUDA's API synchronization notes), which would make
+    the launch wait for every step queued before it; torch's sync debug mode does not see
+    such a wait."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def device_memory(device: torch.device) -> int | None:
     """A GPU's total memory in bytes (what its default batch limits are sized by); None for
     any other device."""

@@ -78,3 +78,43 @@ def test_transformers_backend_towers_never_wait_for_the_device(vlmserve_cache, m
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert calls and model_.grids.on
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_served_size_steps_launch_ahead_of_a_sleeping_device(vlmserve_cache, offload):
+    """Waits below torch, which its sync debug mode cannot see: a copy from pageable host
+    memory, which the driver "may" stage after synchronizing with the stream (CUDA's API
+    synchronization notes), or any other blocking driver call. Before each launch the device
+    is given about a second of sleep; when the launch returns, the sleep must still be
+    running. The steps are as large as a served step's: 32 images of 1,024 patches and about
+    9,000 prompt tokens (host inputs of hundreds of kilobytes)."""
+    llm = LLM("tiny-qwen2-vl", dtype="float32", device="cuda", max_num_seqs=32,
+              max_num_batched_tokens=16384, mm_embedding_offload=offload,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def prompts(seed: int) -> list[dict]:
+        return [chat_prompt(llm, f"Compare picture {i} with the next one in every detail.",
+                            [make_image(448, 448, seed + 2 * i),
+                             make_image(448, 448, seed + 2 * i + 1)]) for i in range(16)]
+
+    llm.generate(prompts(0), params, use_tqdm=False)  # the same shapes met once, unchecked
+    runner = llm.engine.executor.runner
+    launch = runner.execute_model
+    waited, checked = [], {"steps": 0, "images": 0}
+
+    def asleep(so):
+        torch.cuda._sleep(1 << 31)  # about a second of the device's clock
+        slept = torch.cuda.Event()
+        slept.record()
+        result = launch(so)
+        if slept.query():  # the sleep ended before the launch returned: the launch waited
+            waited.append((len(so.encoder_inputs), sum(so.num_scheduled_tokens.values())))
+        checked["steps"] += 1
+        checked["images"] += len(so.encoder_inputs)
+        return result
+
+    runner.execute_model = asleep
+    outs = llm.generate(prompts(1000), params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert checked["images"] == 32 and not waited, (waited, checked)

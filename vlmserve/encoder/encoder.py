@@ -45,7 +45,7 @@ from vlmserve.models.registry import resolve_model_class
 from vlmserve.multimodal.inputs import ImageInput, ProcessedPrompt, encoder_order, pixel_values
 from vlmserve.transfer.delivered import DeliveredImages
 from vlmserve.transfer.encoded import EncodedImage, EncoderOutput
-from vlmserve.utils import device_memory, resolve_device, resolve_dtype
+from vlmserve.utils import device_memory, resolve_device, resolve_dtype, to_device
 from vlmserve.worker.vision_graphs import attach_vision_graphs
 
 EncoderRankError = RankFailedError  # a rank of a tensor-parallel encoder failed
@@ -336,7 +336,7 @@ class MultimodalEncoder:
         if self.device.type != "cpu":
             sizes = [p.numel() for p in parts]
             flat = torch.cat([p.reshape(-1) for p in parts])
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+            flat = to_device(flat, self.device)
             parts = [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
         pixels = pixel_values(unique, parts, self.dtype)  # the tower's input
         out = self.vision(pixels, [img.encoder_meta for img in unique])  # [sum(length), hidden]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from vlmserve.config import auto_kernels
 from vlmserve.layers import kv_quant
-from vlmserve.utils import cuda_module_available
+from vlmserve.utils import cuda_module_available, to_device
 
 
 @dataclass
@@ -79,7 +79,7 @@ class AttentionMetadata:
                 if lo < hi:
                     rows = spans[starts[r] + lo - ctx:starts[r] + hi - ctx]
                     rows[:, 0], rows[:, 1] = first, min(end, s[r])
-            self._spans = spans.to(self.slot_mapping.device, non_blocking=True)
+            self._spans = to_device(spans, self.slot_mapping.device)
         return self._spans
 
     def reference_groups(self, window: Window | None = None) -> list[AttentionGroup]:
@@ -150,10 +150,10 @@ def build_attention_metadata(
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q, 0, out=starts[1:])
     return AttentionMetadata(
-        slot_mapping=_slots(table, q, s, starts, block_size).to(device, non_blocking=True),
-        query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
-        seq_lens=s.to(torch.int32).to(device, non_blocking=True),
-        block_tables=table.to(device, non_blocking=True),
+        slot_mapping=to_device(_slots(table, q, s, starts, block_size), device),
+        query_start_loc=to_device(starts.to(torch.int32), device),
+        seq_lens=to_device(s.to(torch.int32), device),
+        block_tables=to_device(table, device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
@@ -183,9 +183,8 @@ def add_group_metadata(meta: AttentionMetadata, group_block_ids: list[list[list[
     for block_ids in group_block_ids:
         table = block_table_tensor(block_ids)
         meta.groups.append(dataclasses.replace(
-            meta, slot_mapping=_slots(table, q, s, starts, meta.block_size).to(
-                device, non_blocking=True),
-            block_tables=table.to(device, non_blocking=True), groups=None, _groups={}))
+            meta, slot_mapping=to_device(_slots(table, q, s, starts, meta.block_size), device),
+            block_tables=to_device(table, device), groups=None, _groups={}))
 
 
 def _build_group(members, query_lens, seq_lens, starts, table, block_size,
@@ -214,10 +213,10 @@ def _build_group(members, query_lens, seq_lens, starts, table, block_size,
         mask[b, 0, :q, :s] = allowed
         mask[b, 0, q:, 0] = True  # padded query rows attend somewhere (discarded)
     return AttentionGroup(
-        token_index=torch.tensor(token_index, dtype=torch.int64).to(device, non_blocking=True),
-        pad_index=torch.tensor(pad_index, dtype=torch.int64).to(device, non_blocking=True),
+        token_index=to_device(torch.tensor(token_index, dtype=torch.int64), device),
+        pad_index=to_device(torch.tensor(pad_index, dtype=torch.int64), device),
         block_tables=table[members, :nblocks],
-        mask=mask.to(device, non_blocking=True),
+        mask=to_device(mask, device),
         batch=len(members),
         max_q=max_q,
     )

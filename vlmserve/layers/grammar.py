@@ -24,6 +24,7 @@ import torch
 
 from vlmserve.errors import InvalidSamplingParamsError
 from vlmserve.sampling_params import StructuredOutputsParams
+from vlmserve.utils import to_device
 
 if TYPE_CHECKING:
     from vlmserve.config import StructuredOutputsConfig
@@ -272,13 +273,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    if device.type == "cuda":
-        bitmask = bitmask.pin_memory()
-    words = bitmask.to(device, non_blocking=True)
+    words = to_device(bitmask, device)
     banned = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[
         :, :logits.shape[1]] == 0
     if rows is None or len(rows) == logits.shape[0]:
         return logits.masked_fill_(banned, float("-inf"))
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    index = to_device(torch.tensor(rows, dtype=torch.int64), device)
     return logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(
         banned, float("-inf")))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vlmserve.utils import to_device
+
 CHUNK = 64  # tokens per chunk of the torch chunked form (transformers' and fla's)
 
 
@@ -67,7 +69,7 @@ class SnapshotPass:
 
 def _to_device(device: torch.device):
     def dev(a, dtype=torch.int64) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.as_tensor(np.asarray(a), dtype=dtype), device)
     return dev
 
 

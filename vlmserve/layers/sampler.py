@@ -7,11 +7,12 @@ import torch
 
 from vlmserve.layers.attention import triton_available
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.utils import to_device
 
 
 def _dev(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on ``device`` without waiting for the stream."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class TokenHistory:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.config import auto_kernels
+from vlmserve.utils import to_device
 
 # Segments join the current bucket when no longer than this (launch overhead dominates) ...
 _SMALL_SEGMENT = 256
@@ -94,7 +95,7 @@ def _bucket(group: list[int], starts: list[int], lengths: list[int],
     uniform = bool(real.all())
 
     def dev(t: torch.Tensor) -> torch.Tensor:  # built on the host: no wait for the stream
-        return t.to(device, non_blocking=True)
+        return to_device(t, device)
     return _Bucket(
         len(group),
         max_len,

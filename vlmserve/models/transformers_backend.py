@@ -90,6 +90,7 @@ from vlmserve.models.transformers_processing import (
     unpack_meta,
     unpack_tensors,
 )
+from vlmserve.utils import to_device
 
 ATTENTION_NAME = "vlmserve"
 
@@ -462,7 +463,7 @@ class TransformersVLM(nn.Module):
             return features.to(self.embedding.weight.dtype)
         length = layout.num_image_tokens + len(layout.text_tokens)
         device = features.device
-        pos, ids = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
+        pos, ids = (to_device(torch.tensor(v, dtype=torch.int64), device)
                     for v in zip(*layout.text_tokens, strict=True))
         # (a text token's DeepStack columns, if any, are zeros: nothing is added there)
         rows = features.new_zeros(length, features.shape[1], dtype=self.embedding.weight.dtype)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmserve.utils import to_device
+
 logger = logging.getLogger(__name__)
 
 # the device the helpers' results go to (None: outside `host_grids`, they run as written), and
@@ -39,7 +41,7 @@ _TARGET: contextvars.ContextVar[tuple[torch.device, _Hosts] | None] = \
 
 def _to_device(value: Any, device: torch.device, hosts: _Hosts) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
-        moved = value.to(device, non_blocking=True)
+        moved = to_device(value, device)
         hosts[id(moved)] = moved, value
         return moved
     if isinstance(value, (tuple, list)):
@@ -129,5 +131,5 @@ class HostGrids:
                 self.on = False
                 logger.info("a vision tower reads its grids on the device from now on (%s)",
                             str(e).splitlines()[0])
-        moved = {k: v.to(device, non_blocking=True) for k, v in kwargs.items() if k in hosted}
+        moved = {k: to_device(v, device) for k, v in kwargs.items() if k in hosted}
         return fn(**{**kwargs, **moved})

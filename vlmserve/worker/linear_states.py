@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmserve.layers.linear_metadata import LinearAttentionMetadata, build_linear_metadata
+from vlmserve.utils import to_device
 
 #: the layer kinds of `VisionLanguageModel.layer_kinds` that hold states instead of KV
 LINEAR = "linear"
@@ -77,7 +78,7 @@ class LinearStates:
         """Every layer's states of slot ``src`` into slot ``dst``, for each (src, dst)."""
         if not pairs:
             return
-        src, dst = (torch.tensor(c, dtype=torch.int64).to(self.device, non_blocking=True)
+        src, dst = (to_device(torch.tensor(c, dtype=torch.int64), self.device)
                     for c in zip(*pairs))
         for pair in self.pools.values():
             for pool in pair:

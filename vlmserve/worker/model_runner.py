@@ -46,6 +46,7 @@ from vlmserve.layers.sampler import (
     logprob_rows,
     sample,
 )
+from vlmserve.utils import to_device
 from vlmserve.worker.cuda_graphs import DecodeGraphs
 from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.kv_cache import allocate_kv_caches, set_kv_scales
@@ -449,19 +450,17 @@ class ModelRunner:
                 sample_index.append(base - 1)
                 to_sample.append(st)
 
-        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = to_device(torch.tensor(token_ids, dtype=torch.int64), self.device)
         if from_sampled:
             flat, rows = torch.tensor(from_sampled, dtype=torch.int64).t()
-            ids[flat.to(self.device, non_blocking=True)] = self.sampled[
-                rows.to(self.device, non_blocking=True)]
+            ids[to_device(flat, self.device)] = self.sampled[to_device(rows, self.device)]
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         rows = self.store.gather(spans)  # [len(dest_rows), row width]
         extra = {}
         if rows is not None:
-            dest = torch.tensor(dest_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            dest = to_device(torch.tensor(dest_rows, dtype=torch.int64), self.device)
             extra = self.model.merge_image_rows(embeds, dest, rows)
-        pos = self.model.position_scheme.build(text_pos, prompt_spans).to(
-            self.device, non_blocking=True)
+        pos = to_device(self.model.position_scheme.build(text_pos, prompt_spans), self.device)
         meta = build_attention_metadata(query_lens, seq_lens, [st.block_ids for st in states],
                                         self.block_size, self.device)
         if getattr(self.model, "bidirectional_images", False):  # each image's tokens, both ways
@@ -487,11 +486,11 @@ class ModelRunner:
             self.linear.copy(step_states.after)
         prompt = None
         if scored:
-            rows, tokens = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)
+            rows, tokens = (to_device(torch.tensor(v, dtype=torch.int64), self.device)
                             for v in (scored_rows, scored_tokens))
             prompt = hidden.index_select(0, rows), tokens, scored
         if not sample_index:
             return None, [], prompt
-        index = torch.tensor(sample_index, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device(torch.tensor(sample_index, dtype=torch.int64), self.device)
         return hidden.index_select(0, index), to_sample, prompt
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.layers.vision_attention import VarlenPlan, build_varlen_plan
+from vlmserve.utils import to_device
 
 
 @dataclass
@@ -39,7 +40,7 @@ class AttnSegments:
         """From host ``seqlens [num_seqs]``."""
         cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)  # [num_seqs + 1]
         plan = build_varlen_plan(cu, device=device)
-        return cls(cu.to(device, non_blocking=True), plan.max_seqlen, plan)
+        return cls(to_device(cu, device), plan.max_seqlen, plan)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class VisionInputs:
     def to_device(self, device: torch.device) -> TowerTensors:
         """The eager path's tensors (copies from the host without waiting for the stream)."""
         def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else to_device(t, device)
         return TowerTensors(
             dev(self.pos), {k: AttnSegments.build(v, device) for k, v in self.segments.items()},
             dev(self.gather), dev(self.scatter), dev(self.tap_index), dev(self.tap_weight))
