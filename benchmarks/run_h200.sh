@@ -275,7 +275,8 @@ vgraphs)  # vision-step CUDA graphs: a step's host launch vs device time eager a
     --vision-cuda-graph-max-rows "${VG_ROWS:-16384}" ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
   # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4);
-  # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it)
+  # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it;
+  # SPY_FLAGS="--native" adds the C frames: a wait inside the CUDA driver shows there)
   kit_deps
   [ -d /tmp/q2vl2b ] || python3 "${CKPTS:-.cache/checkpoints.py}" 2b /tmp/q2vl2b > /dev/null 2>&1
   PYTHONPATH=$PWD:/tmp/deps:/tmp/xgr python3 -m vlmserve serve /tmp/q2vl2b --port 8001 \
@@ -284,7 +285,7 @@ serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, ca
   for _ in $(seq 300); do curl -sf localhost:8001/health > /dev/null && break; sleep 1; done
   if [ -n "${SPY:-}" ]; then  # SPY=SECONDS: py-spy (wheel in .cache/pyspy) samples every process
     python3 -m pip install -q --no-index --target /tmp/pyspy .cache/pyspy/*.whl > /dev/null 2>&1
-    /tmp/pyspy/bin/py-spy record --pid $pid --subprocesses --nonblocking --rate 250 \
+    /tmp/pyspy/bin/py-spy record --pid $pid --subprocesses --nonblocking --rate 250 ${SPY_FLAGS:-} \
       --duration "$SPY" --format raw -o "$OUT/spy.txt" > "$OUT/spy.log" 2>&1 &
   fi
   PYTHONPATH=$PWD:/tmp/deps step serve_ours 400 python3 -m vlmserve.benchmarks.serve \
