@@ -4,7 +4,9 @@ Two phases after a warm-up: `images`, N requests (PROF_N, default 64) of one ran
 (benchmarks/sbs.py's W1 requests, its SBS_PROMPT) with OUT_TOK (default 32) output tokens; and
 `decode`, 16 text requests decoding 256 tokens each, mostly batch-16 decode steps. For each, the
 wall time, the device's busy time and the 25 kernels with the most device time (calls, total ms,
-share). Engine options go to `LLM(...)` as in sbs.py."""
+share), then the host's side: the CUDA API calls by their total time on the host (a copy or
+event call that lasts far longer than its peers waited for the device) and the 15 torch ops
+with the most host time of their own. Engine options go to `LLM(...)` as in sbs.py."""
 import os
 import sys
 import time
@@ -31,6 +33,22 @@ def table(prof, wall_s: float, label: str) -> None:
         print(f"{us / 1e3:9.1f} ms {us / 1e3 / busy:6.1%} {calls:7d}  {name[:110]}")
 
 
+def host_table(prof) -> None:
+    api, ops = {}, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        rows = api if e.name.startswith("cu") else ops if e.name.startswith("aten::") else None
+        if rows is not None:
+            calls, us, most = rows.get(e.name, (0, 0.0, 0.0))
+            rows[e.name] = (calls + 1, us + e.self_cpu_time_total,
+                            max(most, e.self_cpu_time_total))
+    for label, rows, top in (("CUDA API calls", api, 12), ("torch ops, own host time", ops, 15)):
+        print(f"--- {label}: total ms, calls, longest ms")
+        for name, (calls, us, most) in sorted(rows.items(), key=lambda r: -r[1][1])[:top]:
+            print(f"{us / 1e3:9.1f} ms {calls:7d} {most / 1e3:8.2f}  {name[:90]}")
+
+
 def main() -> None:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     ckpt, opts = sys.argv[1], options(sys.argv[2:])
@@ -53,6 +71,7 @@ def main() -> None:
             sync()
             wall = time.perf_counter() - t
         table(prof, wall, label)
+        host_table(prof)
 
 
 if __name__ == "__main__":
