@@ -11,6 +11,7 @@ import torch
 from tests.models.test_vision import GRIDS, _assert_close, _inputs, _pair, _randomize
 from vlmserve.config import EngineConfig, resolve_config
 from vlmserve.layers.vision_attention import varlen_attention
+from vlmserve.models.vision import step_inputs
 from vlmserve.models.vision.qwen3_vl import Qwen3VisionTransformer
 from vlmserve.models.vision.step_inputs import bucket_rows, pack_padded, padded_layout
 from vlmserve.worker import vision_graphs
@@ -131,6 +132,32 @@ def test_device_cu_attention_steps_equal_eager() -> None:
     tower.set_attention_backend(_device_cu_attention)
     tower.graphs = VisionGraphs(tower, max_rows=4096, capture=False)
     _assert_close(tower(pixels, grid), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_eager_steps_plan_host_launches_only_for_sdpa(kind: str, monkeypatch) -> None:
+    """An attention that takes device ``cu_seqlens`` (flash, triton) gets the longest segment
+    as its bound and no SDPA launch plan is built for it; its output equals SDPA's."""
+    tower = _tower(kind)
+    pixels, grid = _inputs(GRIDS["ragged"])
+    ref = tower(pixels, grid)
+    bounds = []
+
+    def attention(q, k, v, cu_seqlens, max_seqlen):
+        bounds.append((max_seqlen, int(cu_seqlens.diff().max())))
+        return varlen_attention(q, k, v, cu_seqlens)
+
+    tower.set_attention_backend(attention)
+    planned = []
+    real = step_inputs.build_varlen_plan
+    monkeypatch.setattr(step_inputs, "build_varlen_plan",
+                        lambda *a, **k: planned.append(1) or real(*a, **k))
+    _assert_close(tower(pixels, grid), ref)
+    assert bounds and all(bound == longest for bound, longest in bounds) and not planned
+    tower.set_attention_backend(None)
+    _assert_close(tower(pixels, grid), ref)
+    assert planned
 
 
 def _clip():

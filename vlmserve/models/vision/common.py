@@ -232,6 +232,7 @@ class VisionTowerBase(nn.Module):
     spatial_merge_size: int
     out_hidden_size: int
     graphs = None
+    torch_attention = True  # SDPA until `set_attention_backend` gives another
 
     def step_inputs(self, grids: list[tuple[int, int, int]]) -> VisionInputs:
         raise NotImplementedError
@@ -257,10 +258,11 @@ class VisionTowerBase(nn.Module):
             out = self.graphs.run(pixel_values, inputs)
             if out is not None:
                 return out
-        return self.run(pixel_values, inputs.to_device(self.device))
+        return self.run(pixel_values, inputs.to_device(self.device, self.torch_attention))
 
     def set_attention_backend(self, fn) -> None:
         """`fn(q, k, v, cu_seqlens, max_seqlen)` for every block, or None for torch SDPA."""
+        self.torch_attention = fn is None  # its launches are planned on the host
         for module in self.modules():
             if isinstance(module, VisionAttention):
                 module.attn_fn = fn

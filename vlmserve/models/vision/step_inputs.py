@@ -36,11 +36,15 @@ class AttnSegments:
     plan: VarlenPlan | None
 
     @classmethod
-    def build(cls, seqlens: torch.Tensor, device: torch.device) -> AttnSegments:
-        """From host ``seqlens [num_seqs]``."""
+    def build(cls, seqlens: torch.Tensor, device: torch.device, plan: bool = True
+              ) -> AttnSegments:
+        """From host ``seqlens [num_seqs]``; ``plan``: the torch backend's launch plan too
+        (an attention that takes device ``cu_seqlens`` needs none)."""
         cu = F.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)  # [num_seqs + 1]
-        plan = build_varlen_plan(cu, device=device)
-        return cls(to_device(cu, device), plan.max_seqlen, plan)
+        if plan:
+            launches = build_varlen_plan(cu, device=device)
+            return cls(to_device(cu, device), launches.max_seqlen, launches)
+        return cls(to_device(cu, device), int(seqlens.max()) if seqlens.numel() else 0, None)
 
 
 @dataclass
@@ -71,13 +75,14 @@ class VisionInputs:
     def rows(self) -> int:
         return self.pos.shape[0]
 
-    def to_device(self, device: torch.device) -> TowerTensors:
-        """The eager path's tensors (copies from the host without waiting for the stream)."""
+    def to_device(self, device: torch.device, plan: bool = True) -> TowerTensors:
+        """The eager path's tensors (copies from the host without waiting for the stream);
+        ``plan``: with the torch attention's launch plans."""
         def dev(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else to_device(t, device)
-        return TowerTensors(
-            dev(self.pos), {k: AttnSegments.build(v, device) for k, v in self.segments.items()},
-            dev(self.gather), dev(self.scatter), dev(self.tap_index), dev(self.tap_weight))
+        segments = {k: AttnSegments.build(v, device, plan) for k, v in self.segments.items()}
+        return TowerTensors(dev(self.pos), segments, dev(self.gather), dev(self.scatter),
+                            dev(self.tap_index), dev(self.tap_weight))
 
 
 def bucket_rows(n: int, smallest: int = 256) -> int:
