@@ -68,6 +68,10 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a graph would replay the copy from a
+        # pinned block the host allocator hands out again
+        raise RuntimeError("a host tensor copied inside a CUDA graph capture: build it "
+                           "before the capture and copy it into the graph's buffers")
     if not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
