@@ -264,15 +264,15 @@ vattn)  # the vision attention backends: host launch vs device time on served mi
   done ;;
 vgraphs)  # vision-step CUDA graphs: a step's host launch vs device time eager and replayed
   # (VG_BENCH=0 skips it), then serveours (RUNS, default 16/64/192) with the step trace: the
-  # default (SDPA, eager) against flash with graphs of up to VG_ROWS patch rows (default 16384: a
-  # served step's whole vision budget, 4,096 embedding rows beside decodes); .whl and .cache
-  # carried
+  # default (SDPA, eager) against graphs of up to VG_ROWS patch rows (default 8192: steps of
+  # one or two W1 images; the graphs capture flash, the larger steps keep SDPA); VG_ARGS adds
+  # server flags to the graphs run (e.g. "--vision-attention-backend flash"); .whl and
+  # .cache carried
   kit_deps
   [ "${VG_BENCH:-1}" = 0 ] || step vision_graphs 120 python benchmarks/vision_graphs.py \
     --out "$OUT/vision_graphs.json"
   serve_variant eager
-  serve_variant graphs --vision-attention-backend flash \
-    --vision-cuda-graph-max-rows "${VG_ROWS:-16384}" ;;
+  serve_variant graphs --vision-cuda-graph-max-rows "${VG_ROWS:-8192}" ${VG_ARGS:-} ;;
 serveours)  # vlmserve serve alone (its wheels from the peers kit's .peer/p4, carried), the
   # servesbs client and requests; VLMSERVE_ARGS for the server (e.g. --api-server-count 4);
   # SPY=SECONDS samples the server's processes with py-spy (benchmarks/spy_summary.py reads it;

@@ -116,8 +116,9 @@ class ModelConfig:
         group="expert")
     vision_cuda_graph_max_rows: int = _opt(
         0, "Vision steps of at most this many patch rows replay CUDA graphs, one captured "
-        "per size bucket when first met (CUDA; the Qwen towers with the vision attention "
-        "backend flash or triton, CLIP and SigLIP towers by batch size; not with "
+        "per size bucket when first met (CUDA; the Qwen towers' graphs run flash attention, "
+        "or triton in float32, whatever the eager steps run; CLIP and SigLIP towers by batch "
+        "size; not with "
         "--enforce-eager nor the tower's weights split by --mm-encoder-tp-mode weights; "
         "their memory is taken as they are captured, beside gpu_memory_utilization's "
         "share); 0: off.", group="expert")

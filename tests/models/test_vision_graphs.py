@@ -111,11 +111,14 @@ def test_the_layout_bounds_every_segment() -> None:
 def test_attach_gives_each_tower_its_graphs() -> None:
     holder = torch.nn.Module()
     holder.visual, holder.clip = _tower("qwen2_vl"), _clip()
-    with pytest.raises(ValueError, match="backend flash or triton"):
+    with pytest.raises(ValueError, match="device cu_seqlens"):
         attach_vision_graphs(holder, 2048)  # SDPA's launches are planned on the host
+    assert attach_vision_graphs(holder, 2048, attention=_device_cu_attention) == 2
+    assert holder.visual.graphs.attention is _device_cu_attention  # SDPA's eager steps
     holder.visual.set_attention_backend(_device_cu_attention)
-    assert attach_vision_graphs(holder, 2048) == 2
+    assert attach_vision_graphs(holder, 2048, attention=varlen_attention) == 2
     assert isinstance(holder.visual.graphs, VisionGraphs) and holder.visual.graphs.max_rows == 2048
+    assert holder.visual.graphs.attention is None  # the tower's own takes device cu_seqlens
     assert isinstance(holder.clip.graphs, BatchGraphs) and holder.clip.graphs.max_batch == 2048 // 4
 
 
@@ -158,6 +161,30 @@ def test_eager_steps_plan_host_launches_only_for_sdpa(kind: str, monkeypatch) ->
     tower.set_attention_backend(None)
     _assert_close(tower(pixels, grid), ref)
     assert planned
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_graphs_of_an_sdpa_tower_run_their_own_attention(kind: str) -> None:
+    """Eager steps keep SDPA; the graph's buffers run with the graphs' attention (over
+    device cu_seqlens), which is taken away again after each run."""
+    tower = _tower(kind)
+    steps = [GRIDS[c] for c in ("one", "three", "ragged")]
+    eager = [tower(*_inputs(g, seed=i)) for i, g in enumerate(steps)]
+    used = []
+
+    def attention(q, k, v, cu_seqlens, max_seqlen):
+        used.append(1)
+        return varlen_attention(q, k, v, cu_seqlens)
+
+    tower.graphs = VisionGraphs(tower, max_rows=4096, capture=False, attention=attention)
+    for i, (grids, ref) in enumerate(zip(steps, eager, strict=True)):
+        _assert_close(tower(*_inputs(grids, seed=i)), ref)
+    assert tower.graphs.num_replays == len(steps) and used
+    assert all(b.attn.attn_fn is None for b in tower.blocks)
+    calls = len(used)
+    _assert_close(_eager(tower, _inputs(steps[0], seed=0)), eager[0])
+    assert len(used) == calls  # the eager step ran SDPA
 
 
 def _clip():

@@ -37,7 +37,7 @@ from vlmserve.encoder.ledger import HandleLedger, LedgerStats
 from vlmserve.inputs.processor import InputProcessor, PromptInput
 from vlmserve.layers.attention import triton_available
 from vlmserve.layers.fused import FusedOps
-from vlmserve.layers.vision_attention import get_vision_attention_backend
+from vlmserve.layers.vision_attention import get_vision_attention_backend, graph_attention
 from vlmserve.models.loader import iter_safetensors, load_hf_config
 from vlmserve.models.metadata import local_engine_config, model_processor
 from vlmserve.models.quantization import checkpoint_quantization
@@ -196,7 +196,8 @@ class MultimodalEncoder:
             get_vision_attention_backend(mc.vision_attention_backend, self.device,
                                          self.dtype))
         if self.config.resolved.vision_cuda_graph_max_rows:
-            attach_vision_graphs(self.vision, self.config.resolved.vision_cuda_graph_max_rows)
+            attach_vision_graphs(self.vision, self.config.resolved.vision_cuda_graph_max_rows,
+                                 attention=graph_attention(self.device, self.dtype))
         self.input_processor = encoder_input_processor(self.model_path, self.hf_config, mc)
         self.model_processor = self.input_processor.model_processor
 

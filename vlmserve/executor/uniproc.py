@@ -15,7 +15,7 @@ from vlmserve.core.scheduler_output import SchedulerOutput
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.fused import FusedOps
 from vlmserve.layers.kv_quant import check_fp8_support, kv_cache_dtype
-from vlmserve.layers.vision_attention import get_vision_attention_backend
+from vlmserve.layers.vision_attention import get_vision_attention_backend, graph_attention
 from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight_bytes
 from vlmserve.models.metadata import model_processor
 from vlmserve.models.quantization import kv_cache_scales
@@ -100,7 +100,8 @@ class UniprocExecutor:
                                                                 self.device, self.dtype)
         model.set_vision_attention_backend(self.vision_attention_fn)
         if config.resolved.vision_cuda_graph_max_rows:
-            attach_vision_graphs(model, config.resolved.vision_cuda_graph_max_rows)
+            attach_vision_graphs(model, config.resolved.vision_cuda_graph_max_rows,
+                                 attention=graph_attention(self.device, self.dtype))
         self.runner = ModelRunner(
             model, self.device, self.dtype, self.num_kv_blocks, cc.block_size,
             cache_groups=self.cache_groups,

@@ -240,3 +240,10 @@ def get_vision_attention_backend(name: str, device: torch.device, dtype: torch.d
         return varlen_attention_triton
     raise ValueError(f"unknown vision attention backend {name!r}; choose auto, torch, flash "
                      "or triton")
+
+
+def graph_attention(device: torch.device, dtype: torch.dtype):
+    """The attention a vision CUDA graph captures where the eager steps run SDPA: one launch
+    over device ``cu_seqlens``, `flash` in float16 or bfloat16, else `triton` (CUDA)."""
+    name = "flash" if dtype in (torch.float16, torch.bfloat16) else "triton"
+    return get_vision_attention_backend(name, device, dtype)

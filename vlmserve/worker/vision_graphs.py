@@ -12,8 +12,11 @@ captured and replayed), at most ``max_graphs`` of them; steps of other buckets,
 or larger, run eagerly. All graphs share one memory pool: only one runs at a time, and its
 output is copied out before the next replay.
 
-The tower's attention must take device ``cu_seqlens`` (the flash or triton vision attention
-backends); tensor parallelism over the tower's weights (collectives inside) is not captured.
+A graph's attention takes device ``cu_seqlens`` (flash or triton): the tower's own, or, where
+the tower's eager steps run SDPA (launches planned on the host), the graphs' own
+(``attention``: SDPA keeps the large eager steps, where its device time is the lower, and the
+graphs take the small ones, where the host's launch is the limit). Tensor parallelism over
+the tower's weights (collectives inside) is not captured.
 Without CUDA (``capture=False``) the same padded buffers run eagerly: the tests' check of the
 padding on the CPU. Towers whose images are all one size (CLIP, SigLIP: `BatchGraphs`) have a
 graph per power-of-two batch size.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.models.vision.clip import FixedSizeTower
-from vlmserve.models.vision.common import VisionTowerBase
+from vlmserve.models.vision.common import VisionAttention, VisionTowerBase
 from vlmserve.models.vision.step_inputs import (
     PaddedLayout,
     TowerTensors,
@@ -59,8 +62,11 @@ class VisionGraphs:
     """Replays ``tower``'s steps of at most ``max_rows`` rows from CUDA graphs."""
 
     def __init__(self, tower, max_rows: int, max_graphs: int = 32,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, attention=None) -> None:
+        """``attention``: the one the graphs capture where the tower's own is SDPA (whose
+        launches are planned on the host: a graph cannot hold them); None: the tower's."""
         self.tower = tower
+        self.attention = attention
         self.max_rows = max_rows
         self.max_graphs = max_graphs
         self.device = tower.device
@@ -87,9 +93,9 @@ class VisionGraphs:
             g = self.graphs[layout] = self._buffers(layout, pixel_values)
         self._fill(g, pixel_values, inputs)
         if not self.capture:
-            g.out = self.tower.run(g.pixels, g.tensors)
+            g.out = self._run(g)
         elif g.graph is None:
-            captured = _capture(lambda: self.tower.run(g.pixels, g.tensors), self.pool)
+            captured = _capture(lambda: self._run(g), self.pool)
             if captured is None:  # eager from now on, this step too
                 self.graphs.pop(layout)
                 self.max_rows = 0
@@ -101,6 +107,20 @@ class VisionGraphs:
             g.graph.replay()
         self.num_replays += 1
         return g.out[:n // inputs.unit].clone()
+
+    def _run(self, g: _Graph) -> torch.Tensor:
+        """The tower on the graph's buffers, with the graphs' attention where it has one."""
+        if self.attention is None:
+            return self.tower.run(g.pixels, g.tensors)
+        layers = [m for m in self.tower.modules() if isinstance(m, VisionAttention)]
+        own = [m.attn_fn for m in layers]
+        for m in layers:
+            m.attn_fn = self.attention
+        try:
+            return self.tower.run(g.pixels, g.tensors)
+        finally:
+            for m, fn in zip(layers, own, strict=True):
+                m.attn_fn = fn
 
     def _buffers(self, layout: PaddedLayout, pixel_values: torch.Tensor) -> _Graph:
         dev, pin = self.device, self.device.type == "cuda"
@@ -189,18 +209,25 @@ class BatchGraphs:
         return out[:n].clone()
 
 
-def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int = 32) -> int:
+def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int = 32,
+                         attention=None) -> int:
     """Give each vision tower of ``model`` its graphs (a Qwen tower `VisionGraphs`; a CLIP
     or SigLIP tower `BatchGraphs` of batches up to ``max_rows`` patch rows); how many got
-    them."""
+    them. A Qwen tower whose attention is SDPA (launches planned on the host) runs its eager
+    steps so and its graphs with ``attention`` (one launch over device ``cu_seqlens``: flash
+    or triton, `graph_attention`): SDPA's device time is the lower on large steps, the
+    graphs' launch the shorter on small ones."""
     count = 0
     for m in model.modules():
         if isinstance(m, VisionTowerBase):
-            if any(b.attn.attn_fn is None for b in m.blocks):
-                raise ValueError("vision CUDA graphs of a Qwen tower need the vision "
-                                 "attention backend flash or triton (one launch over device "
-                                 "cu_seqlens), not torch (SDPA launches planned on the host)")
-            m.graphs = VisionGraphs(m, max_rows, max_graphs)
+            sdpa = any(b.attn.attn_fn is None for b in m.blocks)
+            if sdpa and attention is None:
+                raise ValueError("vision CUDA graphs of a Qwen tower need an attention over "
+                                 "device cu_seqlens (flash or triton) to capture; its eager "
+                                 "attention is torch's SDPA, whose launches are planned on "
+                                 "the host")
+            m.graphs = VisionGraphs(m, max_rows, max_graphs,
+                                    attention=attention if sdpa else None)
         elif isinstance(m, FixedSizeTower):
             m.graphs = BatchGraphs(m, max(max_rows // m.tokens_per_image, 1))
         else:
