@@ -61,3 +61,21 @@ def test_tiny_models_same_tokens(vlmserve_cache, model):
                   if getattr(m, "graphs", None) is not None]
         assert (len(towers) == 1 and towers[0].graphs.num_replays > 0) if rows else not towers
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_sdpa_towers_replay_graphs_of_their_own_attention(vlmserve_cache, model):
+    """The default SDPA vision attention with graphs: the graphs capture triton (float32),
+    the eager steps above the cap keep SDPA; greedy tokens as without graphs."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for rows in (0, 4096):
+        llm = LLM(model, dtype="float32", device="cuda", vision_cuda_graph_max_rows=rows)
+        tokens.append([o.outputs[0].token_ids
+                       for o in llm.generate(mixed_prompts(llm), params, use_tqdm=False)])
+        towers = [m for m in llm.engine.executor.runner.model.modules()
+                  if getattr(m, "graphs", None) is not None]
+        if rows:
+            assert len(towers) == 1 and towers[0].graphs.num_replays > 0
+            assert towers[0].graphs.attention is not None and towers[0].torch_attention
+    assert tokens[0] == tokens[1]
