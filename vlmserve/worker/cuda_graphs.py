@@ -28,8 +28,8 @@ def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDA
 
     Not `torch.cuda.graph`: it synchronizes the device and empties the caching allocators
     (device and pinned host) before every capture, so that a graph captured while serving
-    (a vision bucket met for the first time) would stall the step loop and make every later
-    allocation a fresh cudaMalloc or cudaHostAlloc. The capture itself runs no work, so the
+    (a vision bucket met for the first time) would stall the step loop and make later
+    allocations fresh cudaMalloc or cudaHostAlloc calls. The capture itself runs no work, so the
     side stream's pending warm-up runs need no wait."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -14,8 +14,9 @@ output is copied out before the next replay.
 
 A graph's attention takes device ``cu_seqlens`` (flash or triton): the tower's own, or, where
 the tower's eager steps run SDPA (launches planned on the host), the graphs' own
-(``attention``: SDPA keeps the large eager steps, where its device time is the lower, and the
-graphs take the small ones, where the host's launch is the limit). Tensor parallelism over
+(``attention``: SDPA keeps the large eager steps, with which the server ran more requests a
+second at high concurrency than with flash, and the graphs take the small ones, whose host
+launch outlasts their device work). Tensor parallelism over
 the tower's weights (collectives inside) is not captured.
 Without CUDA (``capture=False``) the same padded buffers run eagerly: the tests' check of the
 padding on the CPU. Towers whose images are all one size (CLIP, SigLIP: `BatchGraphs`) have a
@@ -215,8 +216,8 @@ def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int 
     or SigLIP tower `BatchGraphs` of batches up to ``max_rows`` patch rows); how many got
     them. A Qwen tower whose attention is SDPA (launches planned on the host) runs its eager
     steps so and its graphs with ``attention`` (one launch over device ``cu_seqlens``: flash
-    or triton, `graph_attention`): SDPA's device time is the lower on large steps, the
-    graphs' launch the shorter on small ones."""
+    or triton, `graph_attention`): SDPA served more requests a second than flash at high
+    concurrency, the graphs' launch is the shorter on small steps."""
     count = 0
     for m in model.modules():
         if isinstance(m, VisionTowerBase):
