@@ -4,11 +4,14 @@ encoder core, tensor-parallel ranks): nothing here imports another vlmserve modu
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import importlib
+import logging
 import os
 import queue
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -16,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200  # while idle, how often a child process checks its parent's liveness
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -83,6 +87,64 @@ def device_memory(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory
+
+
+class DeviceShare:
+    """This process's share of a GPU, ``utilization`` of its memory (vLLM's
+    gpu_memory_utilization), for a `with` block that loads a model and sizes its caches:
+    `budget()` is the share less what the process took since the block began. Entering
+    refuses a GPU whose free memory is below the share, and waits for any other process of
+    this host sizing its caches on the same GPU (a lock file per GPU), so engines started
+    together (cores of `--data-parallel-size` sharing a GPU, Ray replicas of half a GPU) do
+    not count each other's allocations as their own. On any other device it does nothing:
+    `budget()` is None."""
+
+    def __init__(self, device: torch.device, utilization: float) -> None:
+        self.device, self.utilization = device, utilization
+        self.free_at_start = self.total = 0
+        self._lock: int | None = None
+
+    def __enter__(self) -> DeviceShare:
+        if self.device.type != "cuda":
+            return self
+        uuid = torch.cuda.get_device_properties(self.device).uuid
+        path = os.path.join(tempfile.gettempdir(), f"vlmserve-gpu-{uuid}.lock")
+        try:
+            self._lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # no lock where the temp folder is not writable: sized as if alone
+            self._lock = None
+        if self._lock is not None:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("waiting for another engine on GPU %s to size its caches", uuid)
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            self.free_at_start, self.total = torch.cuda.mem_get_info(self.device)
+            want = self.utilization * self.total
+            if self.free_at_start < want:
+                gib = 1 << 30
+                raise RuntimeError(
+                    f"the GPU has {self.free_at_start / gib:.1f} GiB free of "
+                    f"{self.total / gib:.1f} GiB at start, less than gpu_memory_utilization="
+                    f"{self.utilization:g} asks for ({want / gib:.1f} GiB): lower it, or free "
+                    "the memory other processes hold")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the file releases its lock
+            self._lock = None
+
+    def budget(self) -> float | None:
+        """Bytes this process may still take within its share (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return self.utilization * self.total - (self.free_at_start - free)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -472,3 +472,17 @@ def test_a_dropped_llm_frees_its_model_and_leaves_the_callers_heap_alone(vlmserv
     del llm
     gc.collect()
     assert runner() is None and model() is None
+
+
+@pytest.mark.parametrize("budget", [-(2.0 ** 30), 100.0])
+def test_no_room_for_one_kv_block_is_refused_at_start(vlmserve_cache, monkeypatch, budget):
+    """A device whose free memory within gpu_memory_utilization holds no KV block (another
+    engine holds it; or less than a block's bytes are left) is refused at start with a line
+    naming the setting, not served with a one-block cache that limits every request to 16
+    tokens."""
+    from vlmserve.executor.uniproc import UniprocExecutor
+
+    monkeypatch.setattr(UniprocExecutor, "_memory_budget", lambda self, config: budget)
+    with pytest.raises(RuntimeError, match="no device memory is left for the KV cache.*"
+                                           "raise gpu_memory_utilization"):
+        LLM("tiny-qwen2-vl", dtype="float32", device="cpu")

@@ -20,7 +20,7 @@ from vlmserve.models.loader import LoadStats, load_model, peak_rss_delta, weight
 from vlmserve.models.metadata import model_processor
 from vlmserve.models.quantization import kv_cache_scales
 from vlmserve.models.registry import resolve_model_class
-from vlmserve.utils import resolve_device, resolve_dtype
+from vlmserve.utils import DeviceShare, resolve_device, resolve_dtype
 from vlmserve.worker.kv_cache import kv_block_bytes
 from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
@@ -45,12 +45,20 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
                  tp: TensorParallel | None = None) -> None:
         assert config.resolved is not None, "the executor takes a resolved config"
-        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        mc, cc = config.model_config, config.cache_config
         self.config, self.model_path, self.hf_config = config, model_path, hf_config
         self.max_model_len = max_model_len
         self.device = resolve_device(mc.device, tp.local_rank if tp else None)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
+        # the model's load and the caches' sizing, alone on this GPU among this host's engines
+        with DeviceShare(self.device, cc.gpu_memory_utilization) as self._share:
+            self._load(config, model_path, hf_config, max_model_len, tp)
+
+    def _load(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
+              tp: TensorParallel | None) -> None:
+        """The model, its state slots and KV cache, and the runner, within `self._share`."""
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)  # every rank draws the same random numbers
         model_cls = resolve_model_class(hf_config)  # imported before the load is measured
         if cc.kv_cache_dtype != "auto":
@@ -123,12 +131,9 @@ class UniprocExecutor:
                     if cc.kv_cache_dtype != "auto" else "")
 
     def _memory_budget(self, config: EngineConfig) -> float | None:
-        """Device bytes the caches may take (CUDA: free memory within
-        gpu_memory_utilization); None on the CPU."""
-        if self.device.type != "cuda":
-            return None
-        free, total = torch.cuda.mem_get_info(self.device)
-        return free - total * (1.0 - config.cache_config.gpu_memory_utilization)
+        """Device bytes the caches may take (CUDA: what this process has not yet taken of
+        its gpu_memory_utilization share: `DeviceShare`); None on the CPU."""
+        return self._share.budget()
 
     def _default_num_blocks(self, model, config: EngineConfig, max_model_len: int,
                             state_bytes: int = 0) -> int:
@@ -138,9 +143,17 @@ class UniprocExecutor:
         block_bytes = kv_block_bytes(model, cc.block_size, self.kv_dtype)
         budget = self._memory_budget(config)
         if budget is not None:
+            fit = int((budget - state_bytes) // block_bytes)
+            if fit < 1:
+                gib = 1 << 30
+                raise RuntimeError(
+                    f"no device memory is left for the KV cache: gpu_memory_utilization="
+                    f"{cc.gpu_memory_utilization:g} leaves {budget / gib:.2f} GiB after the model "
+                    f"and a KV block takes "
+                    f"{block_bytes / gib:.4f} GiB beside {state_bytes / gib:.2f} GiB of "
+                    "linear-attention states; raise gpu_memory_utilization")
             # no more than every sequence at full length could use
-            most = sc.max_num_seqs * -(-max_model_len // cc.block_size)
-            return max(min(int((budget - state_bytes) // block_bytes), most), 1)
+            return min(fit, sc.max_num_seqs * -(-max_model_len // cc.block_size))
         return min(sc.max_num_seqs * -(-max_model_len // cc.block_size), 8192)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
