@@ -101,7 +101,7 @@ class DeviceShare:
 
     def __init__(self, device: torch.device, utilization: float) -> None:
         self.device, self.utilization = device, utilization
-        self.free_at_start = self.total = 0
+        self.free_at_start = self.total = self._cached_at_start = 0
         self._lock: int | None = None
 
     def __enter__(self) -> DeviceShare:
@@ -121,11 +121,13 @@ class DeviceShare:
                 fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:
             self.free_at_start, self.total = torch.cuda.mem_get_info(self.device)
+            self._cached_at_start = _cached_free(self.device)
             want = self.utilization * self.total
-            if self.free_at_start < want:
+            free = self.free_at_start + self._cached_at_start  # free for this process
+            if free < want:
                 gib = 1 << 30
                 raise RuntimeError(
-                    f"the GPU has {self.free_at_start / gib:.1f} GiB free of "
+                    f"the GPU has {free / gib:.1f} GiB free of "
                     f"{self.total / gib:.1f} GiB at start, less than gpu_memory_utilization="
                     f"{self.utilization:g} asks for ({want / gib:.1f} GiB): lower it, or free "
                     "the memory other processes hold")
@@ -144,7 +146,15 @@ class DeviceShare:
         if self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
-        return self.utilization * self.total - (self.free_at_start - free)
+        # what it took: from the device, and from blocks torch's allocator held free at start
+        taken = self.free_at_start - free + self._cached_at_start - _cached_free(self.device)
+        return self.utilization * self.total - taken
+
+
+def _cached_free(device: torch.device) -> int:
+    """Bytes torch's caching allocator holds on ``device`` unused: free for this process,
+    not for the device."""
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -19,6 +19,10 @@ MODEL = "qwen2-vl-2b-random"  # big enough blocks that the share, not max_num_se
 
 def test_two_engines_on_one_gpu_get_equal_shares_and_a_third_is_refused():
     kw = dict(gpu_memory_utilization=0.3, enforce_eager=True, kernel_warmup=False)
+    # blocks torch's allocator holds free when the first engine starts are free for it
+    # too: what it takes of them counts against its share
+    held = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    del held
     first = LLM(MODEL, **kw)
     second = LLM(MODEL, **kw)
     blocks = [llm.engine.executor.num_kv_blocks for llm in (first, second)]
