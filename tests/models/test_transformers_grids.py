@@ -35,6 +35,40 @@ def test_small_integer_tensors_travel_as_values_in_the_meta():
     assert layout.num_image_tokens == 3 and layout.text_tokens == ()
 
 
+def test_floating_tensors_travel_in_the_models_dtype():
+    """The tower casts an image's floating tensors to the model's dtype: carried in it, they
+    take half the bytes of float32 with the same values; integers stay as they are."""
+    pixels = torch.linspace(-2.5, 2.5, 35, dtype=torch.float32).view(5, 7)  # odd: padded
+    big = torch.arange(100, dtype=torch.int64)
+    data, meta = pack_image({"pixel_values": pixels, "num_patches": big}, [7], 7,
+                            float_dtype=torch.bfloat16)
+    layout = unpack_meta(meta)
+    assert data.numel() == layout.nbytes == 72 + big.nbytes  # 70 bytes, padded to 8
+    assert data[70:72].tolist() == [0, 0]
+    out = unpack_tensors(data, layout)
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(out["pixel_values"], pixels.to(torch.bfloat16))
+    assert torch.equal(out["num_patches"], big)
+
+
+def test_the_processor_carries_pixels_in_the_engines_dtype(vlmserve_cache):
+    from vlmserve.config import ModelConfig
+    from vlmserve.models.metadata import load_model_processor
+
+    image = make_image(64, 48, seed=3)
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        _, _, proc = load_model_processor(ModelConfig(
+            model="tiny-qwen2-vl", model_impl="transformers", device="cpu", dtype=dtype))
+        prompt = proc.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "What is it?"}]}])
+        (img,) = proc.process(prompt, None, [image]).images
+        tensors = unpack_tensors(img.pixels, unpack_meta(img.encoder_meta))
+        assert tensors["pixel_values"].dtype == getattr(torch, dtype)
+        sizes[dtype] = img.pixels.numel()
+    assert sizes["bfloat16"] * 2 == sizes["float32"]
+
+
 @pytest.fixture(scope="module")
 def qwen_backend(vlmserve_cache):
     return LLM("tiny-qwen2-vl", dtype="float32", device="cpu", model_impl="transformers",

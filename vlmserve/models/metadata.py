@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import GenerationConfig
 
 from vlmserve.config import EngineConfig, ModelConfig
@@ -16,6 +17,7 @@ from vlmserve.models.hub import check_remote_code
 from vlmserve.models.loader import load_hf_config
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.sampling_params import generation_defaults
+from vlmserve.utils import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +87,20 @@ def local_engine_config(config: EngineConfig) -> EngineConfig:
 
 def model_processor(path: str | Path, hf_config, mc: ModelConfig):
     """The model's input processor for the checkpoint at ``path`` with the engine's options:
-    ``mm_processor_kwargs``, the tokenizer folder (``--tokenizer``), ``trust_remote_code``."""
+    ``mm_processor_kwargs``, the tokenizer folder (``--tokenizer``), ``trust_remote_code``,
+    the model's dtype on its device."""
     return resolve_model_class(hf_config).input_processor_cls(
         path, hf_config, mc.mm_processor_kwargs, tokenizer=mc.tokenizer,
-        trust_remote_code=mc.trust_remote_code)
+        trust_remote_code=mc.trust_remote_code,
+        dtype=model_dtype(mc))
+
+
+def model_dtype(mc: ModelConfig) -> torch.dtype:
+    """The dtype the model computes in, as its engine resolves it, known in any process (a
+    front end that sees no GPU still knows the engine's ``--device cuda``)."""
+    device = mc.device if mc.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_dtype(mc.dtype, torch.device(device))
 
 
 def load_model_processor(mc: ModelConfig | str):

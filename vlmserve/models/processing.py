@@ -79,10 +79,13 @@ class HFInputProcessor:
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, *,
-                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+                 tokenizer: str | Path | None = None, trust_remote_code: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         """``tokenizer``: a folder to read the tokenizer and chat template from instead of
         the model's (``--tokenizer``); ``trust_remote_code``: transformers may run the
-        checkpoint's own config, tokenizer and image processor classes (the user said so)."""
+        checkpoint's own config, tokenizer and image processor classes (the user said so);
+        ``dtype``: the model's (these processors send uint8 pixels, converted on the device:
+        unused)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = Path(model_path)

@@ -94,15 +94,17 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_token_id: int
-               ) -> tuple[torch.Tensor, tuple[int, ...]]:
+def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_token_id: int,
+               float_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """One image's tensors (the image processor's output for it) and its span's token ids ->
-    (their bytes as one uint8 tensor, ``encoder_meta``)."""
+    (their bytes as one uint8 tensor, ``encoder_meta``). ``float_dtype``: floating tensors
+    are carried in it (the model's dtype, which the tower casts them to anyway: the same
+    values in fewer bytes). Each tensor is written once, into its place in the buffer."""
     text = [(i, t) for i, t in enumerate(span) if t != image_token_id]
     meta: list[int] = [len(span) - len(text), len(text)]
     for i, t in text:
         meta += [i, t]
-    parts = []
+    carried: list[tuple[torch.Tensor, torch.dtype]] = []
     meta.append(len(tensors))
     for key, t in tensors.items():
         if key not in TENSOR_KEYS:
@@ -110,15 +112,22 @@ def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_toke
                              f"backend does not carry (it carries {', '.join(TENSOR_KEYS)})")
         if t.dtype not in _DTYPES:
             raise ValueError(f"the image processor gives {key!r} as {t.dtype}")
-        meta += [TENSOR_KEYS.index(key), _DTYPES.index(t.dtype), t.dim(), *t.shape]
+        dtype = float_dtype if float_dtype is not None and t.is_floating_point() else t.dtype
+        meta += [TENSOR_KEYS.index(key), _DTYPES.index(dtype), t.dim(), *t.shape]
         if t.dtype in (torch.int64, torch.int32) and t.numel() <= _HOST_VALUES:
             meta += [1, *t.reshape(-1).tolist()]
             continue
         meta.append(0)
-        raw = t.contiguous().view(-1).view(torch.uint8)
-        pad = _padded(raw.numel()) - raw.numel()
-        parts.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), tuple(meta)
+        carried.append((t, dtype))
+    data = torch.empty(sum(_padded(t.numel() * d.itemsize) for t, d in carried),
+                       dtype=torch.uint8)
+    at = 0
+    for t, dtype in carried:
+        n = t.numel() * dtype.itemsize
+        data[at:at + n].view(dtype).view(t.shape).copy_(t)
+        data[at + n:at + _padded(n)] = 0
+        at += _padded(n)
+    return data, tuple(meta)
 
 
 def unpack_meta(meta: Sequence[int]) -> ImageLayout:
@@ -159,10 +168,12 @@ class TransformersInputProcessor(HFInputProcessor):
 
     def __init__(self, model_path: str | Path, hf_config: PretrainedConfig | None = None,
                  mm_processor_kwargs: dict | None = None, *,
-                 tokenizer: str | Path | None = None, trust_remote_code: bool = False) -> None:
+                 tokenizer: str | Path | None = None, trust_remote_code: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         """``tokenizer``: a folder to read the tokenizer from instead of the model's
         (``--tokenizer``); ``trust_remote_code``: the checkpoint's own processor classes may
-        run (the user said so)."""
+        run (the user said so); ``dtype``: the model's, which an image's floating tensors
+        are carried in (`pack_image`)."""
         import threading
 
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -190,6 +201,7 @@ class TransformersInputProcessor(HFInputProcessor):
             raise ValueError(f"{model_path}: its config names no image token id")
         self.image_token_id = tid
         self.pixel_transform = _packed
+        self.float_dtype = dtype
         # the engine's own options, given to every call of the processor (an operator's;
         # a request may set none: `image_options`)
         self.engine_kwargs = dict(mm_processor_kwargs or {})
@@ -296,7 +308,8 @@ class TransformersInputProcessor(HFInputProcessor):
         for p, tensors, (start, end) in zip(prepared, alone, spans, strict=True):
             if "image_grid_thw" in tensors:
                 grids.append(tensors["image_grid_thw"])
-            data, meta = pack_image(tensors, ids[start:end], self.image_token_id)
+            data, meta = pack_image(tensors, ids[start:end], self.image_token_id,
+                                    self.float_dtype)
             mm_hash = p.mm_hash
             if "batch_num_images" in tensors and int(tensors["batch_num_images"][0]) > 1:
                 mm_hash = hashlib.sha256(f"{mm_hash} among several".encode()).hexdigest()
