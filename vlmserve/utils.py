@@ -96,29 +96,21 @@ class DeviceShare:
     refuses a GPU whose free memory is below the share, and waits for any other process of
     this host sizing its caches on the same GPU (a lock file per GPU), so engines started
     together (cores of `--data-parallel-size` sharing a GPU, Ray replicas of half a GPU) do
-    not count each other's allocations as their own. On any other device it does nothing:
-    `budget()` is None."""
+    not count each other's allocations as their own. A rank of a tensor-parallel engine
+    passes ``lock=False``: it meets the other ranks in collectives while sizing, and two such
+    engines each holding one GPU's lock would wait for each other for good. On any other
+    device it does nothing: `budget()` is None."""
 
-    def __init__(self, device: torch.device, utilization: float) -> None:
-        self.device, self.utilization = device, utilization
+    def __init__(self, device: torch.device, utilization: float, lock: bool = True) -> None:
+        self.device, self.utilization, self.locks = device, utilization, lock
         self.free_at_start = self.total = self._cached_at_start = 0
         self._lock: int | None = None
 
     def __enter__(self) -> DeviceShare:
         if self.device.type != "cuda":
             return self
-        uuid = torch.cuda.get_device_properties(self.device).uuid
-        path = os.path.join(tempfile.gettempdir(), f"vlmserve-gpu-{uuid}.lock")
-        try:
-            self._lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:  # no lock where the temp folder is not writable: sized as if alone
-            self._lock = None
-        if self._lock is not None:
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                logger.info("waiting for another engine on GPU %s to size its caches", uuid)
-                fcntl.flock(self._lock, fcntl.LOCK_EX)
+        if self.locks:
+            self._take_lock()
         try:
             self.free_at_start, self.total = torch.cuda.mem_get_info(self.device)
             self._cached_at_start = _cached_free(self.device)
@@ -135,6 +127,19 @@ class DeviceShare:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _take_lock(self) -> None:
+        uuid = torch.cuda.get_device_properties(self.device).uuid
+        path = os.path.join(tempfile.gettempdir(), f"vlmserve-gpu-{uuid}.lock")
+        try:
+            self._lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # no lock where the temp folder is not writable: sized as if alone
+            return
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another engine on GPU %s to size its caches", uuid)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: object) -> None:
         if self._lock is not None:

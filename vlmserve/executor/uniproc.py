@@ -52,7 +52,7 @@ class UniprocExecutor:
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         # the model's load and the caches' sizing, alone on this GPU among this host's engines
-        with DeviceShare(self.device, cc.gpu_memory_utilization) as self._share:
+        with DeviceShare(self.device, cc.gpu_memory_utilization, lock=tp is None) as self._share:
             self._load(config, model_path, hf_config, max_model_len, tp)
 
     def _load(self, config: EngineConfig, model_path, hf_config, max_model_len: int,
