@@ -84,10 +84,13 @@ def _run_paged(
     softcap: float | None = None,
     spans: list[tuple[int, int, int]] | None = None,
     kv_scales: tuple[float, float] | None = None,
+    head_major: bool = False,
 ) -> None:
     """`window`: its blocks before the first query's window point at one shared block of
     huge values (a windowed cache group's freed places); `spans`: read both ways;
-    `kv_scales`: an FP8 cache of those (k, v) scales, the reference reading it dequantized."""
+    `kv_scales`: an FP8 cache of those (k, v) scales, the reference reading it dequantized;
+    `head_major`: the queries a view of [heads, T, dim] (as transformers' attention
+    interface hands them to the backend), not contiguous."""
     H, Hkv, D = model
     gen = torch.Generator(DEVICE).manual_seed(rng.randrange(1 << 30))
     counts = [-(-s // block_size) for s in seq_lens]
@@ -108,6 +111,8 @@ def _run_paged(
     meta = build_attention_metadata(query_lens, seq_lens, block_ids, block_size, DEVICE)
     meta.bidirectional = spans
     q = torch.randn(sum(query_lens), H, D, generator=gen, device=DEVICE).to(dtype)
+    if head_major:
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     kv = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen, device=DEVICE)
     # Slots outside every context hold huge values: reading one would wreck the result.
     live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
@@ -152,6 +157,15 @@ def test_paged_decode_forced_splits(splits):
     rng = random.Random(f"splits{splits}")
     seq_lens = [1, 2, 17, MAX_CTX // 3, MAX_CTX]
     _run_paged(rng, [1] * len(seq_lens), seq_lens, GQA_MODEL, 16, torch.bfloat16, splits)
+
+
+@pytest.mark.parametrize("dtype", _ALL_DTYPES, ids=_dtype_id)
+def test_paged_queries_laid_out_head_major(dtype):
+    """A prefill chunk beside decodes, the queries strided head-major: the same answer."""
+    rng = random.Random(f"headmajor{dtype}")
+    query_lens = [MAX_CHUNK // 2, 1, 1, 3]
+    seq_lens = [MAX_CHUNK // 2 + 7, MAX_CTX // 2, 5, MAX_CTX]
+    _run_paged(rng, query_lens, seq_lens, GQA_MODEL, 16, dtype, head_major=True)
 
 
 @LAYOUTS

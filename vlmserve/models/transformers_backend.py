@@ -125,7 +125,8 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
     if dim != width:  # a narrower head: zeros past it add nothing to a score
         q, k, v = (F.pad(x, (0, width - dim)) for x in (q, k, v))
-    q = q.contiguous()
+    if q.stride(-1) != 1:  # the kernels read any token and head strides
+        q = q.contiguous()
     write_kv(cache, k, v, step.meta.slot_mapping)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows[layer]
