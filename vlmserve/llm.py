@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -15,6 +17,7 @@ from vlmserve.inputs.chat import parse_chat_messages
 from vlmserve.inputs.processor import PromptInput
 from vlmserve.models.processing import ChatTemplateOptions
 from vlmserve.multimodal.fetch import FetchPolicy, RemoteImageFetcher
+from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -30,21 +33,29 @@ class LLM:
                  allowed_remote_hosts: str | Sequence[str] | None = None,
                  remote_image_timeout: float = FetchPolicy.timeout,
                  max_remote_image_bytes: int = FetchPolicy.max_bytes,
-                 remote_image_fetch_workers: int = 8, **kwargs: Any) -> None:
+                 remote_image_fetch_workers: int = 8, preprocess_workers: int = 0,
+                 **kwargs: Any) -> None:
         # http(s) image and video URLs of chats: fetched as the server fetches them (its
         # options by the same names), but on by default as vLLM's offline API
         self.fetcher = RemoteImageFetcher(FetchPolicy(
             remote_image_timeout, max_remote_image_bytes,
             FetchPolicy.parse_hosts(allowed_remote_hosts)),
             remote_image_fetch_workers) if allow_remote_images else None
+        if preprocess_workers < 0:
+            raise ValueError(f"preprocess_workers must be 0 or more, got {preprocess_workers}")
         self.engine = LLMEngine.from_kwargs(model=model, **kwargs)
+        self.preprocess_workers = preprocess_workers
+        self._pool = None  # started by the first `generate` that needs it
 
     __init__.__doc__ = (
         "Remote media of `chat` (the server's options by the same names): allow_remote_images "
         "(default True: http(s) image and video URLs fetched, public addresses only), "
         "allowed_remote_hosts (host names, addresses, CIDR networks that may be private), "
         "remote_image_timeout (seconds a fetch in all), max_remote_image_bytes, "
-        "remote_image_fetch_workers (fetches at once).\n"
+        "remote_image_fetch_workers (fetches at once). preprocess_workers (default 0): "
+        "processes that preprocess prompts (images decoded and processed, tokens, hashes) "
+        "ahead of the engine, as the server's --preprocess-workers; 0: on the engine's "
+        "thread, between its launches.\n"
         "Engine options (keyword arguments; the CLI's flags by these names):\n" + (
             "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
                       for f in EngineConfig.option_fields())))
@@ -145,7 +156,10 @@ class LLM:
         far ahead is `Scheduler.needs_requests` / `has_room_ahead`. On a pool of threads it
         would overlap too, but then the step loop, which gives up the GIL at every kernel
         launch, queues behind them for it (docs/benchmarks.md: W1 8.9-9.0 s this way, 9.6 s on
-        four threads, 9.0-9.8 s queueing only two steps of tokens ahead).
+        four threads, 9.0-9.8 s queueing only two steps of tokens ahead). With
+        `preprocess_workers`, processes do it instead, two prompts a process ahead of the
+        engine; this thread only admits what they made, in order, never waiting for one
+        while the device is busy.
         """
         engine = self.engine
         sched = engine.scheduler
@@ -153,19 +167,43 @@ class LLM:
         pending: set[str] = set()
         results: dict[str, RequestOutput] = {}
         failed: list[Exception] = []
+        pool = self._preprocess_pool() if self.preprocess_workers and todo else None
+        ahead: deque[tuple[Future, SamplingParams]] = deque()  # prompts in the pool, in order
 
-        def admit_next() -> bool:
-            """Preprocess and queue the next prompt, if any and if there is room ahead."""
-            if not todo or not sched.has_room_ahead():
+        def send_ahead() -> None:
+            from vlmserve.frontend.preprocess import process_in_worker
+
+            while todo and len(ahead) < 2 * self.preprocess_workers:
+                prompt, params = todo.popleft()
+                ahead.append((pool.submit(process_in_worker, prompt),
+                              engine.checked_params(params)))
+
+        def next_requests(wait: bool) -> list | None:
+            """The next prompt's requests, if there is room ahead: processed here, or the
+            pool's (None where it is not done and not `wait`)."""
+            if pool is None:
+                if not todo or not sched.has_room_ahead():
+                    return None
+                return engine.process_requests(*todo.popleft())
+            send_ahead()
+            if not ahead or not sched.has_room_ahead() or not (wait or ahead[0][0].done()):
+                return None
+            future, params = ahead.popleft()
+            send_ahead()
+            return engine.requests_of(self._local(future.result()), params)
+
+        def admit_next(wait: bool = True) -> bool:
+            """Preprocess (or take preprocessed) and queue the next prompt, if any."""
+            reqs = next_requests(wait)
+            if reqs is None:
                 return False
-            reqs = engine.process_requests(*todo.popleft())
             groups.append([engine.add_processed_request(r) for r in reqs])
             pending.update(groups[-1])
             return True
 
         def admit_while_waiting() -> bool:
             try:
-                return admit_next()
+                return admit_next(wait=False)
             except Exception as e:  # raised after the step, which must finish its read-back
                 failed.append(e)
                 todo.clear()
@@ -174,8 +212,8 @@ class LLM:
         bar = tqdm(total=sum(p.n for _, p in todo), desc="Requests", disable=not use_tqdm,
                    unit="req")
         try:
-            while todo or pending:
-                while todo and sched.needs_requests():
+            while todo or ahead or pending:
+                while (todo or ahead) and sched.needs_requests():
                     admit_next()
                 for out in engine.step(admit_while_waiting):
                     if out.finished and out.request_id in pending:
@@ -185,12 +223,33 @@ class LLM:
                 if failed:
                     raise failed[0]
         except BaseException:
+            for future, _ in ahead:
+                future.cancel()
             engine.abort_request(list(pending))
             engine.drain()
             raise
         finally:
             bar.close()
         return [_merged([results[i] for i in ids]) for ids in groups]
+
+    def _preprocess_pool(self):
+        """The pool of `preprocess_workers` processes (the server's), started once."""
+        if self._pool is None:
+            from vlmserve.frontend.preprocess import start_pool
+
+            engine = self.engine
+            self._pool = start_pool(self.preprocess_workers, engine.config.model_config,
+                                    engine.core.info.limits, engine.eos_token_ids)
+            weakref.finalize(self, self._pool.shutdown)
+        return self._pool
+
+    def _local(self, processed: ProcessedPrompt) -> ProcessedPrompt:
+        """A prompt a pool process made, its images' pixel transform this process's (the
+        one every image of the model shares: images batch by it)."""
+        transform = self.engine.input_processor.model_processor.pixel_transform
+        return dataclasses.replace(processed, images=[
+            img if img.transform is None else dataclasses.replace(img, transform=transform)
+            for img in processed.images])
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:

@@ -147,3 +147,31 @@ def test_chat_refuses_http_images_when_remote_images_are_off(vlmserve_cache,
         llm.chat(chat("Describe.", {"type": "image_url", "image_url": {"url": url}}),
                  SamplingParams(max_tokens=1), use_tqdm=False)
     assert len(origin.hits) == before
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_preprocess_workers_change_no_output(vlmserve_cache, impl: str) -> None:
+    """Prompts preprocessed by `preprocess_workers` processes ahead of the engine: the same
+    greedy tokens, in input order, as on the engine's thread (with a batch of the step budget
+    so that prompts queue); a bad image among them raises as it does there and leaves the
+    engine serving."""
+    from tests.engine.helpers import mixed_prompts
+
+    kw = dict(dtype="float32", device="cpu", model_impl=impl, max_num_batched_tokens=256)
+    plain = LLM("tiny-qwen2-vl", **kw)
+    pooled = LLM("tiny-qwen2-vl", preprocess_workers=2, **kw)
+    prompts = mixed_prompts(plain)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2)] * 4
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = pooled.generate(prompts, params, use_tqdm=False)
+    assert [[o.token_ids for o in out.outputs] for out in got] == [
+        [o.token_ids for o in out.outputs] for out in want]
+    assert pooled._pool is not None and len(pooled._pool.pids()) == 2
+    bad = {"prompt": prompts[1]["prompt"], "multi_modal_data": {"image": [b"not an image"]}}
+    with pytest.raises(InvalidImageError):
+        pooled.generate(prompts[:3] + [bad] + prompts[3:], params[0], use_tqdm=False)
+    assert not pooled.engine.has_unfinished_requests()
+    again = pooled.generate(prompts[:2], params[:2], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [
+        o.outputs[0].token_ids for o in want[:2]]

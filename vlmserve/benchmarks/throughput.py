@@ -333,6 +333,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "is compared with transformers, all are reported with their median")
     ap.add_argument("--out", default=None,
                     help="write the full results (every counter, profiles) as JSON here")
+    ap.add_argument("--preprocess-workers", type=int, default=0,
+                    help="processes preprocessing the prompts ahead of the engine (the LLM's "
+                         "preprocess_workers); 0: on the engine's thread")
     # the engine's own options and defaults (--model and --dtype also for transformers)
     add_engine_options(ap, skip=_NOT_ENGINE)
 
@@ -387,7 +390,8 @@ def main(args: argparse.Namespace | None = None) -> list[dict]:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
 
     if args.backend in ("vlmserve", "both"):
-        report(run_vlmserve(reqs, warm, engine, more, profiled, device_profiled))
+        report(run_vlmserve(reqs, warm, {**engine, "preprocess_workers": args.preprocess_workers},
+                            more, profiled, device_profiled))
     if args.backend in ("hf", "both"):
         name = engine.get("dtype", "auto")
         dtype = torch.bfloat16 if torch.cuda.is_available() and name == "auto" else (

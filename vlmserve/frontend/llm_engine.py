@@ -12,6 +12,7 @@ from vlmserve.errors import PromptTooLongError
 from vlmserve.frontend.output import OutputProcessor
 from vlmserve.inputs.processor import InputProcessor, PromptInput
 from vlmserve.models.metadata import sampling_defaults
+from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import SamplingParams
@@ -59,10 +60,22 @@ class LLMEngine:
         """`process_request` for the ``params.n`` completions of one prompt, preprocessed
         once: ids ``request_id``, then ``request_id``-1, -2, ...; with a seed, the i-th
         samples with seed + i (`SamplingParams.completion`), as the server's ``n``."""
+        params = self.checked_params(params)
+        return self.requests_of(self.input_processor.process(prompt), params, request_id)
+
+    def checked_params(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` (None: the model's defaults), checked against the model's vocabulary
+        and limits: an `InvalidSamplingParamsError` names what is wrong."""
         params = params or SamplingParams(**self.sampling_defaults)
         self.input_processor.check_sampling(params)
+        return params
+
+    def requests_of(self, processed: ProcessedPrompt, params: SamplingParams,
+                    request_id: str | None = None) -> list[Request]:
+        """The requests of a prompt processed here or elsewhere (a preprocessing process of
+        the same model), ``params`` checked (`checked_params`); one that can never fit the
+        context raises `PromptTooLongError`."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        processed = self.input_processor.process(prompt)
         reqs = [Request(request_id if i == 0 else f"{request_id}-{i}", processed,
                         params.completion(i) if params.n > 1 else params, self.eos_token_ids)
                 for i in range(params.n)]

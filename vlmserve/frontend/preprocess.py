@@ -19,7 +19,7 @@ from vlmserve.frontend.process_pool import ProcessPool
 from vlmserve.inputs.processor import ImageLoader, InputProcessor, PromptInput
 from vlmserve.layers.grammar import check_grammar_limits
 from vlmserve.models.metadata import load_model_processor
-from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.multimodal.inputs import MultiModalFeature, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.utils import die_with_parent, freeze_startup_heap, limit_host_threads
 
@@ -119,6 +119,13 @@ def preprocess_in_worker(prompt: PromptInput, params: SamplingParams, request_id
                                                    image_loader, default_max_tokens,
                                                    _grammar_limits)
     return text, token_ids, [bytes(f) for f in frames], features  # one copy each, pickled
+
+
+def process_in_worker(prompt: PromptInput) -> ProcessedPrompt:
+    """A prompt processed as the offline engine does (`InputProcessor.process`, its images
+    loaded from what the prompt holds), in a pool process; no limits checked."""
+    assert _worker is not None
+    return _worker[0].process(prompt)
 
 
 def tokenize_in_worker(prompt: PromptInput, image_loader: ImageLoader) -> list[int]:
