@@ -55,7 +55,8 @@ class LLM:
         "remote_image_fetch_workers (fetches at once). preprocess_workers (default 0): "
         "processes that preprocess prompts (images decoded and processed, tokens, hashes) "
         "ahead of the engine, as the server's --preprocess-workers; 0: on the engine's "
-        "thread, between its launches.\n"
+        "thread, between its launches (spawned processes: a script's code under "
+        "`if __name__ == '__main__':`).\n"
         "Engine options (keyword arguments; the CLI's flags by these names):\n" + (
             "\n".join(f"    {f.name} (default {f.default!r}): {f.metadata.get('help', '')}"
                       for f in EngineConfig.option_fields())))
