@@ -149,6 +149,7 @@ def test_chat_refuses_http_images_when_remote_images_are_off(vlmserve_cache,
     assert len(origin.hits) == before
 
 
+@pytest.mark.slow  # starts preprocessing processes
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 def test_preprocess_workers_change_no_output(vlmserve_cache, impl: str) -> None:
     """Prompts preprocessed by `preprocess_workers` processes ahead of the engine: the same
