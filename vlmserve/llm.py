@@ -170,10 +170,10 @@ class LLM:
         failed: list[Exception] = []
         pool = self._preprocess_pool() if self.preprocess_workers and todo else None
         ahead: deque[tuple[Future, SamplingParams]] = deque()  # prompts in the pool, in order
-
-        def send_ahead() -> None:
+        if pool is not None:
             from vlmserve.frontend.preprocess import process_in_worker
 
+        def send_ahead() -> None:
             while todo and len(ahead) < 2 * self.preprocess_workers:
                 prompt, params = todo.popleft()
                 ahead.append((pool.submit(process_in_worker, prompt),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.models.vision.clip import FixedSizeTower
-from vlmserve.models.vision.common import VisionAttention, VisionTowerBase
+from vlmserve.models.vision.common import VisionTowerBase
 from vlmserve.models.vision.step_inputs import (
     PaddedLayout,
     TowerTensors,
@@ -113,15 +113,11 @@ class VisionGraphs:
         """The tower on the graph's buffers, with the graphs' attention where it has one."""
         if self.attention is None:
             return self.tower.run(g.pixels, g.tensors)
-        layers = [m for m in self.tower.modules() if isinstance(m, VisionAttention)]
-        own = [m.attn_fn for m in layers]
-        for m in layers:
-            m.attn_fn = self.attention
+        self.tower.set_attention_backend(self.attention)  # the tower's own: SDPA (None)
         try:
             return self.tower.run(g.pixels, g.tensors)
         finally:
-            for m, fn in zip(layers, own, strict=True):
-                m.attn_fn = fn
+            self.tower.set_attention_backend(None)
 
     def _buffers(self, layout: PaddedLayout, pixel_values: torch.Tensor) -> _Graph:
         dev, pin = self.device, self.device.type == "cuda"
@@ -221,7 +217,7 @@ def attach_vision_graphs(model: torch.nn.Module, max_rows: int, max_graphs: int 
     count = 0
     for m in model.modules():
         if isinstance(m, VisionTowerBase):
-            sdpa = any(b.attn.attn_fn is None for b in m.blocks)
+            sdpa = m.torch_attention
             if sdpa and attention is None:
                 raise ValueError("vision CUDA graphs of a Qwen tower need an attention over "
                                  "device cu_seqlens (flash or triton) to capture; its eager "
