@@ -29,6 +29,7 @@ from vlmserve.executor.uniproc import UniprocExecutor
 from vlmserve.layers.tensor_parallel import check_divisible
 from vlmserve.layers.vision_tensor_parallel import check_vision_divisible
 from vlmserve.models.metadata import local_model_config
+from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import limit_host_threads, resolve_device
 from vlmserve.worker.model_runner import StepResult
 
@@ -93,10 +94,15 @@ def run_torchrun_worker(config: EngineConfig, env: TorchrunEnv) -> int:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path, hf_config, max_model_len: int) -> None:
         world = config.parallel_config.tensor_parallel_size
-        check_divisible(getattr(hf_config, "text_config", None) or hf_config, world,
-                        config.parallel_config.enable_expert_parallel)
-        if config.parallel_config.mm_encoder_tp_mode == "weights":
-            check_vision_divisible(hf_config.vision_config, world)
+        pc = config.parallel_config
+        cls = resolve_model_class(hf_config)
+        if hasattr(cls, "check_tensor_parallel"):  # the transformers backend
+            cls.check_tensor_parallel(hf_config, world, pc)
+        else:
+            check_divisible(getattr(hf_config, "text_config", None) or hf_config, world,
+                            pc.enable_expert_parallel)
+            if pc.mm_encoder_tp_mode == "weights":
+                check_vision_divisible(hf_config.vision_config, world)
         mc, timeout_s = config.model_config, config.parallel_config.tp_timeout
         env = torchrun_env()
         self.followers: Followers | None = None

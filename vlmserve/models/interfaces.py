@@ -153,8 +153,10 @@ class VisionLanguageModel(Protocol):
         """Copy (checkpoint name, tensor) pairs into the model built by ``cls(hf_config)``;
         returns the names loaded (`models/loader.py` builds, shards and fills it)."""
 
-    # or a classmethod ``from_checkpoint(path, hf_config, dtype, device)`` that builds and
-    # loads the model itself (the transformers backend)
+    # or a classmethod ``from_checkpoint(path, hf_config, dtype, device, tp)`` that builds
+    # and loads the model itself, this rank's share of it with ``tp`` (the transformers
+    # backend; its classmethod ``check_tensor_parallel(hf_config, world, parallel_config)``
+    # refuses a split it cannot make before any rank starts)
 
 
 #: what `check_model_class` asks of a class: attributes and methods every model has

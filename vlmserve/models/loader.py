@@ -256,10 +256,10 @@ def load_model(path: str | Path, hf_config, dtype: torch.dtype, device: torch.de
     tp = tp if tp is not None and tp.world_size > 1 else None
     cls = resolve_model_class(hf_config)
     if hasattr(cls, "from_checkpoint"):  # the transformers backend: transformers loads it
-        if tp is not None or quantization == "fp8":
-            raise ValueError("the transformers backend runs on one device, unquantized "
-                             "(tensor parallelism and fp8 need a native model)")
-        return cls.from_checkpoint(path, hf_config, dtype, device)
+        if quantization == "fp8":
+            raise ValueError("the transformers backend runs unquantized (fp8 needs a native "
+                             "model)")
+        return cls.from_checkpoint(path, hf_config, dtype, device, tp)
     quant = checkpoint_quantization(hf_config)
     online = quantization == "fp8" and quant is None
     if online:

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import (
     AttentionMetadata,
     Window,
@@ -85,6 +86,11 @@ from vlmserve.models.transformers_fused import (
     vision_attention,
 )
 from vlmserve.models.transformers_grids import HostGrids
+from vlmserve.models.transformers_parallel import (
+    check_tensor_parallel,
+    local_kv_heads,
+    shard_text_model,
+)
 from vlmserve.models.transformers_processing import (
     TransformersInputProcessor,
     unpack_meta,
@@ -183,7 +189,17 @@ class TransformersVLM(nn.Module):
     def reads_prompt_both_ways(cls, hf_config) -> bool:
         return prompt_both_ways(hf_config)
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    @classmethod
+    def check_tensor_parallel(cls, hf_config, world: int, parallel_config) -> None:
+        """Refuse, in one line and before any rank starts, a split this backend cannot make
+        (`transformers_parallel.check_tensor_parallel`; experts are not split by owner)."""
+        if parallel_config.enable_expert_parallel:
+            raise ValueError(f"{hf_config.model_type}: expert parallelism needs a native model")
+        check_tensor_parallel(hf_config, world, parallel_config.mm_encoder_tp_mode == "weights")
+
+    def __init__(self, hf_model: nn.Module, tp: TensorParallel | None = None) -> None:
+        """``hf_model`` on the host with ``tp``: its text model split to this rank's share
+        here (`transformers_parallel.shard_text_model`), before it moves to the device."""
         super().__init__()
         self.hf = hf_model
         self.config = hf_model.config
@@ -205,6 +221,8 @@ class TransformersVLM(nn.Module):
             decoder = text.get_decoder()
             text = decoder if decoder is not text else text.model  # Llama 4's says itself
         self.text_model = text
+        if tp is not None:
+            shard_text_model(text, tc, tp)
         # each layer's cache kind (the engine's groups); a conv layer's: its state slots
         self.layer_kinds = layer_kinds(self.config)
         convs = {i for i, k in enumerate(self.layer_kinds) if k.kind == "linear"}
@@ -232,6 +250,11 @@ class TransformersVLM(nn.Module):
         self.lm_head = hf_model.get_output_embeddings()
         # every layer's cache as wide as the widest layer's (`paged_attention` pads the rest)
         shapes = layer_kv_shapes(self.config)
+        if tp is not None:  # this rank's KV heads of each layer
+            shapes = [(local_kv_heads(h, tp.world_size), d) for h, d in shapes]
+            if any(max(h for h, _ in shapes) % h for h, _ in shapes):
+                raise ValueError(f"{self.config.model_type}: its layers' KV heads do not "
+                                 f"split alike over tensor_parallel_size={tp.world_size}")
         self.kv_heads = max(h for h, _ in shapes)
         self.head_dim = max(d for _, d in shapes)
         # per-layer inputs (Gemma 4's): from the step's token ids, kept by `embed_tokens`;
@@ -265,8 +288,10 @@ class TransformersVLM(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, hf_config, dtype: torch.dtype,
-                        device: torch.device) -> TransformersVLM:
-        """The HF model from its checkpoint folder, its text attention the engine's."""
+                        device: torch.device, tp: TensorParallel | None = None
+                        ) -> TransformersVLM:
+        """The HF model from its checkpoint folder, its text attention the engine's; with
+        ``tp``, read whole on the host and this rank's share of its text model kept."""
         check_supported(hf_config)
         _register()
         hf_cls = hf_model_class(hf_config)
@@ -275,7 +300,7 @@ class TransformersVLM(nn.Module):
         model = hf_cls.from_pretrained(str(path), config=hf_config, dtype=dtype,
                                        attn_implementation=attn, local_files_only=True)
         use_varlen_vision_attention(model, hf_config)
-        return cls(model.to(device).eval())
+        return cls(model.eval(), tp).to(device)
 
     @classmethod
     def image_row_width(cls, hf_config) -> int:

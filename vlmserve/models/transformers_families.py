@@ -131,16 +131,21 @@ def layer_kv_shapes(hf_config) -> list[tuple[int, int]]:
     """Each text layer's (KV heads, head dim): the config's, or its `per_layer_config`'s where
     layers differ (Gemma 4's full-attention layers). `ValueError` where a layer's KV heads do
     not divide the most any layer has (the cache's)."""
-    tc = text_config(hf_config)
-    per_layer = getattr(tc, "per_layer_config", None)  # (its global values are not to be read)
-    out = [_kv_shape(tc if per_layer is None else per_layer[i])
-           for i in range(tc.num_hidden_layers)]
+    out = [_kv_shape(c) for c in layer_configs(hf_config)]
     most = max(h for h, _ in out)
     if any(most % h for h, _ in out):
         raise ValueError(f"{hf_config.model_type}: its layers' KV heads "
                          f"{sorted({h for h, _ in out})} do not divide the most of them "
                          "(the transformers backend's cache holds that many for every layer)")
     return out
+
+
+def layer_configs(hf_config) -> list:
+    """Each text layer's config: the text config, or its `per_layer_config`'s view of the
+    layer where layers differ (Gemma 4's; its global values are not to be read)."""
+    tc = text_config(hf_config)
+    per_layer = getattr(tc, "per_layer_config", None)
+    return [tc if per_layer is None else per_layer[i] for i in range(tc.num_hidden_layers)]
 
 
 def _kv_shape(c) -> tuple[int, int]:

@@ -1,0 +1,175 @@
+"""Tensor parallelism for the transformers backend: the text model split as its transformers
+config's tensor-parallel plan (`base_model_tp_plan`) says, with the engine's collectives.
+
+A "colwise" projection keeps this rank's output rows: its share of the query heads, of the
+key/value heads (each head whole on ``world / kv`` ranks when there are fewer KV heads than
+ranks, the one its queries read), of the MLP's intermediate columns; a "packed_colwise" one
+(gate and up fused) its share of each half. A "rowwise" projection keeps the matching input
+columns and all-reduces its product (its bias added once, after the sum). Entries whose
+module takes its input whole and gives its output whole (gathered outputs, split inputs,
+replicated norms, a vocabulary-split embedding, experts that reduce their own sum) are served
+as one unsplit module on every rank: exact, with more memory than a split. So is everything
+outside the text model's layers: the vision tower, projector, token embedding and lm_head.
+
+A plan that does not split the attention heads, or holds a style whose output would be left
+split for a consumer this module does not know, is refused in one line before any rank starts
+(`check_tensor_parallel`)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.distributed.parallel_state import TensorParallel
+
+# styles whose module reads its input whole and leaves its output whole under transformers'
+# own tensor parallelism: here the module runs unsplit on every rank
+_WHOLE = frozenset({"colwise_gather_output", "rowwise_split_input",
+                    "replicated_with_grad_allreduce", "embedding_rowwise", "sequence_parallel",
+                    "gather", "ep_router", "moe_tp_experts"})
+# styles under which a whole subtree (the experts' weights) is the parent's business
+_SUBTREE = frozenset({"moe_tp_experts"})
+_SPLIT = frozenset({"colwise", "rowwise", "packed_colwise"})
+
+
+class RowParallelLinear(nn.Linear):
+    """``all_reduce(x_share @ W_share.T) + b``: this rank's input columns; the bias whole,
+    added once after the sum."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 tp: TensorParallel) -> None:
+        _linear(self, weight, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def plan_of(text_config) -> dict[str, str]:
+    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+
+
+def _pattern(key: str) -> re.Pattern:
+    """A plan key (``layers.*.self_attn.q_proj``) as a pattern of module names inside the
+    text model (its layers may sit under a prefix, BLIP-2's ``decoder.``)."""
+    return re.compile(r"(?:.*\.)?" + re.escape(key).replace(r"\*", r"\d+"))
+
+
+def check_tensor_parallel(hf_config, world: int, vision_weights: bool = False) -> None:
+    """Refuse, in one line, a model whose text model this module cannot split over ``world``
+    ranks: no plan, a plan that leaves the attention heads whole, a style it does not know,
+    a layer whose attention heads or split MLP columns ``world`` does not divide, or whose KV
+    heads it neither divides nor is a multiple of."""
+    from vlmserve.models.transformers_families import layer_configs, text_config
+
+    name = hf_config.model_type
+    if vision_weights:
+        raise ValueError(f"{name}: mm_encoder_tp_mode='weights' needs a native model; the "
+                         "transformers backend replicates the vision tower (mode 'data' "
+                         "splits the images)")
+    plan = plan_of(text_config(hf_config))
+    styles = {k.rsplit(".", 1)[-1]: v for k, v in plan.items()}
+    if not (styles.get("q_proj") == styles.get("k_proj") == "colwise"
+            and styles.get("o_proj") == "rowwise"):
+        raise ValueError(f"{name}: its transformers config's tensor-parallel plan "
+                         f"({plan or 'none'}) does not split the attention heads; "
+                         "tensor_parallel_size needs one that does (or a native model)")
+    for i, c in enumerate(layer_configs(hf_config)):
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        inter = getattr(c, "intermediate_size", None) if styles.get("down_proj") == "rowwise" \
+            else None
+        if heads % world or (kv % world and world % kv) or (inter or 0) % world:
+            raise ValueError(f"{name}: tensor_parallel_size={world} must divide layer {i}'s "
+                             f"{heads} attention heads and {inter or 'unsplit'} MLP columns, "
+                             f"and divide or be a multiple of its {kv} KV heads")
+    unknown = sorted({v for v in plan.values()} - _WHOLE - _SPLIT - {"packed_rowwise",
+                                                                     "local_colwise",
+                                                                     "local_rowwise"})
+    if unknown:
+        raise ValueError(f"{name}: tensor-parallel style(s) {unknown} of its transformers "
+                         "plan are not supported by the transformers backend")
+
+
+def shard_text_model(text_model: nn.Module, text_config, tp: TensorParallel) -> int:
+    """Split ``text_model``'s planned projections (weights on the host, whole) to this rank's
+    share, in place; returns how many were split. A split style on a module that is not an
+    ``nn.Linear`` (experts' packed weights), outside a subtree that reduces its own sum,
+    raises."""
+    plan = [(_pattern(k), v) for k, v in plan_of(text_config).items()]
+    whole_trees: list[str] = []
+    split = 0
+    for name, module in list(text_model.named_modules()):
+        style = next((v for p, v in plan if p.fullmatch(name)), None)
+        if style is None or any(name.startswith(t + ".") for t in whole_trees):
+            continue
+        if style in _SUBTREE:
+            whole_trees.append(name)
+            continue
+        if style in _WHOLE:
+            continue
+        if style not in _SPLIT or type(module) is not nn.Linear:
+            raise ValueError(f"{text_config.model_type}: {name} ({type(module).__name__}) "
+                             f"has tensor-parallel style {style!r}, which the transformers "
+                             "backend cannot split")
+        parent_name, _, attr = name.rpartition(".")
+        parent = text_model.get_submodule(parent_name)
+        setattr(parent, attr, _split(module, style, attr, parent, text_config, tp,
+                                     f"{text_config.model_type}: {name}"))
+        split += 1
+    return split
+
+
+def _split(linear: nn.Linear, style: str, attr: str, parent: nn.Module, text_config,
+           tp: TensorParallel, where: str) -> nn.Module:
+    rank, world = tp.rank, tp.world_size
+    w, b = linear.weight.data, None if linear.bias is None else linear.bias.data
+    if style == "rowwise":
+        cols = _share(w.shape[1], rank, world, where)
+        return RowParallelLinear(w[:, cols].clone(), b, tp)
+    if style == "packed_colwise":  # [gate | up]: this rank's share of each half
+        half = w.shape[0] // 2
+        share = _share(half, rank, world, where)
+        rows = torch.cat([torch.arange(half)[share], torch.arange(half, 2 * half)[share]])
+    elif attr in ("k_proj", "v_proj"):  # whole KV heads; each on world / kv ranks if fewer
+        d = getattr(parent, "head_dim", None) or getattr(text_config, "head_dim", None) \
+            or text_config.hidden_size // text_config.num_attention_heads
+        kv = w.shape[0] // d
+        if kv >= world:
+            rows = _share(w.shape[0], rank, world, where)
+        else:
+            if world % kv:
+                raise ValueError(f"{where}: {kv} KV heads neither divide nor are a multiple "
+                                 f"of tensor_parallel_size={world}")
+            head = rank // (world // kv)
+            rows = slice(head * d, (head + 1) * d)
+    else:
+        rows = _share(w.shape[0], rank, world, where)
+    return _linear(nn.Linear.__new__(nn.Linear), w[rows].clone(),
+                   None if b is None else b[rows].clone())
+
+
+def _linear(module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """``module`` (uninitialised) holding ``weight`` and ``bias`` as they are."""
+    nn.Module.__init__(module)
+    module.out_features, module.in_features = weight.shape
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return module
+
+
+def _share(n: int, rank: int, world: int, where: str) -> slice:
+    if n % world:
+        raise ValueError(f"{where}: {n} features do not split over tensor_parallel_size="
+                         f"{world}")
+    k = n // world
+    return slice(rank * k, (rank + 1) * k)
+
+
+def local_kv_heads(kv: int, world: int) -> int:
+    """KV heads a rank holds of ``kv``: its share, or one replicated head."""
+    return kv // world if kv >= world else 1
