@@ -168,10 +168,6 @@ class KVCacheManager:
         """The snapshot slot the request's running state starts from (once)."""
         return self._restore.pop(request_id, None)
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a request of this many tokens could ever be held (the whole cache)."""
-        return num_tokens <= self.max_kv_tokens
-
     # ---- the first group's prefix cache, by hand ------------------------------------------
 
     def cached_prefix(self, keys: Sequence[bytes]) -> list[int]:
