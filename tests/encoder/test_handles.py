@@ -192,3 +192,37 @@ def test_a_handle_is_checked_before_its_rows_take_memory(monkeypatch, tmp_path):
         shm.unlink()
     assert allocated == []
     seen.close()
+
+
+_KILLED_PRODUCER = """
+import sys, torch
+from vlmserve.encoder.ledger import HandleLedger
+led = HandleLedger(lease_s=600.0)
+for i in range(3):
+    led.export(torch.ones(4, 8) * i, "shm")
+print(led.segment_prefix(), led.address, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_killed_producers_segments_and_socket_are_removed_by_the_next_ledger():
+    """A producer SIGKILLed with live handles leaves its segments and socket file; the next
+    ledger (an encoder restarted) removes them, and leaves a live producer's alone."""
+    import signal
+    import subprocess
+    import sys
+
+    with HandleLedger(lease_s=30.0) as alive:
+        alive.export(rows(), "shm")
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_PRODUCER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            prefix, address = proc.stdout.readline().split()
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        sock = address.removeprefix("ipc://")
+        assert len(segments(prefix)) == 3 and os.path.exists(sock)
+        with HandleLedger(lease_s=30.0):
+            assert segments(prefix) == [] and not os.path.exists(sock)
+            assert len(segments(alive.segment_prefix())) == 1

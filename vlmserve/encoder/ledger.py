@@ -9,13 +9,20 @@ producer's own loop). A handle opened twice is recorded.
 `on_free` tells the producer each handle's fate (the encoder server learns from it which images
 a consumer holds: delivered.py). The consumer's side, which sends those messages, is
 consumer_ledger.py.
+
+A producer killed outright (SIGKILL, the OOM killer) cannot free what it held: its
+shared-memory segments and its socket file stay behind. Each new ledger removes those of
+producers that are no longer alive (`reap_orphans`: the process id is in each name), so a
+restarted encoder does not leave /dev/shm filling up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -32,6 +39,12 @@ from vlmserve.transfer.cuda_pool import CudaPool, PooledBacking, make_cuda_poole
 from vlmserve.transfer.handles import EmbeddingHandle, make_bytes, make_cuda, make_shm
 
 TRANSPORTS = ("auto", "shm", "cuda", "bytes")
+_SHM_DIR = "/dev/shm"
+# a ledger's segment (`segment_prefix`) and socket file (the default address): its token starts
+# with its producer's process id
+_SEGMENT = re.compile(r"vlms-(\d+)x[0-9a-f]{6}-\d+")
+_SOCKET = re.compile(r"vlmserve-ledger-(\d+)x[0-9a-f]{6}\.sock")
+logger = logging.getLogger(__name__)
 _REMEMBER_IDS = 1 << 16  # ids kept after they are freed, to tell a late open from a stray one
 
 
@@ -112,6 +125,7 @@ class HandleLedger:
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
         self.token = f"{os.getpid()}x{secrets.token_hex(3)}"
+        reap_orphans()
         self.lease_s, self.grace_s = lease_s, grace_s
         self.poll_interval_s = poll_interval_s
         if address is None:
@@ -347,3 +361,38 @@ class HandleLedger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def reap_orphans(shm_dir: str = _SHM_DIR, socket_dir: str | None = None) -> int:
+    """Remove the shared-memory segments and ledger socket files of producers that are no
+    longer alive (their process id, in each name, names no process); returns how many. A
+    consumer that mapped such a segment keeps its mapping; one that had not yet opened it
+    gets the error of a segment gone (its producer's handles died with it)."""
+    removed = 0
+    for folder, pattern in ((shm_dir, _SEGMENT), (socket_dir or tempfile.gettempdir(),
+                                                  _SOCKET)):
+        try:
+            names = os.listdir(folder)
+        except OSError:  # no /dev/shm here
+            continue
+        for name in names:
+            m = pattern.fullmatch(name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # (another ledger reaped it first)
+                os.unlink(os.path.join(folder, name))
+                removed += 1
+    if removed:
+        logger.info("removed %d shared-memory segments and socket files of encoders that "
+                    "are gone", removed)
+    return removed
