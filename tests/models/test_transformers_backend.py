@@ -235,3 +235,47 @@ def test_layers_neither_attention_nor_convolutions_refused_in_one_line():
     with pytest.raises(ValueError, match="layers of kind") as err:
         check_supported(config(["linear_attention", "full_attention"]))
     assert "\n" not in str(err.value) and "lfm2_vl" in str(err.value)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[_NO_TORCHVISION] if n in
+                                                NEEDS_TORCHVISION else [])
+                                  for n in ("gemma3", "llama4", "paligemma")])
+def test_windowed_layers_hold_only_their_window(name, vlmserve_cache, tmp_path):
+    """Sliding (Gemma 3, PaliGemma's Gemma 2) and chunked (Llama 4) layers keep their KV in
+    cache groups of their own, which free the blocks a window has left: a request's blocks
+    there stop growing while it decodes past the window, and the tokens stay transformers'."""
+    from vlmserve.models.transformers_families import layer_windows
+
+    path = str(build_tiny(name, tmp_path / name))
+    ref = Reference(path, flat=name in FLAT_IMAGES)
+    block = 4
+    llm = LLM(path, model_impl="transformers", dtype="float32", device=DEVICE,
+              block_size=block, max_num_batched_tokens=32)
+    kinds = [g.kind for g in llm.engine.core.executor.cache_groups]
+    windows = {w for w in layer_windows(llm.engine.core.hf_config) if w is not None}
+    # a full group, then a group per window
+    assert kinds[0].kind == "full" and sorted((k.kind, k.size) for k in kinds[1:]) == sorted(
+        (w.kind, w.size) for w in windows)
+    sched = llm.engine.core.scheduler
+    live: list[list[int]] = []
+    schedule = sched.schedule
+
+    def watched():
+        out = schedule()
+        live.extend(sched.kv.num_live_blocks(r.request_id) for r in sched.running)
+        return out
+
+    sched.schedule = watched
+    prompt, images = _prompts(llm, name)[-2 if name in IMAGES_ONLY else 0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    inputs = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+    got = llm.generate([inputs], params, use_tqdm=False)[0].outputs[0].token_ids
+    ref_out = ref.model.generate(**ref.processor(
+        text=[prompt], images=((images if ref.flat else [images]) if images else None),
+        return_tensors="pt").to(DEVICE), max_new_tokens=40, do_sample=False,
+        eos_token_id=None, pad_token_id=0)
+    assert got == ref_out[0, -40:].tolist()
+    per_group = list(zip(*live))
+    assert max(per_group[0]) >= 40 // block  # the full group holds every position
+    for kind, counts in zip(kinds[1:], per_group[1:], strict=True):
+        assert max(counts[-20:]) <= kind.max_blocks(block, 1), kind  # decodes: the window

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.core.kv_cache_groups import layer_groups
 from vlmserve.distributed.parallel_state import TensorParallel
 from vlmserve.layers.attention import (
     AttentionMetadata,
@@ -111,7 +112,23 @@ class _Step:
         self.attn_fn = paged_attention_reference
         self.windows: list[Window | None] = []  # each layer's, beside the causal rule
         self.both_ways: list[bool] = []  # each layer's: reads the step's spans both ways
-        self.causal_meta: AttentionMetadata | None = None  # the step's, without its spans
+        self.groups: list[int] = []  # each attention layer's KV cache group
+        self._metas: dict[tuple[int, bool], AttentionMetadata] = {}  # the step's, by layer
+
+    def begin(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> None:
+        self.kv_caches, self.meta, self._metas = kv_caches, meta, {}
+
+    def layer_meta(self, layer: int) -> AttentionMetadata:
+        """Layer ``layer``'s metadata: its KV group's block tables and slots, and the step's
+        both-ways spans where the layer reads them (else none)."""
+        key = (self.groups[layer], self.both_ways[layer])
+        meta = self._metas.get(key)
+        if meta is None:
+            meta = self.meta.for_group(key[0])
+            if meta.bidirectional and not key[1]:
+                meta = dataclasses.replace(meta, bidirectional=None, _groups={}, _spans=None)
+            self._metas[key] = meta
+        return meta
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -133,15 +150,18 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         q, k, v = (F.pad(x, (0, width - dim)) for x in (q, k, v))
     if q.stride(-1) != 1:  # the kernels read any token and head strides
         q = q.contiguous()
-    write_kv(cache, k, v, step.meta.slot_mapping)
+    meta = step.layer_meta(layer)
+    write_kv(cache, k, v, meta.slot_mapping)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows[layer]
-    meta = step.meta if step.both_ways[layer] else step.causal_meta
     softcap = kwargs.get("softcap")
-    if window is None and softcap is None and not meta.bidirectional:
+    if window is None and softcap is None:
         out = step.attn_fn(q, cache, meta, scale)
-    else:  # windows, soft-capping and spans read both ways: the reference kernel's
+    elif window is not None and window.clips_spans and meta.bidirectional:
+        # (Gemma 4's images read both ways inside a window: the reference kernel's)
         out = paged_attention_reference(q, cache, meta, scale, window, softcap)
+    else:
+        out = step.attn_fn(q, cache, meta, scale, window, softcap)
     return out[..., :dim][None], None
 
 
@@ -210,11 +230,8 @@ class TransformersVLM(nn.Module):
         self.step.both_ways = layers_both_ways(self.config)
         self.bidirectional_images = self.reads_images_both_ways(self.config)
         self.bidirectional_prompt = self.reads_prompt_both_ways(self.config)
-        # windowed layers run the reference attention, whose masks are built on the host per
-        # step: no decode graph can hold them
         self.fused_ops = None  # the engine's ops inside the model (`set_fused_ops`)
-        self.cuda_graphs_safe = not any(self.step.windows) and not getattr(
-            tc, "attn_logit_softcapping", None)
+        self.cuda_graphs_safe = True
         inner = getattr(hf_model, "model", hf_model)
         text = getattr(inner, "language_model", None) or hf_model.get_decoder()
         if hasattr(text, "lm_head") and hasattr(text, "get_decoder"):  # a causal LM (BLIP-2's)
@@ -225,6 +242,9 @@ class TransformersVLM(nn.Module):
             shard_text_model(text, tc, tp)
         # each layer's cache kind (the engine's groups); a conv layer's: its state slots
         self.layer_kinds = layer_kinds(self.config)
+        kv_kinds = [k for k, _ in layer_groups(self.layer_kinds) if k.kind != "linear"]
+        self.step.groups = [kv_kinds.index(k) if k.kind != "linear" else -1
+                            for k in self.layer_kinds]
         convs = {i for i, k in enumerate(self.layer_kinds) if k.kind == "linear"}
         layers, patched, self._conv_shape = 0, set(), None
         for module in self.text_model.modules():
@@ -375,11 +395,7 @@ class TransformersVLM(nn.Module):
         """[T, hidden] -> the text model's final hidden states [T, hidden], its attention
         over the paged KV cache. ``deepstack``: the image rows' token indices [R] and their
         DeepStack rows [R, layers, hidden], added after each of the first layers."""
-        self.step.kv_caches, self.step.meta = kv_caches, meta
-        self.step.causal_meta = meta
-        if meta.bidirectional and not all(self.step.both_ways):
-            self.step.causal_meta = dataclasses.replace(meta, bidirectional=None, _groups={},
-                                                        _spans=None)
+        self.step.begin(kv_caches, meta)
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None]
         extra = {}
         if self.per_layer_inputs:

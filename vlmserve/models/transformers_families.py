@@ -102,12 +102,17 @@ def layer_windows(hf_config) -> list[Window | None]:
 
 
 def layer_kinds(hf_config) -> list[LayerKind]:
-    """Each text layer's cache kind: a short convolution's state slots ("linear"), else full
-    attention (a windowed layer's window is a mask over the full layers' cache)."""
-    kinds = getattr(text_config(hf_config), "layer_types", None)
-    if kinds is None:
-        return [FULL] * text_config(hf_config).num_hidden_layers
-    return [LayerKind("linear") if k in _CONV_LAYERS else FULL for k in kinds]
+    """Each text layer's cache kind: a short convolution's state slots ("linear"), a
+    sliding or chunked layer's window (its cache group frees the blocks the window has left),
+    else full attention."""
+    types = getattr(text_config(hf_config), "layer_types", None)
+    out = []
+    for i, window in enumerate(layer_windows(hf_config)):
+        if types is not None and types[i] in _CONV_LAYERS:
+            out.append(LayerKind("linear"))
+        else:
+            out.append(FULL if window is None else LayerKind(window.kind, window.size))
+    return out
 
 
 def images_both_ways_sliding(hf_config) -> bool:
