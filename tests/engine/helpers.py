@@ -225,3 +225,19 @@ class KillingLoader:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_live_blocks(llm) -> list[list[int]]:
+    """A list that fills, at each scheduling of ``llm``'s engine, with each running request's
+    live blocks in every KV group (`KVCacheManager.num_live_blocks`)."""
+    sched = llm.engine.core.scheduler
+    live: list[list[int]] = []
+    schedule = sched.schedule
+
+    def watched():
+        out = schedule()
+        live.extend(sched.kv.num_live_blocks(r.request_id) for r in sched.running)
+        return out
+
+    sched.schedule = watched
+    return live

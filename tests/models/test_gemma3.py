@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import make_image
+from tests.engine.helpers import make_image, watch_live_blocks
 from tests.models.hf_tiny import build_tiny
 from tests.models.test_transformers_backend import Reference
 from vlmserve import LLM, SamplingParams
@@ -114,16 +114,7 @@ def test_preempted_requests_resume_and_match(gemma3):
 def test_a_sliding_groups_blocks_stop_growing_past_the_window(gemma3):
     path, ref = gemma3
     llm = _llm(path)
-    sched = llm.engine.core.scheduler
-    live: list[list[int]] = []
-    schedule = sched.schedule
-
-    def watched():
-        out = schedule()
-        live.extend(sched.kv.num_live_blocks(r.request_id) for r in sched.running)
-        return out
-
-    sched.schedule = watched
+    live = watch_live_blocks(llm)
     prompt = _prompts(llm)[1]
     assert _run(llm, [prompt], max_tokens=40) == [ref.generate(*prompt, 40)]
     full, sliding = zip(*live)

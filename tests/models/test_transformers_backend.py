@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.engine.helpers import make_image
+from tests.engine.helpers import make_image, watch_live_blocks
 from tests.models.hf_tiny import (
     FLAT_IMAGES,
     NEEDS_TORCHVISION,
@@ -256,16 +256,7 @@ def test_windowed_layers_hold_only_their_window(name, vlmserve_cache, tmp_path):
     # a full group, then a group per window
     assert kinds[0].kind == "full" and sorted((k.kind, k.size) for k in kinds[1:]) == sorted(
         (w.kind, w.size) for w in windows)
-    sched = llm.engine.core.scheduler
-    live: list[list[int]] = []
-    schedule = sched.schedule
-
-    def watched():
-        out = schedule()
-        live.extend(sched.kv.num_live_blocks(r.request_id) for r in sched.running)
-        return out
-
-    sched.schedule = watched
+    live = watch_live_blocks(llm)
     prompt, images = _prompts(llm, name)[-2 if name in IMAGES_ONLY else 0]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     inputs = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
