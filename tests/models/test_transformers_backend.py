@@ -270,3 +270,26 @@ def test_windowed_layers_hold_only_their_window(name, vlmserve_cache, tmp_path):
     assert max(per_group[0]) >= 40 // block  # the full group holds every position
     for kind, counts in zip(kinds[1:], per_group[1:], strict=True):
         assert max(counts[-20:]) <= kind.max_blocks(block, 1), kind  # decodes: the window
+
+
+@pytest.mark.parametrize("size", [(300, 3), (200, 1)])
+def test_images_of_one_or_three_pixels_are_read_channels_last(size, vlmserve_cache, tmp_path):
+    """A red image 3 (or 1) pixels high or wide: transformers' image processors would take
+    its [3, W, 3] array for a 3-channel image; each channel comes out one colour."""
+    from vlmserve.models.loader import load_hf_config
+    from vlmserve.models.transformers_processing import (
+        TransformersInputProcessor,
+        unpack_meta,
+        unpack_tensors,
+    )
+
+    path = build_tiny("emu3", tmp_path / "emu3")  # (read so with or without torchvision)
+    processor = TransformersInputProcessor(path, load_hf_config(path, "transformers"))
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}])
+    red = Image.new("RGB", size, (255, 0, 0))
+    image = processor.process(prompt, None, [red]).images[0]
+    pixels = unpack_tensors(image.pixels, unpack_meta(image.encoder_meta))["pixel_values"]
+    r, g, b = (pixels[0, c] for c in range(3))
+    assert all(torch.allclose(x, x.flatten()[0].expand_as(x)) for x in (r, g, b))
+    assert r.flatten()[0] > 1 > -1 > max(g.flatten()[0], b.flatten()[0])  # (normalized)

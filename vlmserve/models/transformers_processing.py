@@ -163,6 +163,11 @@ def _packed(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return images.reshape(-1)
 
 
+# an image 1 or 3 pixels high (or wide) reads to transformers' image processors as channels
+# first ([3, W, 3] as a 3-channel W x 3 image): told, they read every image as it is
+_CHANNELS_LAST = {"input_data_format": "channels_last"}
+
+
 class TransformersInputProcessor(HFInputProcessor):
     """Prompt + images -> `ProcessedPrompt` through the checkpoint's own `AutoProcessor`."""
 
@@ -328,7 +333,10 @@ class TransformersInputProcessor(HFInputProcessor):
         return images if self._flat_images else [images]
 
     def _call(self, **kwargs: Any) -> Any:
-        """The HF processor (one thread at a time); what it refuses is the request's error."""
+        """The HF processor (one thread at a time); what it refuses is the request's error.
+        Images are said to be channels-last (`_CHANNELS_LAST`)."""
+        if kwargs.get("images") is not None:
+            kwargs = {**_CHANNELS_LAST, **kwargs}
         with self._tokenizer_lock:
             try:
                 return self.processor(return_tensors="pt", **kwargs, **self.engine_kwargs)
@@ -398,6 +406,7 @@ class TransformersInputProcessor(HFInputProcessor):
         except (AttributeError, TypeError, KeyError):
             kwargs = dict(self.engine_kwargs)
         kwargs.pop("return_tensors", None)
+        kwargs = {**_CHANNELS_LAST, **kwargs}
         return _image_tensors_of(self.image_processor(images=[image], return_tensors="pt",
                                                       **kwargs))
 
