@@ -293,3 +293,24 @@ def test_images_of_one_or_three_pixels_are_read_channels_last(size, vlmserve_cac
     r, g, b = (pixels[0, c] for c in range(3))
     assert all(torch.allclose(x, x.flatten()[0].expand_as(x)) for x in (r, g, b))
     assert r.flatten()[0] > 1 > -1 > max(g.flatten()[0], b.flatten()[0])  # (normalized)
+
+
+@_NO_TORCHVISION
+def test_gemma4s_shared_layers_read_their_sources_cache(vlmserve_cache, tmp_path):
+    """Gemma 4's last layers reuse an earlier layer's keys and values: their cache is that
+    layer's tensor, and the KV cache is sized by the layers that hold one."""
+    from vlmserve.worker.kv_cache import kv_block_bytes
+
+    path = str(build_tiny("gemma4", tmp_path / "gemma4"))
+    llm = LLM(path, model_impl="transformers", dtype="float32", device=DEVICE)
+    runner = llm.engine.core.executor.runner
+    model = runner.model
+    assert model.kv_sources == {3: 0, 4: 2}  # (layer types: sliding, full, full, sliding, full)
+    caches = runner.kv_caches
+    assert caches[3] is caches[0] and caches[4] is caches[2]
+    assert len({id(c) for c in caches}) == 3
+    one = kv_block_bytes(model, 16, torch.float32)
+    assert one == 3 * 2 * 16 * model.kv_heads * model.head_dim * 4
+    ref = Reference(path)
+    prompts = _prompts(llm, "gemma4")
+    assert _run(llm, prompts) == [ref.generate(p, imgs) for p, imgs in prompts]

@@ -11,7 +11,7 @@ slots. `kv_cache_manager.KVCacheManager` coordinates them.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 KINDS = ("full", "sliding", "chunked", "linear")
@@ -87,15 +87,20 @@ def group_max_tokens(kind: LayerKind, num_blocks: int, block_size: int,
 
 
 def size_cache_groups(kinds: Sequence[LayerKind], blocks_per_layer: int, *, block_size: int,
-                      max_num_seqs: int, max_model_len: int, chunk_tokens: int
-                      ) -> list[CacheGroupSpec]:
+                      max_num_seqs: int, max_model_len: int, chunk_tokens: int,
+                      shared: Collection[int] = ()) -> list[CacheGroupSpec]:
     """Each group's blocks from the memory of `blocks_per_layer` blocks for every KV layer
     (what a full-attention model of these layers would get): a windowed group takes what
     `max_num_seqs` requests can hold at once (their windows, one step's chunk, a block each
     to spare; no more than every request at full length), the full groups share the rest
-    evenly per layer. The linear group is listed with no blocks."""
+    evenly per layer. The linear group is listed with no blocks. Layers in ``shared`` read
+    another layer's cache of their group and hold no memory of their own."""
     grouped = layer_groups(kinds)
-    kv_layers = sum(len(layers) for kind, layers in grouped if kind.kind != "linear")
+
+    def holding(layers: tuple[int, ...]) -> int:
+        return sum(i not in shared for i in layers)
+
+    kv_layers = sum(holding(layers) for kind, layers in grouped if kind.kind != "linear")
     most = max_num_seqs * -(-max_model_len // block_size)
     budget = blocks_per_layer * kv_layers  # in layer-blocks
     sized: dict[LayerKind, int] = {}
@@ -104,8 +109,9 @@ def size_cache_groups(kinds: Sequence[LayerKind], blocks_per_layer: int, *, bloc
             need = (max_num_seqs * kind.max_blocks(block_size, 0)
                     + -(-chunk_tokens // block_size) + max_num_seqs)
             sized[kind] = max(min(need, blocks_per_layer, most), 1)
-            budget -= sized[kind] * len(layers)
-    full_layers = sum(len(layers) for kind, layers in grouped if kind.kind == "full")
+            budget -= sized[kind] * holding(layers)
+    full_layers = max(sum(holding(layers) for kind, layers in grouped if kind.kind == "full"),
+                      1)
     for kind, _ in grouped:
         if kind.kind == "full":
             sized[kind] = max(budget // full_layers, 1)

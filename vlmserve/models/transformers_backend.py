@@ -22,10 +22,10 @@ wider head and, with ``attention_k_eq_v``, fewer KV heads): every layer's cache 
 head and the most KV heads, a narrower layer's keys, values and queries padded with zeros (they
 add nothing to a score, and the output's padding is cut off) and its KV heads repeated, exact
 but wasteful where the kinds differ. Its last ``num_kv_shared_layers`` layers reuse the keys and
-values of an earlier layer of their kind: transformers hands the attention function those, and
-each sharing layer writes them into its own cache too, a copy of its source's (correct, if
-wasteful). Its per-layer inputs are computed from the step's token ids (`embed_tokens` keeps
-them for `forward`), image, video and audio tokens read as padding as transformers reads them.
+values of an earlier layer of their kind (`kv_sources`): transformers hands the attention
+function those, and such a layer reads its source's cache (the same tensor; it holds none).
+Its per-layer inputs are computed from the step's token ids (`embed_tokens` keeps them for
+`forward`), image, video and audio tokens read as padding as transformers reads them.
 With ``use_bidirectional_attention="vision"`` an image's tokens attend to each other both ways
 on its sliding layers alone, within the window; its full layers stay causal. Its audio tower
 is not served: the engine sends images and text.
@@ -70,6 +70,7 @@ from vlmserve.models.transformers_families import (
     deepstack_layers,
     hf_model_class,
     images_both_ways,
+    kv_sources,
     layer_kinds,
     layer_kv_shapes,
     layer_windows,
@@ -113,6 +114,7 @@ class _Step:
         self.windows: list[Window | None] = []  # each layer's, beside the causal rule
         self.both_ways: list[bool] = []  # each layer's: reads the step's spans both ways
         self.groups: list[int] = []  # each attention layer's KV cache group
+        self.sources: dict[int, int] = {}  # layers reading another's cache (its keys there)
         self._metas: dict[tuple[int, bool], AttentionMetadata] = {}  # the step's, by layer
 
     def begin(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> None:
@@ -151,7 +153,8 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if q.stride(-1) != 1:  # the kernels read any token and head strides
         q = q.contiguous()
     meta = step.layer_meta(layer)
-    write_kv(cache, k, v, meta.slot_mapping)
+    if layer not in step.sources:  # (a sharing layer's cache is its source's, written)
+        write_kv(cache, k, v, meta.slot_mapping)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows[layer]
     softcap = kwargs.get("softcap")
@@ -245,6 +248,11 @@ class TransformersVLM(nn.Module):
         kv_kinds = [k for k, _ in layer_groups(self.layer_kinds) if k.kind != "linear"]
         self.step.groups = [kv_kinds.index(k) if k.kind != "linear" else -1
                             for k in self.layer_kinds]
+        # layers that reuse an earlier layer's keys and values read its cache (Gemma 4's)
+        self.kv_sources = self.step.sources = kv_sources(self.config)
+        if any(self.layer_kinds[i] != self.layer_kinds[j] for i, j in self.kv_sources.items()):
+            raise ValueError(f"{self.config.model_type}: a layer reuses the keys and values of "
+                             "a layer of another kind")
         convs = {i for i, k in enumerate(self.layer_kinds) if k.kind == "linear"}
         layers, patched, self._conv_shape = 0, set(), None
         for module in self.text_model.modules():

@@ -153,6 +153,24 @@ def layer_configs(hf_config) -> list:
     return [tc if per_layer is None else per_layer[i] for i in range(tc.num_hidden_layers)]
 
 
+def kv_sources(hf_config) -> dict[int, int]:
+    """Each text layer that reuses an earlier layer's keys and values (Gemma 4's last
+    `num_kv_shared_layers`: `kv_sharing_modes` "reuse") -> that layer (the one of its kind
+    that stores them); {} for a model without (or a transformers that does not say)."""
+    tc = text_config(hf_config)
+    modes = getattr(tc, "kv_sharing_modes", None) if hasattr(tc, "num_kv_shared_layers") \
+        else None
+    if not modes or "reuse" not in modes:
+        return {}
+    types = tc.layer_types
+    store = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    missing = sorted({types[i] for i, m in enumerate(modes) if m == "reuse"} - set(store))
+    if missing:
+        raise ValueError(f"{hf_config.model_type}: layers of kind {missing} reuse keys and "
+                         "values no layer of their kind stores")
+    return {i: store[types[i]] for i, mode in enumerate(modes) if mode == "reuse"}
+
+
 def _kv_shape(c) -> tuple[int, int]:
     """(KV heads, head dim) of a text config, or of one layer's."""
     return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads,

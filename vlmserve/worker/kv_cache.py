@@ -19,25 +19,39 @@ from vlmserve.layers import kv_quant
 from vlmserve.worker.linear_states import LINEAR, LinearStates, layer_kind_names
 
 
+def kv_sources(model) -> dict[int, int]:
+    """The model's attention layers that read another layer's cache (`kv_sources`: layer ->
+    that layer, of the same group; Gemma 4's shared keys and values): they hold none."""
+    return dict(getattr(model, "kv_sources", None) or {})
+
+
 def kv_block_bytes(model, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Device bytes of one KV block over every attention layer (linear-attention layers hold
-    none): the unit the KV cache is sized in, half as large in FP8 as in 16 bits."""
+    """Device bytes of one KV block over every attention layer that holds a cache (linear
+    layers and layers reading another's cache hold none): the unit the KV cache is sized in,
+    half as large in FP8 as in 16 bits."""
     per_layer = math.prod(model.kv_cache_shape(1, block_size)) * kv_dtype.itemsize
-    return per_layer * sum(kind != LINEAR for kind in layer_kind_names(model))
+    return per_layer * (sum(kind != LINEAR for kind in layer_kind_names(model))
+                        - len(kv_sources(model)))
 
 
 def allocate_kv_caches(model, groups: Sequence[CacheGroupSpec], block_size: int,
                        kv_dtype: torch.dtype, device: torch.device,
                        linear: LinearStates | None = None) -> list[torch.Tensor]:
-    """Each decoder layer's cache: its group's KV tensor (zeros), a linear layer's state
-    pools (`linear`), or an empty tensor."""
+    """Each decoder layer's cache: its group's KV tensor (zeros; the same tensor as its
+    source's for a layer that reads another's: `kv_sources`), a linear layer's state pools
+    (`linear`), or an empty tensor."""
     blocks_of = {layer: g.num_blocks for g in groups for layer in g.layers}
-    return [
+    sources = kv_sources(model)
+    caches = [
         torch.zeros(model.kv_cache_shape(blocks_of[i] + 1, block_size), dtype=kv_dtype,
-                    device=device) if i in blocks_of
+                    device=device) if i in blocks_of and i not in sources
         else linear.pools[i] if linear is not None and i in linear.pools
         else torch.empty(0, device=device)
         for i in range(model.num_layers)]
+    for layer, source in sources.items():
+        assert blocks_of[layer] == blocks_of[source], (layer, source)
+        caches[layer] = caches[source]
+    return caches
 
 
 def set_kv_scales(model, kv_caches: Sequence[torch.Tensor],

@@ -132,7 +132,8 @@ class _RunnerState:
         tensors = [runner.sampled, *runner._host_tokens]
         # (not a linear layer's state pools: every slot is free before the first request,
         # and a request's first step starts from zeros or a restored snapshot)
-        tensors += [kv[:, :kv_blocks] for kv in runner.kv_caches
+        # (each cache once: layers that read another's share its tensor)
+        tensors += [kv[:, :kv_blocks] for kv in {id(kv): kv for kv in runner.kv_caches}.values()
                     if isinstance(kv, torch.Tensor) and kv.dim() > 1]
         g = runner.graphs
         if g is not None:
