@@ -216,17 +216,19 @@ def test_groups_are_sized_windows_first_and_full_layers_take_the_rest():
                    CacheGroupSpec(LINEAR, (4,), 0)]
 
 
-def test_layers_reading_another_layers_cache_hold_no_blocks():
-    """Gemma 4's shape: layers 3 (sliding) and 4 (full) read layers 0 and 2's caches. The
-    memory of five layers' blocks (a block's bytes count three layers: `kv_block_bytes`)
-    goes to the three that hold a cache, no more than it holds."""
+def test_groups_are_sized_by_what_a_block_costs_in_each_layer():
+    """Gemma 4's shape: layers 3 (sliding) and 4 (full) read layers 0 and 2's caches (a
+    block costs them nothing), a full layer's block twice a sliding one's. The memory of
+    `blocks_per_layer` blocks of every layer goes to the layers that hold a cache, no more."""
     sliding = LayerKind("sliding", 16)
     kinds = [sliding, FULL, FULL, sliding, FULL]
     kw = dict(block_size=4, max_num_seqs=2, max_model_len=1024, chunk_tokens=8)
-    alone = {g.kind: g for g in size_cache_groups(kinds, 300, **kw)}  # 1,500 layer-blocks
-    shared = {g.kind: g for g in size_cache_groups(kinds, 500, **kw, shared=(3, 4))}
-    assert shared[sliding].num_blocks == alone[sliding].num_blocks  # (bounded by its window)
-    held = shared[FULL].num_blocks * 2 + shared[sliding].num_blocks * 1
-    assert held <= 1500 and shared[FULL].num_blocks == (1500 - shared[sliding].num_blocks) // 2
-    # the full group's memory: three layers' in both, held by two of them when one shares
-    assert shared[FULL].num_blocks >= alone[FULL].num_blocks * 3 // 2
+    uniform = {g.kind: g for g in size_cache_groups(kinds, 300, **kw)}
+    assert uniform == {g.kind: g for g in size_cache_groups(kinds, 300, **kw,
+                                                            layer_bytes=[7] * 5)}
+    cost = [1, 2, 2, 0, 0]
+    sized = {g.kind: g for g in size_cache_groups(kinds, 300, **kw, layer_bytes=cost)}
+    assert sized[sliding].num_blocks == uniform[sliding].num_blocks  # (bounded by its window)
+    memory = 300 * sum(cost)
+    held = sized[FULL].num_blocks * 4 + sized[sliding].num_blocks * 1
+    assert memory - 4 < held <= memory

@@ -298,7 +298,9 @@ def test_images_of_one_or_three_pixels_are_read_channels_last(size, vlmserve_cac
 @_NO_TORCHVISION
 def test_gemma4s_shared_layers_read_their_sources_cache(vlmserve_cache, tmp_path):
     """Gemma 4's last layers reuse an earlier layer's keys and values: their cache is that
-    layer's tensor, and the KV cache is sized by the layers that hold one."""
+    layer's tensor; each layer's cache has its own KV heads and head size (the full layers
+    1 KV head of 32, the sliding ones 2 of 16), and the KV cache is sized by what the
+    layers that hold one take."""
     from vlmserve.worker.kv_cache import kv_block_bytes
 
     path = str(build_tiny("gemma4", tmp_path / "gemma4"))
@@ -309,8 +311,9 @@ def test_gemma4s_shared_layers_read_their_sources_cache(vlmserve_cache, tmp_path
     caches = runner.kv_caches
     assert caches[3] is caches[0] and caches[4] is caches[2]
     assert len({id(c) for c in caches}) == 3
-    one = kv_block_bytes(model, 16, torch.float32)
-    assert one == 3 * 2 * 16 * model.kv_heads * model.head_dim * 4
+    assert [tuple(c.shape[-2:]) for c in caches] == [(2, 16), (1, 32), (1, 32), (2, 16),
+                                                     (1, 32)]
+    assert kv_block_bytes(model, 16, torch.float32) == 2 * 16 * (32 + 32 + 32) * 4
     ref = Reference(path)
     prompts = _prompts(llm, "gemma4")
     assert _run(llm, prompts) == [ref.generate(p, imgs) for p, imgs in prompts]

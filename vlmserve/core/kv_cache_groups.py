@@ -11,7 +11,7 @@ slots. `kv_cache_manager.KVCacheManager` coordinates them.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KINDS = ("full", "sliding", "chunked", "linear")
@@ -88,33 +88,34 @@ def group_max_tokens(kind: LayerKind, num_blocks: int, block_size: int,
 
 def size_cache_groups(kinds: Sequence[LayerKind], blocks_per_layer: int, *, block_size: int,
                       max_num_seqs: int, max_model_len: int, chunk_tokens: int,
-                      shared: Collection[int] = ()) -> list[CacheGroupSpec]:
+                      layer_bytes: Sequence[int] | None = None) -> list[CacheGroupSpec]:
     """Each group's blocks from the memory of `blocks_per_layer` blocks for every KV layer
     (what a full-attention model of these layers would get): a windowed group takes what
     `max_num_seqs` requests can hold at once (their windows, one step's chunk, a block each
     to spare; no more than every request at full length), the full groups share the rest
-    evenly per layer. The linear group is listed with no blocks. Layers in ``shared`` read
-    another layer's cache of their group and hold no memory of their own."""
+    evenly per layer. The linear group is listed with no blocks. ``layer_bytes``: what one
+    block costs in each layer, where layers differ (0 for a layer that reads another's cache
+    and holds none); the budget is then the memory of `blocks_per_layer` blocks of every
+    layer."""
     grouped = layer_groups(kinds)
+    cost = list(layer_bytes) if layer_bytes is not None else [1] * len(kinds)
 
-    def holding(layers: tuple[int, ...]) -> int:
-        return sum(i not in shared for i in layers)
+    def weight(layers: tuple[int, ...]) -> int:
+        return sum(cost[i] for i in layers)
 
-    kv_layers = sum(holding(layers) for kind, layers in grouped if kind.kind != "linear")
     most = max_num_seqs * -(-max_model_len // block_size)
-    budget = blocks_per_layer * kv_layers  # in layer-blocks
+    budget = blocks_per_layer * sum(weight(ls) for k, ls in grouped if k.kind != "linear")
     sized: dict[LayerKind, int] = {}
     for kind, layers in grouped:
         if kind.windowed:
             need = (max_num_seqs * kind.max_blocks(block_size, 0)
                     + -(-chunk_tokens // block_size) + max_num_seqs)
             sized[kind] = max(min(need, blocks_per_layer, most), 1)
-            budget -= sized[kind] * holding(layers)
-    full_layers = max(sum(holding(layers) for kind, layers in grouped if kind.kind == "full"),
-                      1)
+            budget -= sized[kind] * weight(layers)
+    full = max(sum(weight(layers) for kind, layers in grouped if kind.kind == "full"), 1)
     for kind, _ in grouped:
         if kind.kind == "full":
-            sized[kind] = max(budget // full_layers, 1)
+            sized[kind] = max(budget // full, 1)
     return [CacheGroupSpec(kind, layers, sized.get(kind, 0)) for kind, layers in grouped]
 
 

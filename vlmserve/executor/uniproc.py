@@ -21,7 +21,7 @@ from vlmserve.models.metadata import model_processor
 from vlmserve.models.quantization import kv_cache_scales
 from vlmserve.models.registry import resolve_model_class
 from vlmserve.utils import DeviceShare, resolve_device, resolve_dtype
-from vlmserve.worker.kv_cache import kv_block_bytes, kv_sources
+from vlmserve.worker.kv_cache import kv_block_bytes, layer_block_bytes
 from vlmserve.worker.linear_states import state_bytes_per_slot
 from vlmserve.worker.model_runner import ModelRunner, StepResult
 from vlmserve.worker.vision_graphs import attach_vision_graphs
@@ -93,7 +93,8 @@ class UniprocExecutor:
         self.cache_groups = size_cache_groups(
             model_layer_kinds(model), self.num_kv_blocks, block_size=cc.block_size,
             max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len,
-            chunk_tokens=sc.max_num_batched_tokens, shared=tuple(kv_sources(model)))
+            chunk_tokens=sc.max_num_batched_tokens,
+            layer_bytes=layer_block_bytes(model, cc.block_size, self.kv_dtype))
         self.num_kv_blocks = self.cache_groups[0].num_blocks
         # an FP8 cache's per-tensor scales: the checkpoint's, the same on every rank
         kv_scales = (kv_cache_scales(model_path, model.num_layers, tuple(model.encoder_prefixes))

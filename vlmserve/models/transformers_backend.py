@@ -18,10 +18,9 @@ adds DeepStack features of its images to the hidden states of its first layers (
 gets them as its native class does: each image row carries them beside its embedding.
 
 Gemma 4 runs so too. Its layers of a kind may differ in shape (full-attention layers with a
-wider head and, with ``attention_k_eq_v``, fewer KV heads): every layer's cache has the widest
-head and the most KV heads, a narrower layer's keys, values and queries padded with zeros (they
-add nothing to a score, and the output's padding is cut off) and its KV heads repeated, exact
-but wasteful where the kinds differ. Its last ``num_kv_shared_layers`` layers reuse the keys and
+wider head and, with ``attention_k_eq_v``, fewer KV heads): each layer's cache has its own
+KV heads and head size (`layer_kv_cache_shape`; the cache is sized by what a block costs in
+each layer). Its last ``num_kv_shared_layers`` layers reuse the keys and
 values of an earlier layer of their kind (`kv_sources`): transformers hands the attention
 function those, and such a layer reads its source's cache (the same tensor; it holds none).
 Its per-layer inputs are computed from the step's token ids (`embed_tokens` keeps them for
@@ -52,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.core.kv_cache_groups import layer_groups
@@ -142,14 +140,9 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     attends causally to its own request); transformers builds none for this interface."""
     step: _Step = module.vlmserve_step
     layer = module.layer_idx
-    cache = step.kv_caches[layer]
+    cache = step.kv_caches[layer]  # (of this layer's KV heads and head size)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     dim = q.shape[-1]
-    heads, width = cache.shape[-2:]
-    if k.shape[1] != heads:  # fewer KV heads than the cache's: each repeated for its queries
-        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-    if dim != width:  # a narrower head: zeros past it add nothing to a score
-        q, k, v = (F.pad(x, (0, width - dim)) for x in (q, k, v))
     if q.stride(-1) != 1:  # the kernels read any token and head strides
         q = q.contiguous()
     meta = step.layer_meta(layer)
@@ -165,7 +158,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         out = paged_attention_reference(q, cache, meta, scale, window, softcap)
     else:
         out = step.attn_fn(q, cache, meta, scale, window, softcap)
-    return out[..., :dim][None], None
+    return out[None], None
 
 
 def short_conv(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -276,13 +269,11 @@ class TransformersVLM(nn.Module):
                              f"{self._num_layers} text layers")
         self.embedding = hf_model.get_input_embeddings()
         self.lm_head = hf_model.get_output_embeddings()
-        # every layer's cache as wide as the widest layer's (`paged_attention` pads the rest)
+        # each layer's cache of its own KV heads and head size (`layer_kv_cache_shape`)
         shapes = layer_kv_shapes(self.config)
         if tp is not None:  # this rank's KV heads of each layer
             shapes = [(local_kv_heads(h, tp.world_size), d) for h, d in shapes]
-            if any(max(h for h, _ in shapes) % h for h, _ in shapes):
-                raise ValueError(f"{self.config.model_type}: its layers' KV heads do not "
-                                 f"split alike over tensor_parallel_size={tp.world_size}")
+        self.kv_shapes = shapes
         self.kv_heads = max(h for h, _ in shapes)
         self.head_dim = max(d for _, d in shapes)
         # per-layer inputs (Gemma 4's): from the step's token ids, kept by `embed_tokens`;
@@ -350,7 +341,14 @@ class TransformersVLM(nn.Module):
         return self._num_layers
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The widest layer's (each layer's own: `layer_kv_cache_shape`)."""
         return (2, num_blocks, block_size, self.kv_heads, self.head_dim)
+
+    def layer_kv_cache_shape(self, layer: int, num_blocks: int, block_size: int
+                             ) -> tuple[int, ...]:
+        """Layer ``layer``'s cache: its own KV heads and head size (Gemma 4's full layers
+        differ from its sliding ones)."""
+        return (2, num_blocks, block_size, *self.kv_shapes[layer])
 
     def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per state slot of a short-convolution layer: its conv state (the last kernel - 1

@@ -134,15 +134,8 @@ def layers_both_ways(hf_config) -> list[bool]:
 
 def layer_kv_shapes(hf_config) -> list[tuple[int, int]]:
     """Each text layer's (KV heads, head dim): the config's, or its `per_layer_config`'s where
-    layers differ (Gemma 4's full-attention layers). `ValueError` where a layer's KV heads do
-    not divide the most any layer has (the cache's)."""
-    out = [_kv_shape(c) for c in layer_configs(hf_config)]
-    most = max(h for h, _ in out)
-    if any(most % h for h, _ in out):
-        raise ValueError(f"{hf_config.model_type}: its layers' KV heads "
-                         f"{sorted({h for h, _ in out})} do not divide the most of them "
-                         "(the transformers backend's cache holds that many for every layer)")
-    return out
+    layers differ (Gemma 4's full-attention layers)."""
+    return [_kv_shape(c) for c in layer_configs(hf_config)]
 
 
 def layer_configs(hf_config) -> list:
