@@ -159,7 +159,7 @@ class CacheConfig:
         "auto", "The KV cache's dtype (vLLM's flag): auto (the model's dtype) or fp8 (also "
         "fp8_e4m3: float8 e4m3 with a per-tensor scale per layer for keys and one for "
         "values, the checkpoint's k_scale / v_scale where it has them, else 1.0; half the "
-        "bytes per token, so about twice the tokens in the same memory; native models, on "
+        "bytes per token, so about twice the tokens in the same memory; on "
         "the CPU or a GPU of compute capability 8.9 or newer with the triton kernels). "
         "Greedy output stays close, not identical: see docs/caching.md.",
         choices=("auto", "fp8", "fp8_e4m3"), group="cache")

@@ -156,3 +156,24 @@ def test_greedy_decoding_stays_close_to_the_float32_cache(llms):
     diff = (got["fp8"] - got["auto"]).abs()
     assert diff.max() < MAX_LOGPROB_DIFF and diff.mean() < MEAN_LOGPROB_DIFF, diff
     assert diff.max() > 1e-3  # the cache is quantized
+
+
+def test_the_transformers_backend_computes_the_quantized_cache(vlmserve_cache, tmp_path,
+                                                               monkeypatch):
+    """Through the transformers backend (Gemma 3: sliding layers on a second KV group, its
+    KV writes and attention the backend's): the same as its quantized float32 cache."""
+    from vlmserve.models import transformers_backend
+
+    path = str(build_tiny("gemma3", tmp_path))
+    kw = dict(model_impl="transformers", dtype="float32", device="cpu", num_kv_blocks=64)
+    fp8 = LLM(path, kv_cache_dtype="fp8", **kw)
+    assert all(kv.dtype == torch.float8_e4m3fn for kv in _runner(fp8).kv_caches)
+    prompts = [STORY, chat_prompt(fp8, "Describe the picture.", [make_image(56, 84, 1)])]
+    want = _greedy(fp8, prompts, 12)
+    sim = LLM(path, **kw)
+    sim.engine.executor.runner.model.set_kv_cache_scales(_runner(fp8).model.step.kv_scales)
+    monkeypatch.setattr(transformers_backend, "write_kv", _quantized_write)
+    _same(_greedy(sim, prompts, 12), want)
+    monkeypatch.undo()
+    auto = _greedy(LLM(path, **kw), prompts, 12)
+    assert any(a.logprobs != b.logprobs for a, b in zip(auto, want))  # (it is quantized)

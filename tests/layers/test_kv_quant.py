@@ -109,10 +109,14 @@ def test_what_cannot_hold_an_fp8_cache_is_refused(monkeypatch):
     from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
     from vlmserve.models.transformers_backend import TransformersVLM
 
+    class NoScales:  # a model whose attention takes no KV scales
+        pass
+
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     kv_quant.check_fp8_support(Qwen2VLForConditionalGeneration, cpu, False)
-    with pytest.raises(ValueError, match="needs a native model; TransformersVLM"):
-        kv_quant.check_fp8_support(TransformersVLM, cpu, False)
+    kv_quant.check_fp8_support(TransformersVLM, cpu, False)
+    with pytest.raises(ValueError, match="NoScales's attention takes no KV scales"):
+        kv_quant.check_fp8_support(NoScales, cpu, False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="capability 8.9 or newer"):
         kv_quant.check_fp8_support(Qwen2VLForConditionalGeneration, gpu, True)

@@ -32,13 +32,12 @@ def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def check_fp8_support(model_cls: type, device: torch.device, triton_kernels: bool) -> None:
     """Refuse, in one line, what cannot hold an FP8 cache: a model whose attention layers do
-    not take its scales (`set_kv_cache_scales`: the native models have it, the transformers
-    backend not), a GPU whose Triton kernels cannot convert e4m3 (compute capability below
-    8.9: before Ada and Hopper); the CPU's eager ops and reference attention always can."""
+    not take its scales (`set_kv_cache_scales`), a GPU whose Triton kernels cannot convert
+    e4m3 (compute capability below 8.9: before Ada and Hopper); the CPU's eager ops and
+    reference attention always can."""
     if not hasattr(model_cls, "set_kv_cache_scales"):
-        raise ValueError(f"kv_cache_dtype fp8 needs a native model; {model_cls.__name__} "
-                         "(the transformers backend) keeps the model's dtype: "
-                         "kv_cache_dtype=auto")
+        raise ValueError(f"kv_cache_dtype fp8: {model_cls.__name__}'s attention takes no "
+                         "KV scales; use kv_cache_dtype=auto")
     if device.type == "cuda" and triton_kernels:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):

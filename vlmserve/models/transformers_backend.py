@@ -113,6 +113,7 @@ class _Step:
         self.both_ways: list[bool] = []  # each layer's: reads the step's spans both ways
         self.groups: list[int] = []  # each attention layer's KV cache group
         self.sources: dict[int, int] = {}  # layers reading another's cache (its keys there)
+        self.kv_scales: list[torch.Tensor | None] = []  # an FP8 cache's, by layer
         self._metas: dict[tuple[int, bool], AttentionMetadata] = {}  # the step's, by layer
 
     def begin(self, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> None:
@@ -146,18 +147,20 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if q.stride(-1) != 1:  # the kernels read any token and head strides
         q = q.contiguous()
     meta = step.layer_meta(layer)
+    # an FP8 cache's scales: those of the layer that writes it (a sharing layer's source)
+    kv_scales = step.kv_scales[step.sources.get(layer, layer)] if step.kv_scales else None
     if layer not in step.sources:  # (a sharing layer's cache is its source's, written)
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta.slot_mapping, kv_scales)
     scale = scaling if scaling is not None else dim ** -0.5
     window = step.windows[layer]
     softcap = kwargs.get("softcap")
     if window is None and softcap is None:
-        out = step.attn_fn(q, cache, meta, scale)
+        out = step.attn_fn(q, cache, meta, scale, kv_scales=kv_scales)
     elif window is not None and window.clips_spans and meta.bidirectional:
         # (Gemma 4's images read both ways inside a window: the reference kernel's)
-        out = paged_attention_reference(q, cache, meta, scale, window, softcap)
+        out = paged_attention_reference(q, cache, meta, scale, window, softcap, kv_scales)
     else:
-        out = step.attn_fn(q, cache, meta, scale, window, softcap)
+        out = step.attn_fn(q, cache, meta, scale, window, softcap, kv_scales=kv_scales)
     return out[None], None
 
 
@@ -357,6 +360,11 @@ class TransformersVLM(nn.Module):
 
     def set_attention_backend(self, fn) -> None:
         self.step.attn_fn = fn
+
+    def set_kv_cache_scales(self, scales: list[torch.Tensor | None]) -> None:
+        """Each layer's FP8 KV scales ([k_scale, v_scale]; `layers/kv_quant.py`), which its
+        KV writes and paged attention take."""
+        self.step.kv_scales = list(scales)
 
     def set_linear_attention_backend(self, fn) -> None:
         """Unused: a short convolution has no recurrence."""
