@@ -43,6 +43,12 @@ def test_tp2_matches_transformers(name, vlmserve_cache, tmp_path):
         assert attn.q_proj.out_features == 2 * attn.head_dim  # 4 heads split over 2
         assert model.kv_heads == 1  # 2 KV heads (Gemma 4's full layers: 1, on both ranks)
         assert isinstance(attn.o_proj, RowParallelLinear)
+        if name == "llama4":  # every expert's intermediate columns split (gate and up each)
+            (experts,) = [layer.feed_forward.experts for layer in model.text_model.layers
+                          if hasattr(layer.feed_forward, "experts")][:1]
+            full = model.text_config.intermediate_size
+            assert experts.gate_up_proj.shape[-1] == full and experts.down_proj.shape[-2] == (
+                full // 2)
         prompts = _prompts(llm, name)
         expected = [ref.generate(p, imgs) for p, imgs in prompts]
         assert _run(llm, prompts) == expected

@@ -5,10 +5,12 @@ A "colwise" projection keeps this rank's output rows: its share of the query hea
 key/value heads (each head whole on ``world / kv`` ranks when there are fewer KV heads than
 ranks, the one its queries read), of the MLP's intermediate columns; a "packed_colwise" one
 (gate and up fused) its share of each half. A "rowwise" projection keeps the matching input
-columns and all-reduces its product (its bias added once, after the sum). Entries whose
-module takes its input whole and gives its output whole (gathered outputs, split inputs,
-replicated norms, a vocabulary-split embedding, experts that reduce their own sum) are served
-as one unsplit module on every rank: exact, with more memory than a split. So is everything
+columns and all-reduces its product (its bias added once, after the sum). A fused experts
+module the plan splits ("moe_tp_experts", Llama 4's) keeps each expert's share of its
+intermediate columns and all-reduces its output. Entries whose module takes its input whole
+and gives its output whole (gathered outputs, split inputs, replicated norms, a
+vocabulary-split embedding) are served as one unsplit module on every rank: exact, with more
+memory than a split. So is everything
 outside the text model's layers: the vision tower, projector, token embedding and lm_head.
 
 A plan that does not split the attention heads, or holds a style whose output would be left
@@ -30,7 +32,8 @@ from vlmserve.distributed.parallel_state import TensorParallel
 _WHOLE = frozenset({"colwise_gather_output", "rowwise_split_input",
                     "replicated_with_grad_allreduce", "embedding_rowwise", "sequence_parallel",
                     "gather", "ep_router", "moe_tp_experts"})
-# styles under which a whole subtree (the experts' weights) is the parent's business
+# styles under which a whole subtree (the experts' weights) is the parent's business: split
+# by `_split_experts`, or whole
 _SUBTREE = frozenset({"moe_tp_experts"})
 _SPLIT = frozenset({"colwise", "rowwise", "packed_colwise"})
 
@@ -107,8 +110,9 @@ def shard_text_model(text_model: nn.Module, text_config, tp: TensorParallel) -> 
         style = next((v for p, v in plan if p.fullmatch(name)), None)
         if style is None or any(name.startswith(t + ".") for t in whole_trees):
             continue
-        if style in _SUBTREE:
+        if style in _SUBTREE:  # experts: each one's share of its columns, or all whole
             whole_trees.append(name)
+            split += _split_experts(module, name, plan, tp)
             continue
         if style in _WHOLE:
             continue
@@ -122,6 +126,40 @@ def shard_text_model(text_model: nn.Module, text_config, tp: TensorParallel) -> 
                                      f"{text_config.model_type}: {name}"))
         split += 1
     return split
+
+
+# a fused experts module's weights [experts, ..., ...]: "colwise" splits their second to last
+# axis, "rowwise" their last (as transformers' plans say of them); packed: each half
+_EXPERT_AXIS = {"colwise": -2, "rowwise": -1, "packed_colwise": -2, "packed_rowwise": -1}
+
+
+def _split_experts(module: nn.Module, name: str, plan: list, tp: TensorParallel) -> int:
+    """A "moe_tp_experts" module whose every weight the plan splits (Llama 4's: gate_up
+    [experts, hidden, 2 x inter] by each half's columns, down [experts, inter, hidden] by
+    its rows): this rank's share of every expert's intermediate columns, the module's output
+    all-reduced (1). Else, or with submodules holding weights, it stays whole (0)."""
+    params = dict(module.named_parameters(recurse=False))
+    styles = {n: next((v for p, v in plan if p.fullmatch(f"{name}.{n}")), None) for n in params}
+    if not params or any(s not in _EXPERT_AXIS for s in styles.values()) or any(
+            True for child in module.children() for _ in child.parameters()):
+        return 0
+    world, rank = tp.world_size, tp.rank
+    shares = {}
+    for n, p in params.items():
+        axis, halves = _EXPERT_AXIS[styles[n]], 2 if styles[n].startswith("packed") else 1
+        size = p.shape[axis]
+        if size % (halves * world):  # (the intermediate size: check_tensor_parallel's)
+            raise ValueError(f"{name}.{n}: {size} expert columns do not split over "
+                             f"tensor_parallel_size={world}")
+        k, part = size // halves // world, size // halves
+        idx = torch.cat([torch.arange(h * part + rank * k, h * part + (rank + 1) * k)
+                         for h in range(halves)])
+        shares[n] = p.data.index_select(axis % p.dim(), idx).contiguous()
+    for n, share in shares.items():
+        setattr(module, n, nn.Parameter(share, requires_grad=False))
+    forward = module.forward
+    module.forward = lambda *args, **kwargs: tp.all_reduce(forward(*args, **kwargs))
+    return 1
 
 
 def _split(linear: nn.Linear, style: str, attr: str, parent: nn.Module, text_config,
