@@ -316,7 +316,7 @@ GEMMA4_MARKS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token":
                 "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
 
 
-def _build_gemma4(path: Path) -> Path:
+def _build_gemma4(path: Path, **moe) -> Path:
     import transformers as tf
 
     # the processor adds <|video|> to its tokenizer: present from the start, in the vocabulary
@@ -337,7 +337,7 @@ def _build_gemma4(path: Path) -> Path:
         sliding_window=16, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=len(tok), global_head_dim=32, attention_k_eq_v=True,
         num_global_key_value_heads=1, use_bidirectional_attention="vision",
-        final_logit_softcapping=30.0, **special_ids(tok))
+        final_logit_softcapping=30.0, **moe, **special_ids(tok))
     vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64,
                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                   head_dim=8, patch_size=8, pooling_kernel_size=2, position_embedding_size=64)
@@ -1006,7 +1006,7 @@ UNSUPPORTED: dict[str, str] = {
 # architectures whose processors need torchvision (their rows skip where it does not import)
 NEEDS_TORCHVISION: frozenset[str] = frozenset({
     "internvl", "mistral3", "smolvlm", "llava_onevision", "glm4v", "llama4", "cohere2_vision",
-    "lfm2_vl", "gemma4"})
+    "lfm2_vl", "gemma4", "gemma4_moe"})
 
 _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "llava": (_build_llava, "CLIP tower (CLS dropped, feature layer -2), 16 tokens an image"),
@@ -1097,6 +1097,10 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                "last two layers reuse the K/V of layers 0/2; per-layer inputs (8 a layer) from "
                "the token ids; images (up to 70 soft tokens, longer than the window) both ways "
                "within themselves on sliding layers only; logit soft-capping; no audio tower"),
+    # (its model_type is gemma4's: the backend reads it so)
+    "gemma4_moe": (lambda path: _build_gemma4(path, enable_moe_block=True, num_experts=4,
+                                              top_k_experts=2, moe_intermediate_size=32),
+                   "gemma4's layers with a block of 4 experts (2 a token) beside each MLP"),
 }
 
 TINY_ARCHS: dict[str, str] = {k: note for k, (_, note) in _BUILDERS.items()}
