@@ -1004,6 +1004,8 @@ UNSUPPORTED: dict[str, str] = {
     "mllama": "cross-attention layers; skipped by design",
 }
 # architectures whose processors need torchvision (their rows skip where it does not import)
+# the model_type of a table entry that is a variant of another's architecture
+MODEL_TYPE = {"gemma4_moe": "gemma4"}
 NEEDS_TORCHVISION: frozenset[str] = frozenset({
     "internvl", "mistral3", "smolvlm", "llava_onevision", "glm4v", "llama4", "cohere2_vision",
     "lfm2_vl", "gemma4", "gemma4_moe"})
@@ -1097,7 +1099,7 @@ _BUILDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
                "last two layers reuse the K/V of layers 0/2; per-layer inputs (8 a layer) from "
                "the token ids; images (up to 70 soft tokens, longer than the window) both ways "
                "within themselves on sliding layers only; logit soft-capping; no audio tower"),
-    # (its model_type is gemma4's: the backend reads it so)
+    # (its model_type is gemma4's: `MODEL_TYPE`)
     "gemma4_moe": (lambda path: _build_gemma4(path, enable_moe_block=True, num_experts=4,
                                               top_k_experts=2, moe_intermediate_size=32),
                    "gemma4's layers with a block of 4 experts (2 a token) beside each MLP"),

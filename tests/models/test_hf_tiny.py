@@ -15,6 +15,7 @@ from PIL import Image
 
 from tests.models.hf_tiny import (
     FLAT_IMAGES,
+    MODEL_TYPE,
     NEEDS_TORCHVISION,
     NO_CHAT_TEMPLATE,
     SINGLE_IMAGE,
@@ -59,7 +60,7 @@ def test_tiny_checkpoint_generates(model_type: str, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     path = build_tiny(model_type, tmp_path / model_type)
-    assert AutoConfig.from_pretrained(path).model_type == model_type
+    assert AutoConfig.from_pretrained(path).model_type == MODEL_TYPE.get(model_type, model_type)
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     a, b = random_image(40, 30, 1), random_image(30, 44, 2)
