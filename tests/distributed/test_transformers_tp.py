@@ -14,7 +14,8 @@ from torch import nn
 from tests.models.hf_tiny import FLAT_IMAGES, NEEDS_TORCHVISION, build_tiny
 from tests.models.test_transformers_backend import HAS_TORCHVISION, Reference, _prompts, _run
 from vlmserve import LLM
-from vlmserve.models.transformers_parallel import RowParallelLinear, shard_text_model
+from vlmserve.layers.tensor_parallel import RowParallelLinear
+from vlmserve.models.transformers_parallel import shard_text_model
 
 KW = dict(model_impl="transformers", dtype="float32", device="cpu")
 

@@ -5,13 +5,14 @@ A "colwise" projection keeps this rank's output rows: its share of the query hea
 key/value heads (each head whole on ``world / kv`` ranks when there are fewer KV heads than
 ranks, the one its queries read), of the MLP's intermediate columns; a "packed_colwise" one
 (gate and up fused) its share of each half. A "rowwise" projection keeps the matching input
-columns and all-reduces its product (its bias added once, after the sum). A fused experts
-module the plan splits ("moe_tp_experts", Llama 4's) keeps each expert's share of its
-intermediate columns and all-reduces its output. Entries whose module takes its input whole
-and gives its output whole (gathered outputs, split inputs, replicated norms, a
-vocabulary-split embedding) are served as one unsplit module on every rank: exact, with more
-memory than a split. So is everything
-outside the text model's layers: the vision tower, projector, token embedding and lm_head.
+columns and all-reduces its product, its bias added once after the sum (the native models'
+`layers.tensor_parallel.RowParallelLinear`). A fused experts module the plan splits
+("moe_tp_experts", Llama 4's) keeps each expert's share of its intermediate columns and
+all-reduces its output. Entries whose module takes its input whole and gives its output
+whole (gathered outputs, split inputs, replicated norms, a vocabulary-split embedding) are
+served as one unsplit module on every rank: exact, with more memory than a split. So is
+everything outside the text model's layers: the vision tower, projector, token embedding and
+lm_head.
 
 A plan that does not split the attention heads, or holds a style whose output would be left
 split for a consumer this module does not know, is refused in one line before any rank starts
@@ -22,10 +23,10 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.distributed.parallel_state import TensorParallel
+from vlmserve.layers.tensor_parallel import RowParallelLinear
 
 # styles whose module reads its input whole and leaves its output whole under transformers'
 # own tensor parallelism: here the module runs unsplit on every rank
@@ -36,20 +37,6 @@ _WHOLE = frozenset({"colwise_gather_output", "rowwise_split_input",
 # by `_split_experts`, or whole
 _SUBTREE = frozenset({"moe_tp_experts"})
 _SPLIT = frozenset({"colwise", "rowwise", "packed_colwise"})
-
-
-class RowParallelLinear(nn.Linear):
-    """``all_reduce(x_share @ W_share.T) + b``: this rank's input columns; the bias whole,
-    added once after the sum."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 tp: TensorParallel) -> None:
-        _linear(self, weight, bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
 
 
 def plan_of(text_config) -> dict[str, str]:
@@ -168,7 +155,11 @@ def _split(linear: nn.Linear, style: str, attr: str, parent: nn.Module, text_con
     w, b = linear.weight.data, None if linear.bias is None else linear.bias.data
     if style == "rowwise":
         cols = _share(w.shape[1], rank, world, where)
-        return RowParallelLinear(w[:, cols].clone(), b, tp)
+        row = RowParallelLinear(cols.stop - cols.start, w.shape[0], b is not None, tp)
+        row.weight = nn.Parameter(w[:, cols].clone(), requires_grad=False)
+        if b is not None:  # (whole: added once, after the all-reduce)
+            row.bias = nn.Parameter(b.clone(), requires_grad=False)
+        return row
     if style == "packed_colwise":  # [gate | up]: this rank's share of each half
         half = w.shape[0] // 2
         share = _share(half, rank, world, where)
@@ -187,17 +178,12 @@ def _split(linear: nn.Linear, style: str, attr: str, parent: nn.Module, text_con
             rows = slice(head * d, (head + 1) * d)
     else:
         rows = _share(w.shape[0], rank, world, where)
-    return _linear(nn.Linear.__new__(nn.Linear), w[rows].clone(),
-                   None if b is None else b[rows].clone())
-
-
-def _linear(module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """``module`` (uninitialised) holding ``weight`` and ``bias`` as they are."""
-    nn.Module.__init__(module)
-    module.out_features, module.in_features = weight.shape
-    module.weight = nn.Parameter(weight, requires_grad=False)
-    module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    return module
+    out = nn.Linear.__new__(nn.Linear)  # (uninitialised: it takes this rank's rows)
+    nn.Module.__init__(out)
+    out.weight = nn.Parameter(w[rows].clone(), requires_grad=False)
+    out.bias = None if b is None else nn.Parameter(b[rows].clone(), requires_grad=False)
+    out.out_features, out.in_features = out.weight.shape
+    return out
 
 
 def _share(n: int, rank: int, world: int, where: str) -> slice:
