@@ -162,7 +162,7 @@ def test_the_transformers_backend_computes_the_quantized_cache(vlmserve_cache, t
                                                                monkeypatch):
     """Through the transformers backend (Gemma 3: sliding layers on a second KV group, its
     KV writes and attention the backend's): the same as its quantized float32 cache."""
-    from vlmserve.models import transformers_backend
+    from vlmserve.models import transformers_attention
 
     path = str(build_tiny("gemma3", tmp_path))
     kw = dict(model_impl="transformers", dtype="float32", device="cpu", num_kv_blocks=64)
@@ -172,7 +172,7 @@ def test_the_transformers_backend_computes_the_quantized_cache(vlmserve_cache, t
     want = _greedy(fp8, prompts, 12)
     sim = LLM(path, **kw)
     sim.engine.executor.runner.model.set_kv_cache_scales(_runner(fp8).model.step.kv_scales)
-    monkeypatch.setattr(transformers_backend, "write_kv", _quantized_write)
+    monkeypatch.setattr(transformers_attention, "write_kv", _quantized_write)
     _same(_greedy(sim, prompts, 12), want)
     monkeypatch.undo()
     auto = _greedy(LLM(path, **kw), prompts, 12)

@@ -293,6 +293,12 @@ def test_images_of_one_or_three_pixels_are_read_channels_last(size, vlmserve_cac
     r, g, b = (pixels[0, c] for c in range(3))
     assert all(torch.allclose(x, x.flatten()[0].expand_as(x)) for x in (r, g, b))
     assert r.flatten()[0] > 1 > -1 > max(g.flatten()[0], b.flatten()[0])  # (normalized)
+    # an operator's own input_data_format (mm_processor_kwargs) is the one given
+    own = TransformersInputProcessor(path, load_hf_config(path, "transformers"),
+                                     {"input_data_format": "channels_last"})
+    image = own.process(prompt, None, [red]).images[0]
+    assert torch.equal(unpack_tensors(image.pixels, unpack_meta(image.encoder_meta))[
+        "pixel_values"], pixels)
 
 
 @_NO_TORCHVISION

@@ -335,7 +335,7 @@ class TransformersInputProcessor(HFInputProcessor):
     def _call(self, **kwargs: Any) -> Any:
         """The HF processor (one thread at a time); what it refuses is the request's error.
         Images are said to be channels-last (`_CHANNELS_LAST`)."""
-        if kwargs.get("images") is not None:
+        if kwargs.get("images") is not None and "input_data_format" not in self.engine_kwargs:
             kwargs = {**_CHANNELS_LAST, **kwargs}
         with self._tokenizer_lock:
             try:
