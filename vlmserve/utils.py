@@ -112,6 +112,7 @@ class DeviceShare:
         if self.locks:
             self._take_lock()
         try:
+            gc.collect()  # an engine this process dropped may still hold the GPU in a cycle
             self.free_at_start, self.total = torch.cuda.mem_get_info(self.device)
             self._cached_at_start = _cached_free(self.device)
             want = self.utilization * self.total

@@ -218,7 +218,15 @@ class TransformersVLM(nn.Module):
         self.logit_scale = getattr(tc, "logit_scale", None)
         self._features = getattr(hf_model, "get_image_features", None) or \
             inner.get_image_features
-        self._feature_args = set(inspect.signature(self._features).parameters)
+        params = inspect.signature(self._features).parameters
+        self._feature_args = set(params)
+        # a feature option some transformers releases require as an argument (Llama 4's
+        # vision_feature_select_strategy in 5.17): the config's (or its vision config's)
+        vision = getattr(self.config, "vision_config", None)
+        self._feature_options = {
+            name: getattr(self.config, name, getattr(vision, name, None))
+            for name, p in params.items()
+            if p.default is p.empty and name.startswith("vision_feature_")}
         self.grids = HostGrids(hf_model)  # its tower's grids on the host where it allows
 
     # ---- building ------------------------------------------------------------------------
@@ -353,7 +361,7 @@ class TransformersVLM(nn.Module):
             self._media_ids = self._media_ids.to(ids.device)
         pad = self.text_config.pad_token_id or 0
         ids = torch.where(torch.isin(ids, self._media_ids), pad, ids)
-        return self.text_model.get_per_layer_inputs(ids[None])
+        return self.text_model.get_per_layer_inputs(ids[None], None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -401,7 +409,7 @@ class TransformersVLM(nn.Module):
         """``get_image_features`` of images whose tensors concatenate on their first axis
         -> each image's feature rows (``counts`` of them)."""
         dtype = self.embedding.weight.dtype
-        kwargs, hosted = {}, set()
+        kwargs, hosted = dict(self._feature_options), set()
         for key in tensors[0]:
             if key not in self._feature_args:
                 continue

@@ -163,9 +163,16 @@ def _packed(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return images.reshape(-1)
 
 
-# an image 1 or 3 pixels high (or wide) reads to transformers' image processors as channels
-# first ([3, W, 3] as a 3-channel W x 3 image): told, they read every image as it is
+# images go to the processor as height x width x 3 arrays said to be channels-last: an image
+# 1 or 3 pixels high (or wide) would otherwise read as channels-first ([3, W, 3] as a
+# 3-channel W x 3 image) to some image processors, and a PIL image so described is read the
+# wrong way round by others (transformers 5.17's torchvision ones make it channels-first)
 _CHANNELS_LAST = {"input_data_format": "channels_last"}
+
+
+def _as_pil(images: list) -> list:
+    """Arrays (in lists, as the processor takes them) as PIL images."""
+    return [_as_pil(x) if isinstance(x, list) else Image.fromarray(x) for x in images]
 
 
 class TransformersInputProcessor(HFInputProcessor):
@@ -215,6 +222,9 @@ class TransformersInputProcessor(HFInputProcessor):
         self.rope_index = rope_index_of(hf_config)
         self.first_position = 1 if positions_from_one(hf_config) else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
+        self._arrays = True  # (`_call`)
+        self._channels_last = {} if "input_data_format" in self.engine_kwargs else \
+            _CHANNELS_LAST
 
     def hash_extra(self, **more: Any) -> str:
         settings = {k: v for k, v in self.image_processor.to_dict().items()
@@ -290,7 +300,7 @@ class TransformersInputProcessor(HFInputProcessor):
             return ProcessedPrompt(prompt, ids, position_offset=self.first_position)
         prepared = [img if isinstance(img, PreparedImage) else self.prepare(img)
                     for img in images]
-        pil = [Image.fromarray(p.pixels.numpy()) for p in prepared]
+        arrays = [p.pixels.numpy() for p in prepared]
         # each image's tensors as the processor makes them for that image alone: from the
         # call that expanded it where it was the call's only image, else from its own (and
         # its count of image tokens); a processor that says how many images share the prompt
@@ -298,16 +308,16 @@ class TransformersInputProcessor(HFInputProcessor):
         # each image's share of the prompt's call
         counts = None
         if prompt is None:
-            ids, alone = self._expanded(list(prompt_token_ids), pil)
+            ids, alone = self._expanded(list(prompt_token_ids), arrays)
         else:
-            out = self._call(text=[prompt], images=self._batch(pil))
+            out = self._call(text=[prompt], images=self._batch(arrays))
             ids = out["input_ids"][0].tolist()
-            if len(pil) == 1:
+            if len(arrays) == 1:
                 alone = [_image_tensors_of(out)]
             elif "batch_num_images" in out:
-                alone = _each_image(_image_tensors_of(out), len(pil))
+                alone = _each_image(_image_tensors_of(out), len(arrays))
             else:
-                alone, counts = zip(*(self._image_alone(image) for image in pil), strict=True)
+                alone, counts = zip(*(self._image_alone(a) for a in arrays), strict=True)
         spans = self._spans(ids, [p.pixels.shape[:2] for p in prepared], counts)
         image_inputs, grids = [], []
         for p, tensors, (start, end) in zip(prepared, alone, spans, strict=True):
@@ -327,16 +337,27 @@ class TransformersInputProcessor(HFInputProcessor):
         return ProcessedPrompt(prompt, ids, images=image_inputs, prompt_positions=positions,
                                position_offset=offset)
 
-    def _batch(self, images: list[Image.Image]) -> list:
+    def _batch(self, images: list[np.ndarray]) -> list:
         """One prompt's images as the processor takes them: a list per prompt, or (a
         processor that reads nested lists as pages of one document, GOT-OCR 2's) flat."""
         return images if self._flat_images else [images]
 
     def _call(self, **kwargs: Any) -> Any:
         """The HF processor (one thread at a time); what it refuses is the request's error.
-        Images are said to be channels-last (`_CHANNELS_LAST`)."""
-        if kwargs.get("images") is not None and "input_data_format" not in self.engine_kwargs:
-            kwargs = {**_CHANNELS_LAST, **kwargs}
+        Images (height x width x 3 arrays) are given as arrays said to be channels-last
+        (`_CHANNELS_LAST`, unless the operator said otherwise), or as PIL images to a
+        processor that takes no arrays (Idefics 2's `load_image`)."""
+        images = kwargs.get("images")
+        if images is not None and self._arrays:
+            try:
+                return self._run({**self._channels_last, **kwargs})
+            except TypeError:
+                self._arrays = False
+        if images is not None:
+            kwargs["images"] = _as_pil(images)
+        return self._run(kwargs)
+
+    def _run(self, kwargs: dict[str, Any]) -> Any:
         with self._tokenizer_lock:
             try:
                 return self.processor(return_tensors="pt", **kwargs, **self.engine_kwargs)
@@ -344,7 +365,7 @@ class TransformersInputProcessor(HFInputProcessor):
                 raise InvalidRequestError(f"the model's processor refused the prompt and its "
                                           f"image(s): {e}") from None
 
-    def _expanded(self, ids: list[int], images: list[Image.Image]
+    def _expanded(self, ids: list[int], images: list[np.ndarray]
                   ) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         """Token ids with each image token (one per image) replaced by the processor's
         expansion of that token with its image, and each image's tensors from that call."""
@@ -382,7 +403,7 @@ class TransformersInputProcessor(HFInputProcessor):
         positions, deltas = self.rope_index(ids, attention_mask=torch.ones_like(ids), **kwargs)
         return positions[:, 0, :].contiguous(), int(deltas.reshape(-1)[0])
 
-    def _image_alone(self, image: Image.Image) -> tuple[dict[str, torch.Tensor], int | None]:
+    def _image_alone(self, image: np.ndarray) -> tuple[dict[str, torch.Tensor], int | None]:
         """The processor's tensors for ``image`` alone and its count of image tokens: the
         processor on its placeholder text and the image (it may give the image processor
         options of its own: Pixtral's patch size is its merged patch), else the image
@@ -398,7 +419,7 @@ class TransformersInputProcessor(HFInputProcessor):
                 pass
         return self._image_tensors(image), None
 
-    def _image_tensors(self, image: Image.Image) -> dict[str, torch.Tensor]:
+    def _image_tensors(self, image: np.ndarray) -> dict[str, torch.Tensor]:
         """The image processor's tensors for ``image`` alone, with the options the processor
         gives it (its own defaults and the engine's)."""
         try:
@@ -406,8 +427,10 @@ class TransformersInputProcessor(HFInputProcessor):
         except (AttributeError, TypeError, KeyError):
             kwargs = dict(self.engine_kwargs)
         kwargs.pop("return_tensors", None)
-        kwargs = {**_CHANNELS_LAST, **kwargs}
-        return _image_tensors_of(self.image_processor(images=[image], return_tensors="pt",
+        images = [image] if self._arrays else _as_pil([image])
+        if self._arrays:
+            kwargs = {**self._channels_last, **kwargs}
+        return _image_tensors_of(self.image_processor(images=images, return_tensors="pt",
                                                       **kwargs))
 
     def _spans(self, ids: list[int], sizes: list[tuple[int, int]],
