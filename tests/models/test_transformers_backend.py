@@ -323,3 +323,24 @@ def test_gemma4s_shared_layers_read_their_sources_cache(vlmserve_cache, tmp_path
     ref = Reference(path)
     prompts = _prompts(llm, "gemma4")
     assert _run(llm, prompts) == [ref.generate(p, imgs) for p, imgs in prompts]
+
+
+def test_a_placeholder_where_the_processor_places_images_is_refused(vlmserve_cache, tmp_path):
+    """BLIP-2's processor puts its query tokens before the prompt itself: an ``<image>`` the
+    prompt holds as well is refused in one line before any work (the engine serves on); as
+    token ids, the one image token becomes the query tokens, as the text prompt's are."""
+    from vlmserve.errors import InvalidRequestError
+
+    llm = LLM(str(build_tiny("blip-2", tmp_path / "blip2")), model_impl="transformers",
+              dtype="float32", device="cpu")
+    image = make_image(64, 48, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="leave the image placeholder '<image>' out"):
+        llm.generate([{"prompt": "<image> What is this?",
+                       "multi_modal_data": {"image": image}}], params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    ids = [tokenizer.convert_tokens_to_ids("<image>"), *tokenizer.encode("What is this?")]
+    text, as_ids = (llm.generate([{**prompt, "multi_modal_data": {"image": image}}], params,
+                                 use_tqdm=False)[0].outputs[0].token_ids
+                    for prompt in ({"prompt": "What is this?"}, {"prompt_token_ids": ids}))
+    assert as_ids == text and len(text) == 6

@@ -223,6 +223,7 @@ class TransformersInputProcessor(HFInputProcessor):
         self.first_position = 1 if positions_from_one(hf_config) else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
         self._arrays = True  # (`_call`)
+        self._own_placement: bool | None = None  # (`places_images_itself`)
         self._channels_last = {} if "input_data_format" in self.engine_kwargs else \
             _CHANNELS_LAST
 
@@ -265,6 +266,25 @@ class TransformersInputProcessor(HFInputProcessor):
                 spans.append(self.process(text, ids, [image]).images[0].length)
             self._max_image_tokens = max(spans)
         return self._max_image_tokens
+
+    @property
+    def places_images_itself(self) -> bool:
+        """Whether the processor puts each image's tokens into the prompt itself whatever
+        the text says (BLIP-2 puts its query tokens first), so that an image placeholder in
+        the prompt would be one image token too many: a probe image with and without one."""
+        if self._own_placement is None:
+            token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+            probe = [np.full((224, 224, 3), 127, np.uint8)]
+            counts = []
+            for text in ("x", f"{token}x"):
+                try:
+                    ids = self._call(text=[text], images=self._batch(probe))["input_ids"]
+                except InvalidRequestError:  # a processor that wants its placeholder
+                    counts.append(None)
+                    continue
+                counts.append(int((ids[0] == self.image_token_id).sum()))
+            self._own_placement = None not in counts and 0 < counts[0] < counts[1]
+        return self._own_placement
 
     def prepare(self, image: Image.Image, options: None = None) -> PreparedImage:
         """An image's content hash and its pixels as they are (the HF processor resizes it
@@ -310,6 +330,13 @@ class TransformersInputProcessor(HFInputProcessor):
         if prompt is None:
             ids, alone = self._expanded(list(prompt_token_ids), arrays)
         else:
+            if self.places_images_itself and \
+                    self.image_token_id in self.token_ids(prompt, None):
+                raise InvalidRequestError(
+                    f"{self.hf_config.model_type}'s processor places each image's tokens "
+                    "itself: leave the image placeholder "
+                    f"{self.tokenizer.convert_ids_to_tokens(self.image_token_id)!r} out of "
+                    "the prompt")
             out = self._call(text=[prompt], images=self._batch(arrays))
             ids = out["input_ids"][0].tolist()
             if len(arrays) == 1:
@@ -373,7 +400,8 @@ class TransformersInputProcessor(HFInputProcessor):
         if len(where) != len(images):
             raise InvalidRequestError(f"the prompt has {len(where)} image token(s) for "
                                       f"{len(images)} image(s): give one per image")
-        token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        token = "" if self.places_images_itself else \
+            self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         out: list[int] = []
         tensors = []
         prev = 0
