@@ -344,3 +344,35 @@ def test_a_placeholder_where_the_processor_places_images_is_refused(vlmserve_cac
                                  use_tqdm=False)[0].outputs[0].token_ids
                     for prompt in ({"prompt": "What is this?"}, {"prompt_token_ids": ids}))
     assert as_ids == text and len(text) == 6
+
+
+def test_the_projector_runs_where_the_forward_runs_it_after_the_features():
+    """A model whose forward projects what `get_image_features` gives (Llama 4 in
+    transformers 5.17) has the backend project it too; one whose features come projected
+    (the same model in 5.2x) does not."""
+    from torch import nn
+
+    from vlmserve.models.transformers_backend import _projector_after_features
+
+    class ProjectsInForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.multi_modal_projector = nn.Linear(4, 4)
+
+        def get_image_features(self, pixel_values):
+            return pixel_values
+
+        def forward(self, pixel_values):
+            return self.multi_modal_projector(self.get_image_features(pixel_values))
+
+    class ProjectsInFeatures(ProjectsInForward):
+        def get_image_features(self, pixel_values):
+            return self.multi_modal_projector(pixel_values)
+
+        def forward(self, pixel_values):
+            return self.multi_modal_projector(pixel_values)
+
+    model = ProjectsInForward()
+    assert _projector_after_features(model) is model.multi_modal_projector
+    assert _projector_after_features(ProjectsInFeatures()) is None
+    assert _projector_after_features(nn.Linear(2, 2)) is None

@@ -108,6 +108,24 @@ def _rows(out: torch.Tensor | Sequence[torch.Tensor], width: int) -> torch.Tenso
     return out.reshape(-1, width)
 
 
+def _projector_after_features(hf_model: nn.Module) -> nn.Module | None:
+    """The multimodal projector where the model's forward runs it on what
+    ``get_image_features`` gives (Llama 4 in transformers 5.17; 5.2x projects inside), else
+    None."""
+    inner = getattr(hf_model, "model", hf_model)
+    owner = next((m for m in (hf_model, inner) if "multi_modal_projector" in vars(m).get(
+        "_modules", {})), None)
+    if owner is None:
+        return None
+    try:
+        features = inspect.getsource(type(owner).get_image_features)
+        forward = inspect.getsource(type(owner).forward)
+    except (AttributeError, OSError, TypeError):
+        return None
+    call = "self.multi_modal_projector("
+    return owner.multi_modal_projector if call in forward and call not in features else None
+
+
 class TransformersVLM(nn.Module):
     """A transformers image-text-to-text model behind the engine's model interface."""
 
@@ -227,6 +245,7 @@ class TransformersVLM(nn.Module):
             name: getattr(self.config, name, getattr(vision, name, None))
             for name, p in params.items()
             if p.default is p.empty and name.startswith("vision_feature_")}
+        self._projector = _projector_after_features(hf_model)
         self.grids = HostGrids(hf_model)  # its tower's grids on the host where it allows
 
     # ---- building ------------------------------------------------------------------------
@@ -426,6 +445,8 @@ class TransformersVLM(nn.Module):
         deep = getattr(out, "deepstack_features", None)
         if hasattr(out, "pooler_output"):  # transformers 5.x: a model output
             out = out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+        if self._projector is not None:
+            out = self._projector(out)
         width = self.hidden_size
         flat = _rows(out, width)
         if deep and self.row_width > width:  # beside each row, its DeepStack rows
