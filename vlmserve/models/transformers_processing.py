@@ -222,7 +222,7 @@ class TransformersInputProcessor(HFInputProcessor):
         self.rope_index = rope_index_of(hf_config)
         self.first_position = 1 if positions_from_one(hf_config) else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
-        self._arrays = True  # (`_call`)
+        self._arrays: bool | None = None  # (`takes_arrays`)
         self._own_placement: bool | None = None  # (`places_images_itself`)
         self._channels_last = {} if "input_data_format" in self.engine_kwargs else \
             _CHANNELS_LAST
@@ -279,7 +279,7 @@ class TransformersInputProcessor(HFInputProcessor):
             for text in ("x", f"{token}x"):
                 try:
                     ids = self._call(text=[text], images=self._batch(probe))["input_ids"]
-                except InvalidRequestError:  # a processor that wants its placeholder
+                except Exception:  # a processor that wants its placeholder
                     counts.append(None)
                     continue
                 counts.append(int((ids[0] == self.image_token_id).sum()))
@@ -373,16 +373,28 @@ class TransformersInputProcessor(HFInputProcessor):
         """The HF processor (one thread at a time); what it refuses is the request's error.
         Images (height x width x 3 arrays) are given as arrays said to be channels-last
         (`_CHANNELS_LAST`, unless the operator said otherwise), or as PIL images to a
-        processor that takes no arrays (Idefics 2's `load_image`)."""
+        processor that takes no arrays (`takes_arrays`)."""
         images = kwargs.get("images")
-        if images is not None and self._arrays:
+        if images is not None:
+            kwargs = {**self._channels_last, **kwargs} if self.takes_arrays else \
+                {**kwargs, "images": _as_pil(images)}
+        return self._run(kwargs)
+
+    @property
+    def takes_arrays(self) -> bool:
+        """Whether the processor takes images as arrays (Idefics 2's takes PIL images only,
+        through `load_image`): a probe image, tried once."""
+        if self._arrays is None:
+            token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+            probe = self._batch([np.full((224, 224, 3), 127, np.uint8)])
             try:
-                return self._run({**self._channels_last, **kwargs})
+                self._run({**self._channels_last, "text": [token], "images": probe})
+                self._arrays = True
             except TypeError:
                 self._arrays = False
-        if images is not None:
-            kwargs["images"] = _as_pil(images)
-        return self._run(kwargs)
+            except Exception:  # refused for another reason: the arrays were read
+                self._arrays = True
+        return self._arrays
 
     def _run(self, kwargs: dict[str, Any]) -> Any:
         with self._tokenizer_lock:
@@ -455,8 +467,8 @@ class TransformersInputProcessor(HFInputProcessor):
         except (AttributeError, TypeError, KeyError):
             kwargs = dict(self.engine_kwargs)
         kwargs.pop("return_tensors", None)
-        images = [image] if self._arrays else _as_pil([image])
-        if self._arrays:
+        images = [image] if self.takes_arrays else _as_pil([image])
+        if self.takes_arrays:
             kwargs = {**self._channels_last, **kwargs}
         return _image_tensors_of(self.image_processor(images=images, return_tensors="pt",
                                                       **kwargs))
