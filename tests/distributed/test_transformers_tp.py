@@ -45,6 +45,9 @@ def test_tp2_matches_transformers(name, vlmserve_cache, tmp_path):
         assert attn.q_proj.out_features == 2 * attn.head_dim  # 4 heads split over 2
         assert model.kv_heads == 1  # 2 KV heads (Gemma 4's full layers: 1, on both ranks)
         assert isinstance(attn.o_proj, RowParallelLinear)
+        vocab = model.embedding.num_embeddings  # each rank's rows of the vocabulary
+        assert model.embedding.weight.shape[0] == -(-vocab // 2)
+        assert model.lm_head.weight.shape[0] == -(-model.lm_head.vocab_size // 2)
         if name == "llama4":  # every expert's intermediate columns split (gate and up each)
             (experts,) = [layer.feed_forward.experts for layer in model.text_model.layers
                           if hasattr(layer.feed_forward, "experts")][:1]
@@ -151,3 +154,76 @@ def test_shard_splits_heads_columns_and_adds_a_rowwise_bias_once():
                                        m1.down_proj.weight)
     m0.down_proj.tp.other = part1
     torch.testing.assert_close(m0(x), layer.mlp(x))
+
+
+class _Alone:
+    """A `TensorParallel` of rank ``rank`` of 2 whose collectives leave the other rank's
+    part zero: two ranks' results sum to what the collectives would give."""
+
+    world_size = 2
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, parts: list[torch.Tensor], local: torch.Tensor) -> None:
+        for i, part in enumerate(parts):
+            part.copy_(local if i == self.rank else torch.zeros_like(local))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_vocabulary_split_into_two_ranks_rows(family):
+    """Each rank keeps its rows of the embedding and lm_head (a vocabulary of 101: the last
+    rank's padded): the ranks' lookups (Gemma's scaled) and logits sum to the whole model's;
+    a tied lm_head stays tied to its rank's embedding rows; an lm_head with a bias is left
+    whole, and the embedding with it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from vlmserve.models.transformers_parallel import split_vocabulary
+
+    small = dict(vocab_size=101, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    model = (Gemma3ForCausalLM(Gemma3TextConfig(**small)) if family == "gemma3" else
+             Qwen2ForCausalLM(Qwen2Config(**small, tie_word_embeddings=False))).eval()
+    ids, hidden = torch.arange(101), torch.randn(3, 16)
+    with torch.no_grad():
+        embeds, logits = model.get_input_embeddings()(ids), model.lm_head(hidden)
+        ranks = []
+        for rank in range(2):
+            copy = deepcopy(model)
+            assert split_vocabulary(copy, _Alone(rank))
+            emb, head = copy.get_input_embeddings(), copy.get_output_embeddings()
+            assert emb.weight.shape == (51, 16) and (head.weight is emb.weight) == (
+                family == "gemma3")
+            ranks.append((emb(ids), head(hidden)))
+    torch.testing.assert_close(ranks[0][0] + ranks[1][0], embeds)
+    torch.testing.assert_close(ranks[0][1] + ranks[1][1], logits)
+    model.lm_head.bias = nn.Parameter(torch.zeros(101))
+    embedding = model.get_input_embeddings()
+    assert not split_vocabulary(model, _Alone(0)) and model.get_input_embeddings() is embedding
+
+
+def test_image_codes_embedded_as_text_keep_the_vocabulary_whole():
+    """Chameleon's image features are its text embedding's rows (its encoder step may run on
+    one rank alone, without the others' all-reduce): its vocabulary is not split."""
+    from transformers import (
+        ChameleonConfig,
+        ChameleonForConditionalGeneration,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+    )
+
+    from vlmserve.models.transformers_parallel import _features_embed_tokens, split_vocabulary
+
+    small = dict(num_hidden_layers=1)
+    with torch.device("meta"):
+        chameleon = ChameleonForConditionalGeneration(
+            ChameleonConfig(**small, vocabulary_map={"<image>": 3}))
+        gemma3 = Gemma3ForConditionalGeneration(Gemma3Config(text_config=small))
+    assert _features_embed_tokens(chameleon) and not _features_embed_tokens(gemma3)
+    embedding = chameleon.get_input_embeddings()
+    assert not split_vocabulary(chameleon, _Alone(0))
+    assert chameleon.get_input_embeddings() is embedding

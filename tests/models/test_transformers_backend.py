@@ -277,11 +277,8 @@ def test_images_of_one_or_three_pixels_are_read_channels_last(size, vlmserve_cac
     """A red image 3 (or 1) pixels high or wide: transformers' image processors would take
     its [3, W, 3] array for a 3-channel image; each channel comes out one colour."""
     from vlmserve.models.loader import load_hf_config
-    from vlmserve.models.transformers_processing import (
-        TransformersInputProcessor,
-        unpack_meta,
-        unpack_tensors,
-    )
+    from vlmserve.models.transformers_packing import unpack_meta, unpack_tensors
+    from vlmserve.models.transformers_processing import TransformersInputProcessor
 
     path = build_tiny("emu3", tmp_path / "emu3")  # (read so with or without torchvision)
     processor = TransformersInputProcessor(path, load_hf_config(path, "transformers"))

@@ -14,7 +14,7 @@ import torch
 from tests.engine.helpers import chat_prompt, make_image
 from vlmserve import LLM
 from vlmserve.models.transformers_grids import host_copy, host_grids, wrap_vision_helpers
-from vlmserve.models.transformers_processing import pack_image, unpack_meta, unpack_tensors
+from vlmserve.models.transformers_packing import pack_image, unpack_meta, unpack_tensors
 
 pytest.importorskip("torchvision", reason="the Qwen processors of transformers 5 need it")
 

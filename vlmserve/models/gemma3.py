@@ -34,11 +34,8 @@ from vlmserve.layers.positions import TokenPositions
 from vlmserve.layers.rotary import MRotaryEmbedding
 from vlmserve.models.llava import LlavaForConditionalGeneration
 from vlmserve.models.qwen2 import Qwen2Model
-from vlmserve.models.transformers_processing import (
-    TransformersInputProcessor,
-    unpack_meta,
-    unpack_tensors,
-)
+from vlmserve.models.transformers_packing import unpack_meta, unpack_tensors
+from vlmserve.models.transformers_processing import TransformersInputProcessor
 from vlmserve.models.vision.common import get_activation
 from vlmserve.models.vision.siglip import SiglipVisionTower
 

@@ -79,16 +79,15 @@ from vlmserve.models.transformers_fused import (
     vision_attention,
 )
 from vlmserve.models.transformers_grids import HostGrids
+from vlmserve.models.transformers_packing import unpack_meta, unpack_tensors
 from vlmserve.models.transformers_parallel import (
+    VocabShare,
     check_tensor_parallel,
     local_kv_heads,
     shard_text_model,
+    split_vocabulary,
 )
-from vlmserve.models.transformers_processing import (
-    TransformersInputProcessor,
-    unpack_meta,
-    unpack_tensors,
-)
+from vlmserve.models.transformers_processing import TransformersInputProcessor
 from vlmserve.utils import to_device
 
 ATTENTION_NAME = "vlmserve"
@@ -172,6 +171,7 @@ class TransformersVLM(nn.Module):
         self.text_model = text
         if tp is not None:
             shard_text_model(text, tc, tp)
+            split_vocabulary(hf_model, tp)
         # each layer's cache kind (the engine's groups); a conv layer's: its state slots
         self.layer_kinds = layer_kinds(self.config)
         kv_kinds = [k for k, _ in layer_groups(self.layer_kinds) if k.kind != "linear"]
@@ -463,12 +463,15 @@ class TransformersVLM(nn.Module):
             return features.to(self.embedding.weight.dtype)
         length = layout.num_image_tokens + len(layout.text_tokens)
         device = features.device
-        pos, ids = (to_device(torch.tensor(v, dtype=torch.int64), device)
-                    for v in zip(*layout.text_tokens, strict=True))
+        at, ids = zip(*layout.text_tokens, strict=True)
+        pos = to_device(torch.tensor(at, dtype=torch.int64), device)
         # (a text token's DeepStack columns, if any, are zeros: nothing is added there)
         rows = features.new_zeros(length, features.shape[1], dtype=self.embedding.weight.dtype)
         is_image = torch.ones(length, dtype=torch.bool, device=device)
         is_image[pos] = False
         rows[is_image] = features.to(rows.dtype)
-        rows[pos, :self.hidden_size] = self._embed(ids)
+        # (an encoder step may run on one rank alone: a split vocabulary's rows from the host)
+        rows[pos, :self.hidden_size] = self.embedding.rows_alone(list(ids), device) \
+            if isinstance(self.embedding, VocabShare) else \
+            self._embed(to_device(torch.tensor(ids, dtype=torch.int64), device))
         return rows

@@ -9,10 +9,10 @@ columns and all-reduces its product, its bias added once after the sum (the nati
 `layers.tensor_parallel.RowParallelLinear`). A fused experts module the plan splits
 ("moe_tp_experts", Llama 4's) keeps each expert's share of its intermediate columns and
 all-reduces its output. Entries whose module takes its input whole and gives its output
-whole (gathered outputs, split inputs, replicated norms, a vocabulary-split embedding) are
-served as one unsplit module on every rank: exact, with more memory than a split. So is
-everything outside the text model's layers: the vision tower, projector, token embedding and
-lm_head.
+whole (gathered outputs, split inputs, replicated norms) are served as one unsplit module on
+every rank: exact, with more memory than a split. So is everything outside the text model's
+layers, the vision tower and projector, but for the token embedding and lm_head, which keep
+this rank's rows of the vocabulary as the native models' do (`split_vocabulary`).
 
 A plan that does not split the attention heads, or holds a style whose output would be left
 split for a consumer this module does not know, is refused in one line before any rank starts
@@ -20,13 +20,19 @@ split for a consumer this module does not know, is refused in one line before an
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
 from torch import nn
 
 from vlmserve.distributed.parallel_state import TensorParallel
-from vlmserve.layers.tensor_parallel import RowParallelLinear
+from vlmserve.layers.tensor_parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from vlmserve.utils import to_device
 
 # styles whose module reads its input whole and leaves its output whole under transformers'
 # own tensor parallelism: here the module runs unsplit on every rank
@@ -197,3 +203,94 @@ def _share(n: int, rank: int, world: int, where: str) -> slice:
 def local_kv_heads(kv: int, world: int) -> int:
     """KV heads a rank holds of ``kv``: its share, or one replicated head."""
     return kv // world if kv >= world else 1
+
+
+def _vocab_rows(weight: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [vocab, hidden] table (the last rank's padded with zeros) and
+    the first of them."""
+    n = weight.shape[0]
+    rows = -(-n // tp.world_size)
+    start = min(tp.rank * rows, n)
+    share = weight.new_zeros(rows, weight.shape[1])
+    part = weight[start:start + rows]
+    share[:part.shape[0]] = part
+    return share, start
+
+
+class VocabShare(VocabParallelEmbedding):
+    """This rank's rows of a model's token embedding, looked up as `VocabParallelEmbedding`
+    does (an all-reduce: every rank looks up the same ids) and scaled as the model's own
+    scales (Gemma's ``embed_scale``). The whole table stays in host memory for the lookups
+    one rank makes alone (`rows_alone`)."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TensorParallel) -> None:
+        weight, start = _vocab_rows(embedding.weight.data, tp)
+        super().__init__(weight.shape[0], weight.shape[1], start, tp)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.whole = embedding.weight.data.cpu()  # (an attribute: it stays on the host)
+        scale = getattr(embedding, "embed_scale", None)
+        self.register_buffer("embed_scale", None if scale is None else
+                             torch.as_tensor(scale).clone(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._scaled(super().forward(ids))
+
+    def rows_alone(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """The embeddings of ``ids`` without a collective (an image's marker tokens, in an
+        encoder step this rank runs alone): from the host table."""
+        rows = self.whole[torch.tensor(ids, dtype=torch.int64)]
+        return self._scaled(to_device(rows, device).to(self.weight.dtype))
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
+
+
+def split_vocabulary(hf_model: nn.Module, tp: TensorParallel) -> bool:
+    """The model's token embedding and lm_head (tied or not) cut to this rank's rows of the
+    vocabulary, the lm_head's logits all-gathered (`ParallelLMHead`); False, both left whole,
+    where either is of a kind this cannot split (an embedding other than `nn.Embedding` or
+    Gemma's scaled one, an lm_head with a bias or other than an `nn.Linear`, or of another
+    vocabulary than the embedding's), where the model's image features are token embeddings
+    (Chameleon's and Emu3's image codes: an encoder step runs on one rank alone) or the model
+    does not take them back."""
+    if _features_embed_tokens(hf_model):
+        return False
+    embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    kind = type(embedding)
+    if not (kind is nn.Embedding or issubclass(kind, nn.Embedding)
+            and kind.__name__.endswith("ScaledWordEmbedding")):
+        return False
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None
+                             or head.weight.shape != embedding.weight.shape):
+        return False
+    share = VocabShare(embedding, tp)
+    new_head = None
+    if head is not None:
+        weight = share.weight if head.weight is embedding.weight else \
+            nn.Parameter(_vocab_rows(head.weight.data, tp)[0], requires_grad=False)
+        new_head = ParallelLMHead(weight, head.out_features, tp)
+    hf_model.set_input_embeddings(share)
+    if new_head is not None:
+        hf_model.set_output_embeddings(new_head)
+    if hf_model.get_input_embeddings() is share and hf_model.get_output_embeddings() is \
+            (new_head if head is not None else None):
+        return True
+    hf_model.set_input_embeddings(embedding)  # (put back: it keeps both whole)
+    if head is not None:
+        hf_model.set_output_embeddings(head)
+    return False
+
+
+def _features_embed_tokens(hf_model: nn.Module) -> bool:
+    """Whether the model's ``get_image_features`` looks its features up in the text
+    embedding (read from its source)."""
+    for module in (hf_model, getattr(hf_model, "model", None)):
+        method = getattr(type(module), "get_image_features", None)
+        try:
+            source = inspect.getsource(method) if method is not None else ""
+        except (OSError, TypeError):
+            return True  # (unread: assumed to)
+        if re.search(r"get_input_embeddings\(|embed_tokens", source):
+            return True
+    return False

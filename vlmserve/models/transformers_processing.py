@@ -12,12 +12,8 @@ encoder gives a row for every token of the span: the model's image features at i
 the text embedding of any other token (`TransformersVLM.encode_images`), so the span merges,
 chunks and caches like any image.
 
-The image's tensors (the HF image processor's output for that image alone: ``pixel_values``
-and what the model's ``get_image_features`` reads besides, e.g. ``image_sizes``) travel as
-one uint8 tensor of their bytes (`ImageInput.pixels`: one copy to the device, like the native
-models' pixels), their layout and the span's text tokens in ``encoder_meta`` (`pack_image`,
-`unpack_meta`); its small integer tensors (a grid, a size) travel as values in
-``encoder_meta`` instead, so that the tower reads them on the host.
+The image's tensors (the HF image processor's output for that image alone) travel packed
+as one uint8 tensor of their bytes (`models/transformers_packing`).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import inspect
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,32 +33,18 @@ from PIL import Image
 from vlmserve.errors import InvalidImageError, InvalidRequestError
 from vlmserve.models.processing import HFInputProcessor, check_tokenizer
 from vlmserve.models.transformers_families import hf_model_class, positions_from_one
+from vlmserve.models.transformers_packing import pack_image
 from vlmserve.multimodal.hashing import hash_image
 from vlmserve.multimodal.inputs import ImageInput, PreparedImage, ProcessedPrompt
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# what an image processor may return for an image and a model's `get_image_features` may
-# read (an index into this tuple names the tensor in `encoder_meta`)
-TENSOR_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask",
-               "spatial_shapes", "num_patches", "aspect_ratio_ids", "aspect_ratio_mask",
-               "image_num_patches", "pixel_mask", "num_crops", "grids",
-               "high_res_pixel_values", "num_local_patches", "pixel_values_local",
-               "aspect_ratios", "batch_num_images", "image_position_ids")
 # models whose processor takes a prompt's images as a flat list (nested: pages)
 _FLAT_IMAGES = frozenset({"got_ocr2"})
 # outputs of a processor that are about the text, never an image's tensors
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
                         "labels"})
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
-           torch.uint8)
-_ALIGN = 8  # every tensor's bytes start on a multiple of this (a view as int64 needs it)
-# integer tensors of at most this many values (an image's grid, its size) travel as values in
-# ``encoder_meta``, not as bytes: the tower reads them on the host (`models/transformers_grids`)
-_HOST_VALUES = 64
-
-
 def image_token_id_of(hf_config) -> int | None:
     """The id of the image placeholder token in a config (its several spellings)."""
     for name in ("image_token_id", "image_token_index", "image_token"):
@@ -71,91 +52,6 @@ def image_token_id_of(hf_config) -> int | None:
         if isinstance(tid, int):
             return tid
     return None
-
-
-@dataclass(frozen=True)
-class ImageLayout:
-    """What ``encoder_meta`` says of one image (`unpack_meta`): how many of its span's tokens
-    are image tokens, the span's other tokens (index in the span, token id), and each of its
-    tensors as (name, dtype, shape) in the order of their bytes."""
-
-    num_image_tokens: int
-    text_tokens: tuple[tuple[int, int], ...]
-    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
-    # the small integer tensors (grids, sizes), by name: their values, on the host
-    host: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_padded(math.prod(shape) * dtype.itemsize) for _, dtype, shape in self.tensors)
-
-
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def pack_image(tensors: dict[str, torch.Tensor], span: Sequence[int], image_token_id: int,
-               float_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """One image's tensors (the image processor's output for it) and its span's token ids ->
-    (their bytes as one uint8 tensor, ``encoder_meta``). ``float_dtype``: floating tensors
-    are carried in it (the model's dtype, which the tower casts them to anyway: the same
-    values in fewer bytes). Each tensor is written once, into its place in the buffer."""
-    text = [(i, t) for i, t in enumerate(span) if t != image_token_id]
-    meta: list[int] = [len(span) - len(text), len(text)]
-    for i, t in text:
-        meta += [i, t]
-    carried: list[tuple[torch.Tensor, torch.dtype]] = []
-    meta.append(len(tensors))
-    for key, t in tensors.items():
-        if key not in TENSOR_KEYS:
-            raise ValueError(f"the image processor gives {key!r}, which the transformers "
-                             f"backend does not carry (it carries {', '.join(TENSOR_KEYS)})")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"the image processor gives {key!r} as {t.dtype}")
-        dtype = float_dtype if float_dtype is not None and t.is_floating_point() else t.dtype
-        meta += [TENSOR_KEYS.index(key), _DTYPES.index(dtype), t.dim(), *t.shape]
-        if t.dtype in (torch.int64, torch.int32) and t.numel() <= _HOST_VALUES:
-            meta += [1, *t.reshape(-1).tolist()]
-            continue
-        meta.append(0)
-        carried.append((t, dtype))
-    data = torch.empty(sum(_padded(t.numel() * d.itemsize) for t, d in carried),
-                       dtype=torch.uint8)
-    at = 0
-    for t, dtype in carried:
-        n = t.numel() * dtype.itemsize
-        data[at:at + n].view(dtype).view(t.shape).copy_(t)
-        data[at + n:at + _padded(n)] = 0
-        at += _padded(n)
-    return data, tuple(meta)
-
-
-def unpack_meta(meta: Sequence[int]) -> ImageLayout:
-    """`ImageLayout` of an ``encoder_meta`` made by `pack_image`."""
-    it = iter(meta)
-    num_image, num_text = next(it), next(it)
-    text = tuple((next(it), next(it)) for _ in range(num_text))
-    tensors, host = [], {}
-    for _ in range(next(it)):
-        key, dtype, ndim = TENSOR_KEYS[next(it)], _DTYPES[next(it)], next(it)
-        shape = tuple(next(it) for _ in range(ndim))
-        if next(it):
-            host[key] = torch.tensor([next(it) for _ in range(math.prod(shape))],
-                                     dtype=dtype).view(shape)
-        else:
-            tensors.append((key, dtype, shape))
-    return ImageLayout(num_image, text, tuple(tensors), host)
-
-
-def unpack_tensors(data: torch.Tensor, layout: ImageLayout) -> dict[str, torch.Tensor]:
-    """An image's tensors: views of its bytes ``data`` (uint8, where they are), and its
-    small integer tensors on the host."""
-    out, at = dict(layout.host), 0
-    for key, dtype, shape in layout.tensors:
-        n = math.prod(shape) * dtype.itemsize
-        out[key] = data[at:at + n].view(dtype).view(shape)
-        at += _padded(n)
-    return out
 
 
 def _packed(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -220,6 +116,8 @@ class TransformersInputProcessor(HFInputProcessor):
         self._hash_extra = self.hash_extra(engine=self.engine_kwargs)
         self._max_image_tokens: int | None = None
         self.rope_index = rope_index_of(hf_config)
+        self._typed_rope_index = self.rope_index is not None and \
+            "mm_token_type_ids" in inspect.signature(self.rope_index).parameters
         self.first_position = 1 if positions_from_one(hf_config) else 0
         self._flat_images = hf_config.model_type in _FLAT_IMAGES
         self._arrays: bool | None = None  # (`takes_arrays`)
@@ -432,8 +330,7 @@ class TransformersInputProcessor(HFInputProcessor):
         the tokens after it."""
         ids = torch.tensor([token_ids])
         kwargs = {} if grids is None else {"image_grid_thw": grids}
-        params = inspect.signature(self.rope_index).parameters
-        if "mm_token_type_ids" in params:
+        if self._typed_rope_index:
             types = torch.zeros_like(ids, dtype=torch.int32)
             types[ids == self.image_token_id] = 1
             video = getattr(self.hf_config, "video_token_id", None)
