@@ -240,7 +240,7 @@ class VocabShare(VocabParallelEmbedding):
         """The embeddings of ``ids`` without a collective (an image's marker tokens, in an
         encoder step this rank runs alone): from the host table."""
         rows = self.whole[torch.tensor(ids, dtype=torch.int64)]
-        return self._scaled(to_device(rows, device).to(self.weight.dtype))
+        return self._scaled(to_device(rows, device))  # (the table's dtype: the weight's)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
